@@ -1,0 +1,14 @@
+"""Build the allocator's C core with the package (``pip install -e .``)."""
+import numpy
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "luxnn.memory._core",
+            sources=["src/luxnn/memory/_core.c"],
+            include_dirs=[numpy.get_include()],
+            extra_compile_args=["-O2", "-std=c11"],
+        )
+    ]
+)

@@ -1,0 +1,268 @@
+"""The reverse-mode core: traced values, the tape, primitives and the backward pass.
+
+A `Traced` wraps a backend array (NumPy or CuPy) and the index of the tape node that made
+it. A primitive is a function of raw arrays that returns its output and its VJP:
+
+    @primitive
+    def exp(x):
+        y = np.exp(x)
+        return y, lambda g, needs: (g * y,)
+
+Called with any `Traced` argument, the primitive runs on the raw values and records one
+node; called with raw arrays only, it just computes. `needs[i]` says whether positional
+argument `i` wants a cotangent, so a VJP skips work for constants (data, labels). The
+backward pass drops each node once it has run, so the values a VJP closed over are freed
+as soon as nothing later in the backward pass needs them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import tree
+
+__all__ = ["Traced", "Tape", "primitive", "value_and_grad", "grad", "stop_gradient"]
+
+
+class Tape:
+    """The nodes recorded while differentiating one function: ``(vjp, parents, needs)``.
+
+    Leaves (the inputs being differentiated) are nodes whose vjp is None.
+    """
+
+    __slots__ = ("nodes",)
+
+    def __init__(self) -> None:
+        self.nodes: list[Any] = []
+
+    def leaf(self, value: Any) -> "Traced":
+        return self.record(value, None, (), ())
+
+    def record(self, value: Any, vjp: Callable | None, parents: tuple, needs: tuple) -> Any:
+        # Only floating values carry derivatives; anything else leaves the tape as a constant.
+        if value.dtype.kind != "f":
+            return value
+        t = Traced.__new__(Traced)
+        t.value = value
+        t.tape = self
+        t.index = len(self.nodes)
+        self.nodes.append((vjp, parents, needs))
+        return t
+
+    def backward(self, out: "Traced", seed: Any) -> dict[int, Any]:
+        """Run the VJPs from `out` back to the leaves; returns ``{leaf index: cotangent}``."""
+        nodes = self.nodes
+        pending = {out.index: seed}
+        leaf_grads: dict[int, Any] = {}
+        for i in range(out.index, -1, -1):
+            node = nodes[i]
+            nodes[i] = None  # frees the values this node's VJP closed over
+            g = pending.pop(i, None)
+            if g is None:
+                continue
+            vjp, parents, needs = node
+            if vjp is None:
+                leaf_grads[i] = g
+                continue
+            for p, ct in zip(parents, vjp(g, needs)):
+                if ct is not None and p >= 0:
+                    prev = pending.get(p)
+                    pending[p] = ct if prev is None else prev + ct
+        self.nodes = []
+        return leaf_grads
+
+
+class Traced:
+    """A value recorded on a tape. Supports Python operators, NumPy ufuncs and functions,
+    and ``__array_namespace__``, so array code runs on it unchanged."""
+
+    __slots__ = ("value", "tape", "index")
+    __array_priority__ = 1000.0
+
+    value: Any
+    tape: Tape
+    index: int
+
+    # -- array attributes -------------------------------------------------------------
+    shape = property(lambda self: self.value.shape)
+    dtype = property(lambda self: self.value.dtype)
+    ndim = property(lambda self: self.value.ndim)
+    size = property(lambda self: self.value.size)
+    device = property(lambda self: getattr(self.value, "device", "cpu"))
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+    def __repr__(self) -> str:
+        return f"Traced({self.value!r})"
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+    def item(self) -> Any:
+        return self.value.item()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        raise TypeError(
+            "a traced value cannot be converted to a plain array: the conversion would lose "
+            "its derivative (use luxnn.ad.stop_gradient(x) to take its value on purpose)"
+        )
+
+    def __array_namespace__(self, api_version: str | None = None) -> Any:
+        from .namespace import traced_namespace
+
+        return traced_namespace(self.value)
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        from .namespace import apply_ufunc
+
+        return apply_ufunc(ufunc, method, inputs, kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        from .namespace import apply_function
+
+        return apply_function(func, args, kwargs)
+
+
+def _stop(x: Any) -> Any:
+    return x.value if type(x) is Traced else x
+
+
+def stop_gradient(x: Any) -> Any:
+    """The raw value(s) of a traced value or tree, treated as constants from here on."""
+    return tree.map(_stop, x)
+
+
+def primitive(fn: Callable[..., tuple[Any, Callable]]) -> Callable[..., Any]:
+    """Make `fn(*arrays, **static) -> (out, vjp)` a differentiable function.
+
+    ``vjp(g, needs)`` returns one cotangent (or None) per positional argument; `needs`
+    says which positional arguments are traced. Keyword arguments are static.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tape = None
+        for a in args:
+            if type(a) is Traced:
+                tape = a.tape
+                break
+        if tape is None:
+            return fn(*args, **kwargs)[0]
+        raw = []
+        parents = []
+        needs = []
+        for a in args:
+            if type(a) is Traced:
+                if a.tape is not tape:
+                    raise ValueError(
+                        f"{fn.__name__}: arguments traced by two different value_and_grad calls; "
+                        "nested differentiation is not supported"
+                    )
+                raw.append(a.value)
+                parents.append(a.index)
+                needs.append(True)
+            else:
+                raw.append(a)
+                parents.append(-1)
+                needs.append(False)
+        out, vjp = fn(*raw, **kwargs)
+        return tape.record(out, vjp, tuple(parents), tuple(needs))
+
+    wrapper.raw = fn  # the undecorated (out, vjp) function, for tests and fused kernels
+    return wrapper
+
+
+def _check_differentiable(path: str, leaf: Any) -> None:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not hasattr(leaf, "shape"):
+        raise TypeError(f"value_and_grad: expected a floating array at {path or 'the argument'}, got {type(leaf).__name__}")
+    if dtype.kind != "f":
+        raise TypeError(
+            f"value_and_grad: can only differentiate with respect to floating arrays; "
+            f"{path or 'the argument'} has dtype {dtype}"
+        )
+
+
+def _owned(g: Any, like: Any, seen: set[int]) -> Any:
+    # A cotangent may be a broadcast view, or the same array as another leaf's cotangent
+    # (add passes g through to both inputs): hand out arrays the caller can own.
+    if g.shape != like.shape:
+        g = np.broadcast_to(g, like.shape)
+    if g.dtype != like.dtype:
+        g = g.astype(like.dtype)
+    elif g.base is not None or not g.flags.c_contiguous or id(g) in seen:
+        g = g.copy()
+    seen.add(id(g))
+    return g
+
+
+def value_and_grad(
+    f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """Return a function computing ``f(*args)`` and its gradient with respect to
+    ``args[argnums]`` (pytrees of floating arrays; a tuple of trees for a tuple of argnums).
+
+    `f` must return a scalar, or ``(scalar, aux)`` with ``has_aux=True``; the value is
+    then ``(scalar, aux)``.
+
+    >>> import numpy as np
+    >>> value, g = value_and_grad(lambda w: (w * w).sum())(np.array([1.0, 2.0]))
+    >>> float(value), g.tolist()
+    (5.0, [2.0, 4.0])
+    """
+    single = isinstance(argnums, int)
+    nums = (argnums,) if single else tuple(argnums)
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        for n in nums:
+            if not -len(args) <= n < len(args):
+                raise ValueError(f"value_and_grad: argnums {n} out of range for {len(args)} arguments")
+        tape = Tape()
+        args = list(args)
+        for n in nums:
+            for path, leaf in tree.paths(args[n]):
+                _check_differentiable(path, leaf)
+            args[n] = tree.map(tape.leaf, args[n])
+        out = f(*args, **kwargs)
+        aux = None
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError("value_and_grad(has_aux=True): f must return a pair (scalar, aux)")
+            out, aux = out
+            aux = stop_gradient(aux)
+        raw = _stop(out)
+        if getattr(raw, "size", None) != 1:
+            raise TypeError(f"value_and_grad: f must return a scalar, got {type(raw).__name__} of shape {getattr(raw, 'shape', None)}")
+        if type(out) is Traced and out.tape is tape:
+            leaf_grads = tape.backward(out, np.ones_like(raw))
+        else:
+            leaf_grads = {}
+        seen: set[int] = set()
+
+        def grad_of(t: Any) -> Any:
+            g = leaf_grads.get(t.index)
+            return np.zeros_like(t.value) if g is None else _owned(g, t.value, seen)
+
+        grads = tuple(tree.map(grad_of, args[n]) for n in nums)
+        value = (raw, aux) if has_aux else raw
+        return value, grads[0] if single else grads
+
+    return wrapped
+
+
+def grad(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """Like `value_and_grad`, returning only the gradient (and aux with ``has_aux``)."""
+    vg = value_and_grad(f, argnums, has_aux)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        value, g = vg(*args, **kwargs)
+        return (g, value[1]) if has_aux else g
+
+    return wrapped

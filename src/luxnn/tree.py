@@ -1,0 +1,156 @@
+"""Pytrees: nested dicts, lists and tuples whose leaves are arrays (or anything else).
+
+Parameters, states, gradients and optimiser states are all pytrees. Dicts are walked
+in insertion order, so a tree and the tree built from it by `map` flatten the same way.
+
+>>> from luxnn import tree
+>>> tree.map(lambda a: a * 2, {"w": 1.0, "b": (2.0, 3.0)})
+{'w': 2.0, 'b': (4.0, 6.0)}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["map", "leaves", "flatten", "unflatten", "structure", "paths", "Structure"]
+
+_CONTAINERS = (dict, list, tuple)
+
+
+def _is_namedtuple(node: Any) -> bool:
+    return isinstance(node, tuple) and hasattr(type(node), "_fields")
+
+
+def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:  # noqa: A001 - tree.map reads well
+    """Apply `fn` to every leaf of `tree` (and the matching leaves of `rest`).
+
+    >>> map(lambda a, b: a + b, {"x": 1}, {"x": 2})
+    {'x': 3}
+    """
+    if isinstance(tree, dict):
+        for other in rest:
+            _check_same_keys(tree, other)
+        return {k: map(fn, v, *(o[k] for o in rest)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        for other in rest:
+            if not isinstance(other, (list, tuple)) or len(other) != len(tree):
+                raise ValueError(
+                    f"tree structures differ: expected a sequence of length {len(tree)}, "
+                    f"got {type(other).__name__}{'' if not isinstance(other, (list, tuple)) else f' of length {len(other)}'}"
+                )
+        children = [map(fn, v, *(o[i] for o in rest)) for i, v in enumerate(tree)]
+        if _is_namedtuple(tree):
+            return type(tree)(*children)
+        return type(tree)(children)
+    return fn(tree, *rest)
+
+
+def _check_same_keys(a: dict, b: Any) -> None:
+    if not isinstance(b, dict):
+        raise ValueError(f"tree structures differ: expected a dict with keys {list(a)}, got {type(b).__name__}")
+    if a.keys() != b.keys():
+        raise ValueError(f"tree structures differ: expected keys {sorted(a)}, got {sorted(b)}")
+
+
+def leaves(tree: Any) -> list[Any]:
+    """The leaves of `tree`, depth first, dicts in insertion order.
+
+    >>> leaves({"a": 1, "b": [2, (3,)]})
+    [1, 2, 3]
+    """
+    out: list[Any] = []
+    _collect(tree, out)
+    return out
+
+
+def _collect(tree: Any, out: list[Any]) -> None:
+    if isinstance(tree, dict):
+        for v in tree.values():
+            _collect(v, out)
+    elif isinstance(tree, _CONTAINERS):
+        for v in tree:
+            _collect(v, out)
+    else:
+        out.append(tree)
+
+
+class Structure(NamedTuple):
+    """The shape of a tree without its leaves; `unflatten` rebuilds a tree from it."""
+
+    kind: type | None  # None for a leaf
+    keys: tuple  # dict keys, or () for sequences and leaves
+    children: tuple  # child Structures
+
+    @property
+    def num_leaves(self) -> int:
+        if self.kind is None:
+            return 1
+        return sum(c.num_leaves for c in self.children)
+
+    def __repr__(self) -> str:
+        if self.kind is None:
+            return "*"
+        if self.kind is dict:
+            inner = ", ".join(f"{k!r}: {c!r}" for k, c in zip(self.keys, self.children))
+            return "{" + inner + "}"
+        inner = ", ".join(repr(c) for c in self.children)
+        return f"{self.kind.__name__}({inner})"
+
+
+_LEAF = Structure(None, (), ())
+
+
+def structure(tree: Any) -> Structure:
+    """The `Structure` of `tree`: two trees with equal structures flatten alike."""
+    if isinstance(tree, dict):
+        return Structure(dict, tuple(tree), tuple(structure(v) for v in tree.values()))
+    if isinstance(tree, _CONTAINERS):
+        return Structure(type(tree), (), tuple(structure(v) for v in tree))
+    return _LEAF
+
+
+def flatten(tree: Any) -> tuple[list[Any], Structure]:
+    """Split `tree` into its leaves and its structure.
+
+    >>> leaves_, s = flatten({"a": 1, "b": (2, 3)})
+    >>> unflatten(s, [x * 10 for x in leaves_])
+    {'a': 10, 'b': (20, 30)}
+    """
+    return leaves(tree), structure(tree)
+
+
+def unflatten(struct: Structure, leaves_: list[Any]) -> Any:
+    """Rebuild a tree of structure `struct` from `leaves_` (inverse of `flatten`)."""
+    if struct.num_leaves != len(leaves_):
+        raise ValueError(f"structure has {struct.num_leaves} leaves, got {len(leaves_)}")
+    it = iter(leaves_)
+    return _build(struct, it)
+
+
+def _build(struct: Structure, it: Any) -> Any:
+    if struct.kind is None:
+        return next(it)
+    children = [_build(c, it) for c in struct.children]
+    if struct.kind is dict:
+        return dict(zip(struct.keys, children))
+    if issubclass(struct.kind, tuple) and hasattr(struct.kind, "_fields"):
+        return struct.kind(*children)
+    return struct.kind(children)
+
+
+def paths(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(path, leaf) pairs, paths joined with "/", e.g. ``"layer_1/weight"``.
+
+    >>> paths({"layer_1": {"weight": 1}, "opt": (2,)})
+    [('layer_1/weight', 1), ('opt/0', 2)]
+    """
+    if isinstance(tree, dict):
+        items = [(str(k), v) for k, v in tree.items()]
+    elif isinstance(tree, _CONTAINERS):
+        items = [(str(i), v) for i, v in enumerate(tree)]
+    else:
+        return [(prefix, tree)]
+    out: list[tuple[str, Any]] = []
+    for k, v in items:
+        out.extend(paths(v, f"{prefix}/{k}" if prefix else k))
+    return out
