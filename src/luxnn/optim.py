@@ -272,9 +272,8 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
 
 
 def global_norm(updates: Updates) -> Any:
-    """The L2 norm of all leaves of `updates` taken together, as a 0-d array.
-
-    Stays on the arrays' device (no host synchronisation on CuPy). Half-precision leaves
+    """The L2 norm of all leaves of `updates` taken together: a NumPy scalar, or a 0-d
+    CuPy array that stays on the device (no host synchronisation). Half-precision leaves
     are summed in float32 so that their squares do not overflow.
 
     >>> import numpy as np
