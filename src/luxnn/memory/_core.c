@@ -1,0 +1,1088 @@
+/*
+ * luxnn.memory._core -- the step-scoped caching allocator.
+ *
+ * One core does the bookkeeping of one AllocCache: which blocks it owns, which
+ * are free (by size bin, and in least-recently-used order), and the figures.
+ * It never reads or writes the contents of a block, so the same core can serve
+ * host pointers (the NumPy front end below) and device pointers (a CuPy front
+ * end plugs in its own lx_upstream).
+ *
+ * Sections:
+ *   1. size bins          which byte sizes share a free list
+ *   2. upstream           where blocks come from and go back to
+ *   3. ownership map      pointer -> block record, for every block the core owns
+ *   4. the core           free lists, LRU order, figures, scope watchers, timeline
+ *   5. failure record     why this thread's last cached allocation failed
+ *   6. NumPy front end    the NEP 49 handler whose ctx is a core
+ *   7. Python bindings    the Core type and the module functions
+ *
+ * Locking: every mutable field of lx_core is guarded by core->lock. Functions
+ * named lx_* take the lock; functions named *_locked expect it held. Nothing
+ * done under the lock touches a Python object, so the handler's free (and
+ * malloc) may run in any thread, with or without the GIL. Lock order when both
+ * are held: the GIL first, then a core lock; no code path holding a core lock
+ * waits for the GIL, so the two cannot deadlock.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
+#include <numpy/arrayobject.h>
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- 1. Size bins -------------------------------------------------------
+ *
+ * A request of n bytes is served by a block of bin_bytes(bin_of(n)) >= n
+ * bytes, and a free block is reused only for requests of the same bin.
+ *
+ *   n <= 8 KiB:       multiples of 512 B (16 classes)
+ *   2^k < n <= 2^k+1: LX_DIV classes per power of two, a step of 2^k / LX_DIV
+ *
+ * so a block wastes less than 512 B on a small request and less than
+ * 1/LX_DIV (6.25 %) of a large one. LX_DIV is the trade between that slack
+ * and reuse across nearby sizes (variable batch or sequence lengths). It was
+ * chosen by measurement (benchmarks/allocator.py --bins; rebuild with
+ * CFLAGS=-DLX_DIV_LOG2=k to compare):
+ *
+ *   LX_DIV   slack, fixed-shape MLP   variable-length loop: reserved / peak live, hit rate
+ *      4         see the module docstring of luxnn.memory.cache (filled in from the sweep)
+ *
+ * Requests above 2^LX_MAX_LOG2 bytes (128 TiB) are not binned: they fail as
+ * out of memory, which they are on any machine.
+ */
+#ifndef LX_DIV_LOG2
+#define LX_DIV_LOG2 4
+#endif
+#define LX_DIV (1u << LX_DIV_LOG2)
+#define LX_QUANTUM_LOG2 9
+#define LX_LINEAR_LOG2 (LX_QUANTUM_LOG2 + LX_DIV_LOG2) /* linear classes up to 2^this */
+#define LX_MAX_LOG2 47
+#define LX_MAX_REQUEST ((size_t)1 << LX_MAX_LOG2)
+#define LX_NBINS (LX_DIV * (LX_MAX_LOG2 - LX_LINEAR_LOG2 + 1))
+
+/* The bin of a request of 1 <= n <= LX_MAX_REQUEST bytes. */
+static inline uint32_t
+bin_of(size_t n)
+{
+    uint64_t m = (uint64_t)n - 1;
+    if (m < ((uint64_t)1 << LX_LINEAR_LOG2)) {
+        return (uint32_t)(m >> LX_QUANTUM_LOG2);
+    }
+    int k = 63 - __builtin_clzll(m); /* 2^k <= m < 2^(k+1), so 2^k < n <= 2^(k+1) */
+    uint32_t sub = (uint32_t)((m - ((uint64_t)1 << k)) >> (k - LX_DIV_LOG2));
+    return LX_DIV * (uint32_t)(k - LX_LINEAR_LOG2 + 1) + sub;
+}
+
+/* The block size of a bin: the largest request it serves. */
+static inline size_t
+bin_bytes(uint32_t bin)
+{
+    if (bin < LX_DIV) {
+        return (size_t)(bin + 1) << LX_QUANTUM_LOG2;
+    }
+    int k = (int)(bin / LX_DIV) - 1 + LX_LINEAR_LOG2;
+    size_t sub = bin % LX_DIV;
+    return ((size_t)1 << k) + ((sub + 1) << (k - LX_DIV_LOG2));
+}
+
+/* ---- 2. Upstream --------------------------------------------------------
+ *
+ * The allocator the core takes blocks from on a miss and gives them back to
+ * on release. A GPU front end supplies one that calls cudaMalloc/cudaFree.
+ */
+typedef struct {
+    const char *name;
+    void *ctx;
+    /* `size` bytes, zero-filled when `zeroed`; NULL when out of memory. */
+    void *(*alloc)(void *ctx, size_t size, int zeroed);
+    /* Give back a block from alloc; `size` is the size it was allocated with. */
+    void (*free)(void *ctx, void *ptr, size_t size);
+} lx_upstream;
+
+/*
+ * Host memory. Like NumPy's default handler, blocks of 4 MiB and more get
+ * transparent-huge-page advice; we map them ourselves, 2 MiB aligned, so that
+ * the advice covers the whole block and the pages come zero-filled (calloc on
+ * a miss costs no memset). Smaller blocks come from posix_memalign, 64-byte
+ * aligned (a cache line, and enough for any SIMD load).
+ */
+#define LX_HOST_ALIGN 64
+#define LX_HUGE_MIN ((size_t)4 << 20)
+#define LX_HUGE_ALIGN ((size_t)2 << 20)
+
+static size_t
+page_round(size_t size)
+{
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    return (size + page - 1) & ~(page - 1);
+}
+
+static void *
+host_alloc(void *ctx, size_t size, int zeroed)
+{
+    (void)ctx;
+    if (size >= LX_HUGE_MIN) {
+        size = page_round(size);
+        size_t span = size + LX_HUGE_ALIGN;
+        char *raw = mmap(NULL, span, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (raw == MAP_FAILED) {
+            return NULL;
+        }
+        char *p = (char *)(((uintptr_t)raw + LX_HUGE_ALIGN - 1) &
+                           ~(uintptr_t)(LX_HUGE_ALIGN - 1));
+        size_t head = (size_t)(p - raw), tail = span - head - size;
+        if (head) {
+            munmap(raw, head);
+        }
+        if (tail) {
+            munmap(p + size, tail);
+        }
+        madvise(p, size, MADV_HUGEPAGE); /* advice: where it fails, plain pages serve */
+        return p;
+    }
+    void *p = NULL;
+    if (posix_memalign(&p, LX_HOST_ALIGN, size) != 0) {
+        return NULL;
+    }
+    if (zeroed) {
+        memset(p, 0, size);
+    }
+    return p;
+}
+
+static void
+host_free(void *ctx, void *ptr, size_t size)
+{
+    (void)ctx;
+    if (size >= LX_HUGE_MIN) {
+        munmap(ptr, page_round(size));
+    }
+    else {
+        free(ptr);
+    }
+}
+
+static const lx_upstream host_upstream = {"host", NULL, host_alloc, host_free};
+
+/* ---- 3. Ownership map ---------------------------------------------------
+ *
+ * Every block the core owns, live or free, has a record, found by its
+ * pointer in an open-addressing hash map (linear probing, backward-shift
+ * deletion, load <= 1/2). A pointer not in the map is not ours: the front
+ * end hands it to the plain allocator instead of guessing.
+ */
+typedef struct lx_block {
+    void *ptr;
+    size_t size;                   /* bytes allocated upstream: the bin's size */
+    struct lx_block *prev, *next;  /* neighbours in the bin's free list (free blocks) */
+    struct lx_block *older, *newer; /* neighbours in the core's LRU ring (free blocks) */
+    uint32_t bin;
+    uint8_t live;   /* 1: in use by an array; 0: in the free lists */
+    uint8_t orphan; /* live block released by free(): goes upstream when it dies */
+} lx_block;
+
+typedef struct {
+    lx_block **slots; /* NULL: empty */
+    size_t cap;       /* a power of two */
+    size_t count;
+} lx_map;
+
+static inline size_t
+map_home(const lx_map *m, const void *ptr)
+{
+    uint64_t x = ((uint64_t)(uintptr_t)ptr >> 6) * 0x9E3779B97F4A7C15ull;
+    return (size_t)(x >> 32) & (m->cap - 1);
+}
+
+static lx_block *
+map_find(const lx_map *m, const void *ptr)
+{
+    size_t mask = m->cap - 1;
+    for (size_t i = map_home(m, ptr);; i = (i + 1) & mask) {
+        lx_block *b = m->slots[i];
+        if (b == NULL || b->ptr == ptr) {
+            return b;
+        }
+    }
+}
+
+/* Insert a record whose pointer is not in the map; capacity must allow it. */
+static void
+map_put(lx_map *m, lx_block *b)
+{
+    size_t mask = m->cap - 1, i = map_home(m, b->ptr);
+    while (m->slots[i] != NULL) {
+        i = (i + 1) & mask;
+    }
+    m->slots[i] = b;
+    m->count++;
+}
+
+/* Make room for one more record; -1 when the bookkeeping itself is out of memory. */
+static int
+map_reserve_one(lx_map *m)
+{
+    if (2 * (m->count + 1) <= m->cap) {
+        return 0;
+    }
+    lx_map bigger = {calloc(2 * m->cap, sizeof(lx_block *)), 2 * m->cap, 0};
+    if (bigger.slots == NULL) {
+        return -1;
+    }
+    for (size_t i = 0; i < m->cap; i++) {
+        if (m->slots[i] != NULL) {
+            map_put(&bigger, m->slots[i]);
+        }
+    }
+    free(m->slots);
+    *m = bigger;
+    return 0;
+}
+
+/* Remove a record that is in the map. */
+static void
+map_remove(lx_map *m, const lx_block *b)
+{
+    size_t mask = m->cap - 1, hole = map_home(m, b->ptr);
+    while (m->slots[hole] != b) {
+        hole = (hole + 1) & mask;
+    }
+    /* Shift back every later entry of the run that may move into the hole:
+     * one whose home is not cyclically within (hole, j]. */
+    for (size_t j = (hole + 1) & mask; m->slots[j] != NULL; j = (j + 1) & mask) {
+        size_t home = map_home(m, m->slots[j]->ptr);
+        int stays = hole < j ? (hole < home && home <= j) : (hole < home || home <= j);
+        if (!stays) {
+            m->slots[hole] = m->slots[j];
+            hole = j;
+        }
+    }
+    m->slots[hole] = NULL;
+    m->count--;
+}
+
+/* ---- 4. The core --------------------------------------------------------- */
+
+typedef struct {
+    uint64_t hits;            /* requests served from a free list */
+    uint64_t misses;          /* requests the free lists could not serve */
+    uint64_t upstream_allocs; /* blocks obtained from upstream */
+    uint64_t upstream_frees;  /* blocks given back to upstream */
+    uint64_t scopes;          /* scopes entered; also the clock of evict_after */
+    size_t bytes_live;        /* block bytes in use by arrays */
+    size_t bytes_cached;      /* block bytes in the free lists */
+    size_t peak_live;         /* highest bytes_live since creation or reset_peaks */
+    size_t peak_reserved;     /* highest bytes_live + bytes_cached, likewise */
+} lx_figures;
+
+typedef struct {
+    lx_block *top;      /* most recently freed block of the bin; linked by next */
+    size_t nfree;
+    uint64_t last_used; /* scope clock at the bin's last allocation request */
+} lx_bin;
+
+/* The peaks of one open scope (slots are reused; in_use marks the open ones). */
+typedef struct {
+    int in_use;
+    size_t peak_live, peak_reserved;
+} lx_watcher;
+
+enum {
+    LX_EV_HIT,         /* a request served from a free list */
+    LX_EV_UPSTREAM,    /* a request served by a new upstream block */
+    LX_EV_RETURN,      /* a block back in the free lists: its array died */
+    LX_EV_RELEASE,     /* a block given back upstream */
+    LX_EV_SCOPE_ENTER,
+    LX_EV_SCOPE_EXIT,
+};
+
+typedef struct {
+    int64_t t_ns; /* CLOCK_MONOTONIC */
+    int64_t bytes_live;
+    int64_t bytes_reserved;
+    int64_t kind;
+} lx_event;
+
+typedef struct {
+    pthread_mutex_t lock;
+    lx_upstream up;             /* constant after creation */
+    size_t limit;               /* 0: none */
+    uint64_t evict_after;       /* 0: never */
+    lx_figures fig;
+    lx_bin bins[LX_NBINS];
+    lx_block lru;               /* ring sentinel: lru.newer is the oldest free block */
+    lx_map map;
+    lx_watcher *watchers;
+    size_t nwatchers;           /* slots allocated */
+    size_t watch_hi;            /* slots at or above this index are not in use */
+    lx_event *events;           /* ring of the last event_cap events; NULL: not recording */
+    size_t event_cap;
+    uint64_t events_total;
+} lx_core;
+
+typedef enum {
+    LX_OK,
+    LX_FALLBACK,      /* the bookkeeping is out of memory: use the plain allocator */
+    LX_OVER_LIMIT,    /* one request larger than the limit */
+    LX_OUT_OF_MEMORY, /* upstream failed, even after releasing every free block */
+} lx_status;
+
+static int64_t
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void
+record_locked(lx_core *c, int kind)
+{
+    if (c->events == NULL) {
+        return;
+    }
+    lx_event *e = &c->events[c->events_total % c->event_cap];
+    e->t_ns = now_ns();
+    e->bytes_live = (int64_t)c->fig.bytes_live;
+    e->bytes_reserved = (int64_t)(c->fig.bytes_live + c->fig.bytes_cached);
+    e->kind = kind;
+    c->events_total++;
+}
+
+/* After bytes_live or the reserved bytes grew: raise the peaks that they pass. */
+static void
+note_peaks_locked(lx_core *c)
+{
+    size_t live = c->fig.bytes_live, reserved = live + c->fig.bytes_cached;
+    if (live > c->fig.peak_live) {
+        c->fig.peak_live = live;
+    }
+    if (reserved > c->fig.peak_reserved) {
+        c->fig.peak_reserved = reserved;
+    }
+    for (size_t i = 0; i < c->watch_hi; i++) {
+        lx_watcher *w = &c->watchers[i];
+        if (w->in_use && live > w->peak_live) {
+            w->peak_live = live;
+        }
+        if (w->in_use && reserved > w->peak_reserved) {
+            w->peak_reserved = reserved;
+        }
+    }
+}
+
+/* A free block leaves the free lists (to be used, or released). */
+static void
+unlink_free_locked(lx_core *c, lx_block *b)
+{
+    lx_bin *bin = &c->bins[b->bin];
+    if (b->prev) {
+        b->prev->next = b->next;
+    }
+    else {
+        bin->top = b->next;
+    }
+    if (b->next) {
+        b->next->prev = b->prev;
+    }
+    bin->nfree--;
+    b->older->newer = b->newer;
+    b->newer->older = b->older;
+    c->fig.bytes_cached -= b->size;
+}
+
+/* A block enters the free lists: on top of its bin, newest in the LRU ring. */
+static void
+link_free_locked(lx_core *c, lx_block *b)
+{
+    lx_bin *bin = &c->bins[b->bin];
+    b->prev = NULL;
+    b->next = bin->top;
+    if (bin->top) {
+        bin->top->prev = b;
+    }
+    bin->top = b;
+    bin->nfree++;
+    b->newer = &c->lru;
+    b->older = c->lru.older;
+    c->lru.older->newer = b;
+    c->lru.older = b;
+    c->fig.bytes_cached += b->size;
+}
+
+/* Give a block that is in no free list back upstream and forget it. */
+static void
+release_locked(lx_core *c, lx_block *b)
+{
+    map_remove(&c->map, b);
+    c->up.free(c->up.ctx, b->ptr, b->size);
+    c->fig.upstream_frees++;
+    free(b);
+    record_locked(c, LX_EV_RELEASE);
+}
+
+/* Release free blocks, least recently used first, until at most max_cached
+ * bytes stay cached. Returns the bytes released. */
+static size_t
+trim_locked(lx_core *c, size_t max_cached)
+{
+    size_t released = 0;
+    while (c->fig.bytes_cached > max_cached) {
+        lx_block *oldest = c->lru.newer;
+        unlink_free_locked(c, oldest);
+        released += oldest->size;
+        release_locked(c, oldest);
+    }
+    return released;
+}
+
+/* ---- 5. Failure record --------------------------------------------------
+ *
+ * A NEP 49 malloc can only return NULL, and NumPy then raises its own
+ * MemoryError. So a failing request leaves its reason and the cache's figures
+ * here, per thread; the Python scope that sees the MemoryError replaces it
+ * with one that carries them (luxnn.memory.scope).
+ */
+typedef struct {
+    uint64_t seq;   /* failures in this thread so far */
+    int status;     /* LX_OVER_LIMIT or LX_OUT_OF_MEMORY */
+    size_t request; /* bytes asked for */
+    size_t limit;   /* the cache's limit, 0 if none */
+    lx_figures fig; /* the cache's figures when it failed */
+} lx_failure;
+
+static _Thread_local lx_failure tl_failure;
+
+static void
+note_failure_locked(lx_core *c, lx_status status, size_t request)
+{
+    tl_failure.seq++;
+    tl_failure.status = status;
+    tl_failure.request = request;
+    tl_failure.limit = c->limit;
+    tl_failure.fig = c->fig;
+}
+
+/* ---- 4, continued: the core's operations ------------------------------ */
+
+static lx_core *
+lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap)
+{
+    lx_core *c = calloc(1, sizeof(lx_core));
+    if (c == NULL) {
+        return NULL;
+    }
+    c->map.cap = 64;
+    c->map.slots = calloc(c->map.cap, sizeof(lx_block *));
+    c->events = event_cap ? calloc(event_cap, sizeof(lx_event)) : NULL;
+    if (c->map.slots == NULL || (event_cap && c->events == NULL) ||
+        pthread_mutex_init(&c->lock, NULL) != 0) {
+        free(c->map.slots);
+        free(c->events);
+        free(c);
+        return NULL;
+    }
+    c->event_cap = event_cap;
+    c->up = up;
+    c->limit = limit;
+    c->evict_after = evict_after;
+    c->lru.newer = c->lru.older = &c->lru;
+    return c;
+}
+
+/*
+ * Only called when nothing can free into the core any more (the NumPy front
+ * end guarantees it: every array holds its handler, which holds the core).
+ * Should a live block remain all the same, it is left allocated: never free
+ * what something may still use.
+ */
+static void
+lx_core_destroy(lx_core *c)
+{
+    trim_locked(c, 0);
+    for (size_t i = 0; i < c->map.cap; i++) {
+        free(c->map.slots[i]); /* records of live blocks; their memory stays */
+    }
+    free(c->map.slots);
+    free(c->watchers);
+    free(c->events);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
+/*
+ * A block of at least n bytes for the caller to use, or NULL with the reason
+ * in *status. *zero_filled tells whether the block is known to hold zeros
+ * (only ever for a new upstream block requested with zeroed).
+ */
+static void *
+lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
+{
+    *zero_filled = 0;
+    n = n ? n : 1;
+    pthread_mutex_lock(&c->lock);
+    uint32_t bin = n <= LX_MAX_REQUEST ? bin_of(n) : 0;
+    size_t size = n <= LX_MAX_REQUEST ? bin_bytes(bin) : 0;
+    lx_block *b = size ? c->bins[bin].top : NULL;
+    int kind = LX_EV_HIT;
+    if (b != NULL) {
+        unlink_free_locked(c, b);
+        c->fig.hits++;
+    }
+    else {
+        c->fig.misses++;
+        b = malloc(sizeof(lx_block));
+        void *ptr = NULL;
+        if (c->limit && (size == 0 || size > c->limit)) {
+            *status = LX_OVER_LIMIT; /* no trim can make room for it */
+        }
+        else if (size == 0) {
+            *status = LX_OUT_OF_MEMORY; /* above 128 TiB: no machine has it */
+        }
+        else if (b == NULL || map_reserve_one(&c->map) != 0) {
+            *status = LX_FALLBACK;
+        }
+        else {
+            if (c->limit) { /* make room: live + cached + size <= limit, if trimming can */
+                size_t room = c->limit - size;
+                trim_locked(c, room > c->fig.bytes_live ? room - c->fig.bytes_live : 0);
+            }
+            ptr = c->up.alloc(c->up.ctx, size, zeroed);
+            if (ptr == NULL && c->fig.bytes_cached > 0) { /* out of memory: trim, retry */
+                trim_locked(c, 0);
+                ptr = c->up.alloc(c->up.ctx, size, zeroed);
+            }
+            *status = ptr != NULL ? LX_OK : LX_OUT_OF_MEMORY;
+        }
+        if (ptr == NULL) {
+            free(b);
+            if (*status != LX_FALLBACK) {
+                note_failure_locked(c, *status, n);
+            }
+            pthread_mutex_unlock(&c->lock);
+            return NULL;
+        }
+        *b = (lx_block){.ptr = ptr, .size = size, .bin = bin};
+        map_put(&c->map, b);
+        c->fig.upstream_allocs++;
+        *zero_filled = zeroed;
+        kind = LX_EV_UPSTREAM;
+    }
+    c->bins[bin].last_used = c->fig.scopes;
+    b->live = 1;
+    c->fig.bytes_live += size;
+    note_peaks_locked(c);
+    record_locked(c, kind);
+    pthread_mutex_unlock(&c->lock);
+    *status = LX_OK;
+    return b->ptr;
+}
+
+/* Take back a block whose array died. Returns 0 if ptr is not the core's. */
+static int
+lx_free(lx_core *c, void *ptr)
+{
+    pthread_mutex_lock(&c->lock);
+    lx_block *b = map_find(&c->map, ptr);
+    if (b == NULL) {
+        pthread_mutex_unlock(&c->lock);
+        return 0;
+    }
+    if (b->live) { /* a second free of a free block is ignored: it is cached */
+        b->live = 0;
+        c->fig.bytes_live -= b->size;
+        if (b->orphan) {
+            release_locked(c, b);
+        }
+        else {
+            link_free_locked(c, b);
+            record_locked(c, LX_EV_RETURN);
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return 1;
+}
+
+/* The block size of a live block of the core, or 0 if ptr is not one. */
+static size_t
+lx_live_size(lx_core *c, void *ptr)
+{
+    pthread_mutex_lock(&c->lock);
+    lx_block *b = map_find(&c->map, ptr);
+    size_t size = b != NULL && b->live ? b->size : 0;
+    pthread_mutex_unlock(&c->lock);
+    return size;
+}
+
+static size_t
+lx_trim(lx_core *c, size_t max_cached)
+{
+    pthread_mutex_lock(&c->lock);
+    size_t released = trim_locked(c, max_cached);
+    pthread_mutex_unlock(&c->lock);
+    return released;
+}
+
+/* Release every free block now, and every live block when its array dies.
+ * Blocks allocated afterwards are cached as usual. */
+static void
+lx_release_all(lx_core *c)
+{
+    pthread_mutex_lock(&c->lock);
+    trim_locked(c, 0);
+    for (size_t i = 0; i < c->map.cap; i++) {
+        if (c->map.slots[i] != NULL) {
+            c->map.slots[i]->orphan = 1; /* all blocks left are live */
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+static void
+lx_reset_peaks(lx_core *c)
+{
+    pthread_mutex_lock(&c->lock);
+    c->fig.peak_live = c->fig.bytes_live;
+    c->fig.peak_reserved = c->fig.bytes_live + c->fig.bytes_cached;
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* Open a scope: advance the clock, start watching its peaks. Returns the
+ * watcher's slot, or -1 when the bookkeeping is out of memory. */
+static long
+lx_scope_enter(lx_core *c)
+{
+    pthread_mutex_lock(&c->lock);
+    size_t slot = 0;
+    while (slot < c->nwatchers && c->watchers[slot].in_use) {
+        slot++;
+    }
+    if (slot == c->nwatchers) {
+        size_t n = c->nwatchers ? 2 * c->nwatchers : 8;
+        lx_watcher *w = realloc(c->watchers, n * sizeof(lx_watcher));
+        if (w == NULL) {
+            pthread_mutex_unlock(&c->lock);
+            return -1;
+        }
+        memset(w + c->nwatchers, 0, (n - c->nwatchers) * sizeof(lx_watcher));
+        c->watchers = w;
+        c->nwatchers = n;
+    }
+    c->watchers[slot].in_use = 1;
+    c->watchers[slot].peak_live = c->fig.bytes_live;
+    c->watchers[slot].peak_reserved = c->fig.bytes_live + c->fig.bytes_cached;
+    if (slot >= c->watch_hi) {
+        c->watch_hi = slot + 1;
+    }
+    c->fig.scopes++;
+    record_locked(c, LX_EV_SCOPE_ENTER);
+    pthread_mutex_unlock(&c->lock);
+    return (long)slot;
+}
+
+/* Close a scope: report its peaks, and release the free blocks of every bin
+ * not asked for during the last evict_after scopes. -1 if slot is not open. */
+static int
+lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
+{
+    pthread_mutex_lock(&c->lock);
+    if (slot >= c->nwatchers || !c->watchers[slot].in_use) {
+        pthread_mutex_unlock(&c->lock);
+        return -1;
+    }
+    *peak_live = c->watchers[slot].peak_live;
+    *peak_reserved = c->watchers[slot].peak_reserved;
+    c->watchers[slot].in_use = 0;
+    while (c->watch_hi > 0 && !c->watchers[c->watch_hi - 1].in_use) {
+        c->watch_hi--;
+    }
+    for (uint32_t i = 0; c->evict_after && i < LX_NBINS; i++) {
+        lx_bin *bin = &c->bins[i];
+        while (bin->top != NULL && c->fig.scopes - bin->last_used >= c->evict_after) {
+            lx_block *b = bin->top;
+            unlink_free_locked(c, b);
+            release_locked(c, b);
+        }
+    }
+    record_locked(c, LX_EV_SCOPE_EXIT);
+    pthread_mutex_unlock(&c->lock);
+    return 0;
+}
+
+static lx_figures
+lx_figures_of(lx_core *c)
+{
+    pthread_mutex_lock(&c->lock);
+    lx_figures f = c->fig;
+    pthread_mutex_unlock(&c->lock);
+    return f;
+}
+
+/* ---- 6. NumPy front end (NEP 49) ----------------------------------------
+ *
+ * ctx is the core. Zeroing (calloc on a hit) and copying (realloc) happen
+ * here, not in the core. Pointers the core does not own were made by the
+ * plain allocator (LX_FALLBACK) and go back to it.
+ */
+static void *
+np_malloc(void *ctx, size_t size)
+{
+    int zero_filled;
+    lx_status status;
+    void *p = lx_alloc(ctx, size, 0, &zero_filled, &status);
+    if (p == NULL && status == LX_FALLBACK) {
+        p = malloc(size ? size : 1);
+    }
+    return p;
+}
+
+static void *
+np_calloc(void *ctx, size_t nelem, size_t elsize)
+{
+    if (elsize != 0 && nelem > SIZE_MAX / elsize) {
+        return NULL;
+    }
+    size_t size = nelem * elsize;
+    int zero_filled;
+    lx_status status;
+    void *p = lx_alloc(ctx, size, 1, &zero_filled, &status);
+    if (p != NULL && !zero_filled) {
+        memset(p, 0, size); /* a reused block holds its last array's data */
+    }
+    if (p == NULL && status == LX_FALLBACK) {
+        p = calloc(nelem ? nelem : 1, elsize ? elsize : 1);
+    }
+    return p;
+}
+
+static void
+np_free(void *ctx, void *ptr, size_t size)
+{
+    (void)size; /* the core's record knows the block's size */
+    if (ptr != NULL && !lx_free(ctx, ptr)) {
+        free(ptr);
+    }
+}
+
+/* A new block, the contents copied, the old block freed: blocks never grow in place. */
+static void *
+np_realloc(void *ctx, void *ptr, size_t new_size)
+{
+    if (ptr == NULL) {
+        return np_malloc(ctx, new_size);
+    }
+    size_t old_size = lx_live_size(ctx, ptr);
+    if (old_size == 0) {
+        return realloc(ptr, new_size); /* from the plain allocator */
+    }
+    size_t n = new_size ? new_size : 1;
+    if (n <= LX_MAX_REQUEST && bin_bytes(bin_of(n)) == old_size) {
+        return ptr; /* the same bin: the block already fits */
+    }
+    void *q = np_malloc(ctx, new_size);
+    if (q != NULL) {
+        memcpy(q, ptr, old_size < new_size ? old_size : new_size);
+        np_free(ctx, ptr, old_size);
+    }
+    return q;
+}
+
+/* ---- 7. Python bindings ------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    lx_core *core;
+} CoreObject;
+
+static const char handler_capsule_name[] = "mem_handler"; /* NumPy requires this name */
+
+static PyObject *
+Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"limit", "evict_after", "timeline_capacity", NULL};
+    unsigned long long limit = 0, evict_after = 0, timeline_capacity = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|KKK:Core", kwlist, &limit,
+                                     &evict_after, &timeline_capacity)) {
+        return NULL;
+    }
+    if (limit > LX_MAX_REQUEST) {
+        return PyErr_Format(PyExc_ValueError, "limit %llu is above %zu bytes", limit,
+                            LX_MAX_REQUEST);
+    }
+    CoreObject *self = (CoreObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->core = lx_core_new(host_upstream, (size_t)limit, evict_after,
+                             (size_t)timeline_capacity);
+    if (self->core == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static void
+Core_dealloc(CoreObject *self)
+{
+    if (self->core != NULL) {
+        lx_core_destroy(self->core);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+figures_tuple(lx_figures f)
+{
+    return Py_BuildValue("(KKKKnnnnnK)", (unsigned long long)f.hits,
+                         (unsigned long long)f.misses,
+                         (unsigned long long)f.upstream_allocs,
+                         (unsigned long long)f.upstream_frees, (Py_ssize_t)f.bytes_live,
+                         (Py_ssize_t)f.bytes_cached,
+                         (Py_ssize_t)(f.bytes_live + f.bytes_cached),
+                         (Py_ssize_t)f.peak_live, (Py_ssize_t)f.peak_reserved,
+                         (unsigned long long)f.scopes);
+}
+
+static PyObject *
+Core_stats(CoreObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return figures_tuple(lx_figures_of(self->core));
+}
+
+static PyObject *
+Core_reset_peaks(CoreObject *self, PyObject *Py_UNUSED(ignored))
+{
+    lx_reset_peaks(self->core);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Core_trim(CoreObject *self, PyObject *arg)
+{
+    Py_ssize_t max_cached = PyLong_AsSsize_t(arg);
+    if (max_cached == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (max_cached < 0) {
+        return PyErr_Format(PyExc_ValueError, "max_cached_bytes must be >= 0, got %zd",
+                            max_cached);
+    }
+    return PyLong_FromSize_t(lx_trim(self->core, (size_t)max_cached));
+}
+
+static PyObject *
+Core_release_all(CoreObject *self, PyObject *Py_UNUSED(ignored))
+{
+    lx_release_all(self->core);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Core_scope_enter(CoreObject *self, PyObject *Py_UNUSED(ignored))
+{
+    long slot = lx_scope_enter(self->core);
+    return slot < 0 ? PyErr_NoMemory() : PyLong_FromLong(slot);
+}
+
+static PyObject *
+Core_scope_exit(CoreObject *self, PyObject *arg)
+{
+    Py_ssize_t slot = PyLong_AsSsize_t(arg);
+    if (slot == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    size_t peak_live, peak_reserved;
+    if (slot < 0 || lx_scope_exit(self->core, (size_t)slot, &peak_live, &peak_reserved)) {
+        return PyErr_Format(PyExc_ValueError, "no open scope in slot %zd", slot);
+    }
+    return Py_BuildValue("(nn)", (Py_ssize_t)peak_live, (Py_ssize_t)peak_reserved);
+}
+
+static void
+handler_capsule_destructor(PyObject *capsule)
+{
+    PyMem_RawFree(PyCapsule_GetPointer(capsule, handler_capsule_name));
+    Py_XDECREF(PyCapsule_GetContext(capsule)); /* the core it kept alive */
+}
+
+/* A new NEP 49 handler capsule routing to this core. It holds a reference to
+ * the core, and every array made through it holds the capsule, so the core
+ * outlives the last array whatever happens to the Python AllocCache. */
+static PyObject *
+Core_numpy_handler(CoreObject *self, PyObject *Py_UNUSED(ignored))
+{
+    PyDataMem_Handler *h = PyMem_RawCalloc(1, sizeof(PyDataMem_Handler));
+    if (h == NULL) {
+        return PyErr_NoMemory();
+    }
+    strncpy(h->name, "luxnn_cache", sizeof(h->name) - 1);
+    h->version = 1;
+    h->allocator = (PyDataMemAllocator){self->core, np_malloc, np_calloc, np_realloc,
+                                        np_free};
+    PyObject *capsule = PyCapsule_New(h, handler_capsule_name, handler_capsule_destructor);
+    if (capsule == NULL) {
+        PyMem_RawFree(h);
+        return NULL;
+    }
+    if (PyCapsule_SetContext(capsule, self) != 0) {
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    Py_INCREF(self);
+    return capsule;
+}
+
+/* (events as bytes, events lost to the ring's bound), oldest event first. */
+static PyObject *
+Core_timeline(CoreObject *self, PyObject *Py_UNUSED(ignored))
+{
+    lx_core *c = self->core;
+    if (c->events == NULL) {
+        return Py_BuildValue("(y#K)", "", (Py_ssize_t)0, 0ULL);
+    }
+    size_t cap = c->event_cap;
+    lx_event *copy = PyMem_Malloc(cap * sizeof(lx_event));
+    if (copy == NULL) {
+        return PyErr_NoMemory();
+    }
+    pthread_mutex_lock(&c->lock);
+    uint64_t total = c->events_total;
+    size_t n = total < cap ? (size_t)total : cap;
+    for (size_t i = 0; i < n; i++) {
+        copy[i] = c->events[(total - n + i) % cap];
+    }
+    pthread_mutex_unlock(&c->lock);
+    PyObject *result = Py_BuildValue("(y#K)", (const char *)copy,
+                                     (Py_ssize_t)(n * sizeof(lx_event)),
+                                     (unsigned long long)(total - n));
+    PyMem_Free(copy);
+    return result;
+}
+
+static PyMethodDef Core_methods[] = {
+    {"stats", (PyCFunction)Core_stats, METH_NOARGS,
+     "(hits, misses, upstream_allocs, upstream_frees, bytes_live, bytes_cached, "
+     "bytes_reserved, peak_live, peak_reserved, scopes)"},
+    {"reset_peaks", (PyCFunction)Core_reset_peaks, METH_NOARGS,
+     "Set the peaks to the current figures."},
+    {"trim", (PyCFunction)Core_trim, METH_O,
+     "trim(max_cached_bytes) -> bytes released, least recently used first"},
+    {"release_all", (PyCFunction)Core_release_all, METH_NOARGS,
+     "Release the free blocks now and the live ones when they die."},
+    {"scope_enter", (PyCFunction)Core_scope_enter, METH_NOARGS,
+     "Open a scope; returns its watcher slot."},
+    {"scope_exit", (PyCFunction)Core_scope_exit, METH_O,
+     "scope_exit(slot) -> (peak_live, peak_reserved) of the scope; evicts unused bins"},
+    {"numpy_handler", (PyCFunction)Core_numpy_handler, METH_NOARGS,
+     "A new NEP 49 handler capsule allocating from this core."},
+    {"timeline", (PyCFunction)Core_timeline, METH_NOARGS,
+     "(event bytes, events dropped); each event is 4 int64: t_ns, live, reserved, kind"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "luxnn.memory._core.Core",
+    .tp_basicsize = sizeof(CoreObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Core(limit=0, evict_after=0, timeline_capacity=0): the bookkeeping of "
+              "one AllocCache (0 means none / never / not recording).",
+    .tp_new = Core_new,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_methods = Core_methods,
+};
+
+static PyObject *
+mod_bin_size(PyObject *mod, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n < 0 || (size_t)n > LX_MAX_REQUEST) {
+        return PyErr_Format(PyExc_ValueError, "no bin for %zd bytes", n);
+    }
+    return PyLong_FromSize_t(bin_bytes(bin_of(n ? (size_t)n : 1)));
+}
+
+static PyObject *
+mod_get_handler(PyObject *mod, PyObject *Py_UNUSED(ignored))
+{
+    return PyDataMem_GetHandler();
+}
+
+/* Set NumPy's handler in the current context (None: NumPy's default);
+ * returns the handler it replaces. */
+static PyObject *
+mod_set_handler(PyObject *mod, PyObject *handler)
+{
+    if (handler == Py_None) {
+        return PyDataMem_SetHandler(NULL);
+    }
+    if (!PyCapsule_IsValid(handler, handler_capsule_name)) {
+        PyErr_SetString(PyExc_TypeError, "expected a NumPy mem_handler capsule or None");
+        return NULL;
+    }
+    return PyDataMem_SetHandler(handler);
+}
+
+/* This thread's last failure: (seq, over_limit, request, limit, figures...) or None. */
+static PyObject *
+mod_last_failure(PyObject *mod, PyObject *Py_UNUSED(ignored))
+{
+    lx_failure f = tl_failure;
+    if (f.seq == 0) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(KOnnN)", (unsigned long long)f.seq,
+                         f.status == LX_OVER_LIMIT ? Py_True : Py_False,
+                         (Py_ssize_t)f.request, (Py_ssize_t)f.limit,
+                         figures_tuple(f.fig));
+}
+
+static PyMethodDef module_methods[] = {
+    {"bin_size", mod_bin_size, METH_O, "bin_size(n) -> bytes of the block serving n bytes"},
+    {"get_handler", mod_get_handler, METH_NOARGS, "NumPy's handler in this context."},
+    {"set_handler", mod_set_handler, METH_O,
+     "set_handler(capsule or None) -> the previous handler of this context"},
+    {"last_failure", mod_last_failure, METH_NOARGS,
+     "(seq, over_limit, request, limit, figures) of this thread's last failure, or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT, "_core", "The allocator's C core and NumPy handler.", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__core(void)
+{
+    import_array();
+    if (PyType_Ready(&CoreType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&core_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0 ||
+        PyModule_AddIntConstant(m, "BIN_DIVISIONS", LX_DIV) < 0 ||
+        PyModule_AddIntConstant(m, "HUGE_PAGE_MIN", (long)LX_HUGE_MIN) < 0 ||
+        PyModule_AddObject(m, "MAX_REQUEST", PyLong_FromSize_t(LX_MAX_REQUEST)) < 0 ||
+        PyModule_AddObject(m, "EVENT_KINDS",
+                           Py_BuildValue("(ssssss)", "hit", "upstream", "return",
+                                         "release", "scope_enter", "scope_exit")) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,258 @@
+"""`AllocCache`: a pool of memory blocks that a training step reuses instead of asking the
+operating system again.
+
+A block is taken from the cache when an array is created inside `cached(cache)` and goes
+back to the cache the moment its last array dies, in whatever scope or thread that happens.
+So a step's peak is its working set (not the sum of its allocations), an array that escapes
+the step is never handed out again while it lives, and scopes nest freely.
+
+Figures. Every byte figure counts whole blocks: a request of n bytes takes a block of
+``bin_size(n)`` bytes (see the size bins below), so ``bytes_reserved == bytes_live +
+bytes_cached`` always holds exactly.
+
+Size bins (``_core.c``, section 1): requests up to 8 KiB are rounded up to 512 B classes,
+larger ones to 16 classes per power of two, so a block wastes less than 6.25 % of a large
+request. Measured with ``benchmarks/allocator.py --bins`` (reserved / requested bytes at
+the peak of a fixed-shape MLP step, and of a loop over variable sequence lengths, with the
+hit rate of the latter), rebuilding the core with 4, 8, 16, 32 classes per power of two:
+
+    classes   fixed MLP   variable lengths   hit rate
+    (filled in from the measurement)
+
+Eviction: a size bin not asked for during `evict_after` scopes has its free blocks released
+at the next scope exit, so one-off sizes (a short last batch, varying sequence lengths) do
+not grow memory without bound. Default `DEFAULT_EVICT_AFTER`, measured likewise:
+
+    (filled in from the measurement)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _core
+
+__all__ = [
+    "AllocCache", "CacheStats", "ScopeStats", "DEFAULT_EVICT_AFTER", "bin_size", "get_allocator_cache",
+]  # fmt: skip
+
+DEFAULT_EVICT_AFTER = 16
+"""Scopes a size bin may go unused before its free blocks are released (see above)."""
+
+TIMELINE_CAPACITY = 1 << 16
+"""Events a recording cache keeps: the most recent ones (32 bytes each)."""
+
+# Larger limits are no limits: no machine addresses this much memory (128 TiB).
+_MAX_LIMIT = _core.MAX_REQUEST
+
+_TIMELINE_DTYPE = np.dtype([("t_ns", "<i8"), ("live", "<i8"), ("reserved", "<i8"), ("kind", "<i8")])
+
+
+def bin_size(nbytes: int) -> int:
+    """The size of the block that serves a request of `nbytes` bytes.
+
+    >>> bin_size(1), bin_size(513), bin_size(64 << 20)
+    (512, 1024, 67108864)
+    """
+    return _core.bin_size(nbytes)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The figures of a cache since its creation (peaks: since `AllocCache.reset_peaks`).
+
+    hits: requests served from the free lists; misses: requests they could not serve;
+    upstream_allocs / upstream_frees: blocks taken from / given back to the system;
+    bytes_live: bytes of blocks in use by arrays; bytes_cached: bytes of free blocks;
+    bytes_reserved: bytes_live + bytes_cached, all that the cache holds from the system;
+    peak_live / peak_reserved: the highest bytes_live / bytes_reserved;
+    scopes: scopes entered.
+    """
+
+    hits: int
+    misses: int
+    upstream_allocs: int
+    upstream_frees: int
+    bytes_live: int
+    bytes_cached: int
+    bytes_reserved: int
+    peak_live: int
+    peak_reserved: int
+    scopes: int
+
+
+@dataclass(frozen=True)
+class ScopeStats:
+    """The figures of one scope, from its entry to its exit.
+
+    hits, misses, upstream_allocs, upstream_frees, scopes: counted during the scope (scopes
+    includes itself and the scopes nested in it, in any thread); bytes_live_change,
+    bytes_cached_change, bytes_reserved_change: the figure at exit minus the figure at
+    entry; peak_live / peak_reserved: the highest bytes_live / bytes_reserved of the cache
+    while the scope was open.
+    """
+
+    hits: int
+    misses: int
+    upstream_allocs: int
+    upstream_frees: int
+    scopes: int
+    bytes_live_change: int
+    bytes_cached_change: int
+    bytes_reserved_change: int
+    peak_live: int
+    peak_reserved: int
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes for people: ``format_bytes(3 << 20) == '3.0 MiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _check_device(device: Any) -> Any:
+    # The host is the only device the core has an upstream for yet; a device's class says
+    # which array module it holds, without importing CuPy.
+    if device is None or getattr(type(device), "xp", None) is np:
+        return device
+    raise NotImplementedError(f"AllocCache serves host (NumPy) memory only, not {device!r}")
+
+
+def get_allocator_cache(device: Any = None) -> AllocCache | None:
+    """A new cache for the arrays of a training state on `device` (None: the host), or None
+    where luxnn has no cache for that device yet (GPUs, until the CuPy front end lands).
+
+    >>> get_allocator_cache()
+    AllocCache(live=0 B, cached=0 B, peak_live=0 B, peak_reserved=0 B, hits=0, misses=0, limit=none, evict_after=16)
+    """
+    try:
+        return AllocCache(device)
+    except NotImplementedError:
+        return None
+
+
+def _check_limit(limit: int | None) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)):
+        raise TypeError(f"limit must be a number of bytes or None, got {limit!r}")
+    if not 0 < limit <= _MAX_LIMIT:
+        raise ValueError(f"limit must be between 1 and {_MAX_LIMIT} bytes, got {limit}")
+    return int(limit)
+
+
+def _check_evict_after(evict_after: int | None) -> int:
+    if evict_after is None:
+        return DEFAULT_EVICT_AFTER
+    if isinstance(evict_after, bool) or not isinstance(evict_after, (int, np.integer)):
+        raise TypeError(f"evict_after must be a number of scopes or None, got {evict_after!r}")
+    if evict_after < 1:
+        raise ValueError(f"evict_after must be at least 1 scope, got {evict_after}")
+    return int(evict_after)
+
+
+class AllocCache:
+    """A caching allocator for the arrays created inside `cached(cache)`.
+
+    limit: bytes the cache may hold. Before taking a new block from the system would pass
+    it, free blocks are released, least recently used first; arrays in use are never
+    refused, except a single request larger than the limit (`MemoryError`).
+    evict_after: scopes a size bin may go unused before its free blocks are released
+    (default `DEFAULT_EVICT_AFTER`).
+    record: keep a timeline of events for `plot_timeline` (the last 65536 events).
+
+    >>> import numpy as np
+    >>> from luxnn import memory
+    >>> cache = memory.AllocCache()
+    >>> for step in range(3):
+    ...     with memory.cached(cache) as scope:
+    ...         x = np.ones((256, 256)) * 2.0
+    ...         del x
+    >>> scope.stats.upstream_allocs, scope.stats.hits > 0   # step 2 reuses step 0's blocks
+    (0, True)
+    """
+
+    def __init__(
+        self,
+        device: Any = None,
+        *,
+        limit: int | None = None,
+        evict_after: int | None = None,
+        record: bool = False,
+    ) -> None:
+        self.device = _check_device(device)
+        self.limit = _check_limit(limit)
+        self.evict_after = _check_evict_after(evict_after)
+        self.record = bool(record)
+        self._created_ns = time.monotonic_ns()  # the core's clock is CLOCK_MONOTONIC too
+        self._core = _core.Core(
+            limit=self.limit or 0,
+            evict_after=self.evict_after,
+            timeline_capacity=TIMELINE_CAPACITY if self.record else 0,
+        )
+        # The NEP 49 handler that `cached` installs. Each array made through it holds it,
+        # and it holds the core: memory outlives this object while arrays use it.
+        self._numpy_handler = self._core.numpy_handler()
+
+    def stats(self) -> CacheStats:
+        """The cache's figures now (see `CacheStats`).
+
+        >>> AllocCache().stats().bytes_reserved
+        0
+        """
+        return CacheStats(*self._core.stats())
+
+    def reset_peaks(self) -> None:
+        """Start the peaks afresh from the current figures, e.g. after a warm-up step."""
+        self._core.reset_peaks()
+
+    def trim(self, max_cached_bytes: int = 0) -> int:
+        """Release free blocks, least recently used first, until at most `max_cached_bytes`
+        stay cached. Returns the bytes released. Arrays in use are not affected.
+
+        >>> AllocCache().trim()
+        0
+        """
+        return self._core.trim(int(max_cached_bytes))
+
+    def free(self) -> None:
+        """Release every free block now, and every block in use when its array dies.
+
+        The cache stays usable: blocks allocated in later scopes are cached as usual.
+        """
+        self._core.release_all()
+
+    def timeline(self) -> np.ndarray:
+        """The recorded events, oldest first (empty unless ``record=True``): a structured
+        array with ``t`` (seconds since the cache was created), ``live`` and ``reserved``
+        (bytes after the event) and ``kind`` (one of `EVENT_KINDS`)."""
+        raw, _dropped = self._core.timeline()
+        events = np.frombuffer(raw, dtype=_TIMELINE_DTYPE)
+        out = np.empty(len(events), [("t", "f8"), ("live", "i8"), ("reserved", "i8"), ("kind", "U11")])
+        out["t"] = (events["t_ns"] - self._created_ns) / 1e9
+        out["live"] = events["live"]
+        out["reserved"] = events["reserved"]
+        out["kind"] = np.asarray(EVENT_KINDS)[events["kind"]] if len(events) else []
+        return out
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        limit = "none" if self.limit is None else format_bytes(self.limit)
+        return (
+            f"AllocCache(live={format_bytes(s.bytes_live)}, cached={format_bytes(s.bytes_cached)}, "
+            f"peak_live={format_bytes(s.peak_live)}, peak_reserved={format_bytes(s.peak_reserved)}, "
+            f"hits={s.hits}, misses={s.misses}, limit={limit}, evict_after={self.evict_after})"
+        )
+
+
+EVENT_KINDS: tuple[str, ...] = _core.EVENT_KINDS
+"""Timeline event kinds: a request served from the free lists ("hit") or by a new block
+("upstream"), a block back in the free lists ("return") or given back to the system
+("release"), and "scope_enter" / "scope_exit"."""

@@ -1,0 +1,184 @@
+"""`cached(cache)` and `uncached()`: which allocator NumPy uses, per thread and per task.
+
+NumPy keeps its current data allocator (a NEP 49 handler) in a context variable, so
+setting it affects only the current thread, or the current asyncio task. A scope sets the
+handler on entry and puts back exactly the handler it replaced on exit, also when the body
+raises.
+
+Out of memory. A NEP 49 handler can only return NULL, and NumPy then raises its own
+`MemoryError` ("Unable to allocate ..."). The core records why a request failed (over the
+limit, or the system out of memory even after the cache released its free blocks), per
+thread; when such a `MemoryError` leaves a scope, the scope raises `CacheMemoryError`
+instead, which names the request, the limit and the cache's figures, chained to NumPy's
+error. Code that catches the `MemoryError` inside the scope sees NumPy's message; the
+figures are in ``cache.stats()``.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextvars import ContextVar
+from typing import Any, Callable, TypeVar
+
+from . import _core
+from .cache import AllocCache, ScopeStats, format_bytes
+
+__all__ = ["cached", "uncached", "Scope", "UncachedScope", "CacheMemoryError"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The handler in effect outside every luxnn scope of this context (None: not in one), for
+# `uncached` to route around all the caches that are open.
+_outside_handler: ContextVar[Any] = ContextVar("luxnn_memory_outside_handler", default=None)
+
+
+class CacheMemoryError(MemoryError):
+    """A request the cache could not serve: over its limit, or out of memory upstream."""
+
+
+def _failure_message(failure: tuple) -> str:
+    _seq, over_limit, request, limit, figures = failure
+    _, _, _, _, live, cached, reserved, peak_live, peak_reserved, _ = figures
+    asked = f"{format_bytes(request)} ({request} bytes)"
+    if over_limit:
+        head = (
+            f"AllocCache cannot allocate {asked}: the request is larger than the cache's "
+            f"limit of {format_bytes(limit)} ({limit} bytes); raise the limit or allocate "
+            "it inside memory.uncached()"
+        )
+    else:
+        head = (
+            f"AllocCache is out of memory allocating {asked}, even after releasing its "
+            "free blocks"
+        )
+    return (
+        f"{head}. Cache figures: live {format_bytes(live)}, cached {format_bytes(cached)}, "
+        f"reserved {format_bytes(reserved)}, peak live {format_bytes(peak_live)}, "
+        f"peak reserved {format_bytes(peak_reserved)}."
+    )
+
+
+class _Switch:
+    """A context manager that can also decorate: each call of the decorated function
+    runs in a fresh scope of the same kind."""
+
+    def _fresh(self) -> _Switch:
+        raise NotImplementedError
+
+    def __call__(self, func: F) -> F:
+        @functools.wraps(func)
+        def in_scope(*args: Any, **kwargs: Any) -> Any:
+            with self._fresh():
+                return func(*args, **kwargs)
+
+        return in_scope  # type: ignore[return-value]
+
+
+class Scope(_Switch):
+    """An open (or closed) `cached` scope; ``stats`` holds its `ScopeStats` after exit
+    (None for ``cached(None)``)."""
+
+    def __init__(self, cache: AllocCache | None) -> None:
+        if cache is not None and not isinstance(cache, AllocCache):
+            raise TypeError(f"cached() takes an AllocCache or None, got {cache!r}")
+        self.cache = cache
+        self.stats: ScopeStats | None = None
+        self._open: tuple | None = None  # what exit undoes, while open
+
+    def _fresh(self) -> Scope:
+        return Scope(self.cache)
+
+    def __enter__(self) -> Scope:
+        if self._open is not None:
+            raise RuntimeError("this scope is already open; enter a new cached(cache)")
+        if self.cache is None:
+            self._open = ()
+            return self
+        core = self.cache._core
+        failure = _core.last_failure()
+        before = core.stats()
+        slot = core.scope_enter()
+        previous = _core.set_handler(self.cache._numpy_handler)
+        outside = _outside_handler.get()
+        token = _outside_handler.set(previous if outside is None else outside)
+        self._open = (failure, before, slot, previous, token)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        opened, self._open = self._open, None
+        if self.cache is None:
+            return
+        failure, before, slot, previous, token = opened
+        _outside_handler.reset(token)
+        _core.set_handler(previous)
+        core = self.cache._core
+        peak_live, peak_reserved = core.scope_exit(slot)
+        after = core.stats()
+        d = [a - b for a, b in zip(after, before)]
+        self.stats = ScopeStats(
+            hits=d[0], misses=d[1], upstream_allocs=d[2], upstream_frees=d[3], scopes=d[9],
+            bytes_live_change=d[4], bytes_cached_change=d[5], bytes_reserved_change=d[6],
+            peak_live=peak_live, peak_reserved=peak_reserved,
+        )  # fmt: skip
+        if isinstance(exc, MemoryError) and not isinstance(exc, CacheMemoryError):
+            latest = _core.last_failure()
+            if latest is not None and (failure is None or latest[0] != failure[0]):
+                raise CacheMemoryError(_failure_message(latest)) from exc
+
+
+def cached(cache: AllocCache | None) -> Scope:
+    """A scope in which every NumPy array allocation of this thread (or asyncio task)
+    comes from `cache`; ``cached(None)`` changes nothing. Also a decorator.
+
+    Arrays may outlive the scope: their blocks return to the cache when they die.
+
+    >>> import numpy as np
+    >>> from luxnn import memory
+    >>> cache = memory.AllocCache()
+    >>> with memory.cached(cache) as scope:
+    ...     y = np.arange(1000.0) * 2
+    >>> scope.stats.upstream_allocs > 0, cache.stats().bytes_live >= y.nbytes
+    (True, True)
+    >>> @memory.cached(cache)
+    ... def step(x):
+    ...     return x + 1
+    """
+    return Scope(cache)
+
+
+class UncachedScope(_Switch):
+    """An `uncached` scope."""
+
+    def __init__(self) -> None:
+        self._open: tuple | None = None
+
+    def _fresh(self) -> UncachedScope:
+        return UncachedScope()
+
+    def __enter__(self) -> UncachedScope:
+        if self._open is not None:
+            raise RuntimeError("this scope is already open; enter a new uncached()")
+        outside = _outside_handler.get()
+        self._open = (None if outside is None else _core.set_handler(outside),)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        (previous,), self._open = self._open, None
+        if previous is not None:
+            _core.set_handler(previous)
+
+
+def uncached() -> UncachedScope:
+    """A scope that allocates as if no `cached` scope were open (with NumPy's allocator of
+    the surrounding code). Also a decorator.
+
+    >>> import numpy as np
+    >>> from luxnn import memory
+    >>> cache = memory.AllocCache()
+    >>> with memory.cached(cache):
+    ...     with memory.uncached():
+    ...         big = np.zeros(1 << 20)
+    >>> cache.stats().upstream_allocs
+    0
+    """
+    return UncachedScope()

@@ -1,0 +1,57 @@
+"""`plot_timeline`: a picture of a recording cache's memory over time."""
+
+from __future__ import annotations
+
+from os import PathLike
+from typing import Any
+
+from .cache import AllocCache, format_bytes
+
+__all__ = ["plot_timeline"]
+
+
+def plot_timeline(cache: AllocCache, path: str | PathLike | None = None) -> Any:
+    """Draw bytes live and bytes reserved over time, with each scope shaded; save it to
+    `path` if given. Returns the matplotlib `Figure` (matplotlib is imported only here).
+
+    The cache must have been created with ``record=True``.
+
+    >>> import numpy as np
+    >>> from luxnn import memory
+    >>> cache = memory.AllocCache(record=True)
+    >>> for _ in range(3):
+    ...     with memory.cached(cache):
+    ...         _ = np.ones(1 << 20) + 1
+    >>> fig = memory.plot_timeline(cache)   # or plot_timeline(cache, "mem.png")
+    """
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+    if not cache.record:
+        raise ValueError("this cache keeps no timeline: create it with AllocCache(record=True)")
+    events = cache.timeline()
+    mib = 1 << 20
+    fig = Figure(figsize=(9, 4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.step(events["t"], events["reserved"] / mib, where="post", label="reserved")
+    ax.step(events["t"], events["live"] / mib, where="post", label="live")
+    # Shade each scope from entry to exit (a thread's or task's scopes may interleave:
+    # entries and exits are paired in order, which is exact for nested scopes).
+    entries = list(events["t"][events["kind"] == "scope_enter"])
+    exits = list(events["t"][events["kind"] == "scope_exit"])
+    depth_starts: list[float] = []
+    for t, kind in sorted([(t, 0) for t in entries] + [(t, 1) for t in exits]):
+        if kind == 0:
+            depth_starts.append(t)
+        elif depth_starts:
+            ax.axvspan(depth_starts.pop(), t, color="grey", alpha=0.08, lw=0)
+    s = cache.stats()
+    ax.set_title(
+        f"peak live {format_bytes(s.peak_live)}, peak reserved {format_bytes(s.peak_reserved)}, "
+        f"{s.hits} hits, {s.upstream_allocs} upstream allocations, {s.scopes} scopes"
+    )
+    ax.set_xlabel("time since the cache was created (s)")
+    ax.set_ylabel("MiB")
+    ax.legend(loc="upper left")
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
