@@ -8,17 +8,26 @@ caching allocator.
 58
 """
 
-from . import ad, init, nn, ops, tree
+from . import ad, data, init, losses, memory, nn, ops, optim, tree
+from .checkpoint import load, save
+from .data import DataLoader
 from .ad import AutoTape, array_namespace, grad, stop_gradient, value_and_grad
 from .core import Layer, LayerError, apply, parameter_count, setup, testmode, trainmode
 from .devices import CPUDevice, CUDADevice, cpu_device, get_device, gpu_device
+from .memory import get_allocator_cache
 from .nn import *  # noqa: F403 - the layers are the package's vocabulary
 from .nn import __all__ as _layers
+from .training import (
+    TrainState, apply_gradients, apply_gradients_, compute_gradients, single_train_step,
+    single_train_step_,
+)  # fmt: skip
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ad", "init", "nn", "ops", "tree", "AutoTape", "array_namespace", "grad", "stop_gradient",
+    "ad", "data", "init", "losses", "memory", "nn", "ops", "optim", "tree", "load", "save",
+    "DataLoader", "get_allocator_cache", "TrainState", "apply_gradients", "apply_gradients_",
+    "compute_gradients", "single_train_step", "single_train_step_", "AutoTape", "array_namespace", "grad", "stop_gradient",
     "value_and_grad", "Layer", "LayerError", "apply", "parameter_count", "setup", "testmode",
     "trainmode", "CPUDevice", "CUDADevice", "cpu_device", "get_device", "gpu_device", *_layers,
 ]  # fmt: skip

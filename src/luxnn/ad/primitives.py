@@ -25,6 +25,8 @@ def unbroadcast(g: Any, shape: tuple[int, ...]) -> Any:
     """Sum `g` over the axes that broadcasting added or stretched, to get back `shape`."""
     if g.shape == shape:
         return g
+    if not hasattr(g, "ndim"):  # a Python or NumPy scalar cotangent
+        return np.broadcast_to(g, shape)
     lead = g.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(
         lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1

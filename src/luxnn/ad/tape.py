@@ -18,6 +18,7 @@ as soon as nothing later in the backward pass needs them.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import numpy as np
@@ -39,28 +40,18 @@ class Tape:
         self.nodes: list[Any] = []
 
     def leaf(self, value: Any) -> "Traced":
-        return self.record(value, None, (), ())
-
-    def record(self, value: Any, vjp: Callable | None, parents: tuple, needs: tuple) -> Any:
-        # Only floating values carry derivatives; anything else leaves the tape as a constant.
-        if value.dtype.kind != "f":
-            return value
-        t = Traced.__new__(Traced)
-        t.value = value
-        t.tape = self
-        t.index = len(self.nodes)
-        self.nodes.append((vjp, parents, needs))
-        return t
+        return _record(self, value, None, (), ())
 
     def backward(self, out: "Traced", seed: Any) -> dict[int, Any]:
         """Run the VJPs from `out` back to the leaves; returns ``{leaf index: cotangent}``."""
         nodes = self.nodes
-        pending = {out.index: seed}
+        pending: list[Any] = [None] * (out.index + 1)
+        pending[out.index] = seed
         leaf_grads: dict[int, Any] = {}
         for i in range(out.index, -1, -1):
+            g = pending[i]
             node = nodes[i]
-            nodes[i] = None  # frees the values this node's VJP closed over
-            g = pending.pop(i, None)
+            nodes[i] = pending[i] = None  # frees the values this node's VJP closed over
             if g is None:
                 continue
             vjp, parents, needs = node
@@ -69,7 +60,7 @@ class Tape:
                 continue
             for p, ct in zip(parents, vjp(g, needs)):
                 if ct is not None and p >= 0:
-                    prev = pending.get(p)
+                    prev = pending[p]
                     pending[p] = ct if prev is None else prev + ct
         self.nodes = []
         return leaf_grads
@@ -130,6 +121,9 @@ class Traced:
         return apply_function(func, args, kwargs)
 
 
+_new_traced = object.__new__
+
+
 def _stop(x: Any) -> Any:
     return x.value if type(x) is Traced else x
 
@@ -142,41 +136,88 @@ def stop_gradient(x: Any) -> Any:
 def primitive(fn: Callable[..., tuple[Any, Callable]]) -> Callable[..., Any]:
     """Make `fn(*arrays, **static) -> (out, vjp)` a differentiable function.
 
-    ``vjp(g, needs)`` returns one cotangent (or None) per positional argument; `needs`
-    says which positional arguments are traced. Keyword arguments are static.
+    The positional parameters without defaults are the array arguments (traced or not);
+    ``vjp(g, needs)`` returns one cotangent (or None) per array argument, and `needs` says
+    which of them are traced. Other arguments are static configuration.
     """
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        tape = None
-        for a in args:
-            if type(a) is Traced:
-                tape = a.tape
-                break
-        if tape is None:
-            return fn(*args, **kwargs)[0]
-        raw = []
-        parents = []
-        needs = []
-        for a in args:
-            if type(a) is Traced:
-                if a.tape is not tape:
-                    raise ValueError(
-                        f"{fn.__name__}: arguments traced by two different value_and_grad calls; "
-                        "nested differentiation is not supported"
-                    )
-                raw.append(a.value)
-                parents.append(a.index)
-                needs.append(True)
-            else:
-                raw.append(a)
-                parents.append(-1)
-                needs.append(False)
-        out, vjp = fn(*raw, **kwargs)
-        return tape.record(out, vjp, tuple(parents), tuple(needs))
-
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        wrapper = _variadic(fn)
+    else:
+        arity = sum(p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+        wrapper = {1: _unary, 2: _binary}.get(arity, _variadic)(fn)
+    wrapper = functools.wraps(fn)(wrapper)
     wrapper.raw = fn  # the undecorated (out, vjp) function, for tests and fused kernels
     return wrapper
+
+
+# Specialised wrappers for one and two array arguments: recording is most of the cost of a
+# primitive on small arrays, so the common cases avoid packing and looping over arguments.
+_NEEDS_1 = (True,)
+_NEEDS_2 = {(True, True): (True, True), (True, False): (True, False), (False, True): (False, True)}
+
+
+def _record(tape: Tape, out: Any, vjp: Callable, parents: tuple, needs: tuple) -> Any:
+    if out.dtype.kind != "f":  # only floating values carry derivatives
+        return out
+    nodes = tape.nodes
+    t = _new_traced(Traced)
+    t.value = out
+    t.tape = tape
+    t.index = len(nodes)
+    nodes.append((vjp, parents, needs))
+    return t
+
+
+def _unary(fn: Callable) -> Callable:
+    def wrapper(x: Any, *static: Any, **kwargs: Any) -> Any:
+        if type(x) is not Traced:
+            return fn(x, *static, **kwargs)[0]
+        out, vjp = fn(x.value, *static, **kwargs)
+        return _record(x.tape, out, vjp, (x.index,), _NEEDS_1)
+
+    return wrapper
+
+
+def _binary(fn: Callable) -> Callable:
+    def wrapper(a: Any, b: Any, *static: Any, **kwargs: Any) -> Any:
+        ta, tb = type(a) is Traced, type(b) is Traced
+        if ta:
+            tape = a.tape
+            if tb and b.tape is not tape:
+                raise _two_tapes(fn)
+        elif tb:
+            tape = b.tape
+        else:
+            return fn(a, b, *static, **kwargs)[0]
+        out, vjp = fn(a.value if ta else a, b.value if tb else b, *static, **kwargs)
+        parents = (a.index if ta else -1, b.index if tb else -1)
+        return _record(tape, out, vjp, parents, _NEEDS_2[ta, tb])
+
+    return wrapper
+
+
+def _variadic(fn: Callable) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tape = next((a.tape for a in args if type(a) is Traced), None)
+        if tape is None:
+            return fn(*args, **kwargs)[0]
+        if any(type(a) is Traced and a.tape is not tape for a in args):
+            raise _two_tapes(fn)
+        needs = tuple(type(a) is Traced for a in args)
+        raw = [a.value if n else a for a, n in zip(args, needs)]
+        parents = tuple(a.index if n else -1 for a, n in zip(args, needs))
+        out, vjp = fn(*raw, **kwargs)
+        return _record(tape, out, vjp, parents, needs)
+
+    return wrapper
+
+
+def _two_tapes(fn: Callable) -> ValueError:
+    return ValueError(
+        f"{fn.__name__}: arguments traced by two different value_and_grad calls; "
+        "nested differentiation is not supported"
+    )
 
 
 def _check_differentiable(path: str, leaf: Any) -> None:

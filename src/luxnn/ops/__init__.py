@@ -3,3 +3,4 @@
 from .activations import (
     elu, gelu, leaky_relu, log_softmax, logsumexp, relu, sigmoid, silu, softmax, softplus, swish,
 )  # fmt: skip
+from .cross_entropy import softmax_cross_entropy

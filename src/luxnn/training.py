@@ -1,0 +1,155 @@
+"""The training API: a `TrainState` and four verbs, as in Lux.jl.
+
+Every verb runs inside ``memory.cached(ts.allocator_cache)`` (a no-op for ``None``), so a
+step's temporaries come from the cache; escaping results (gradients, new parameters) are
+safe because a block is reused only after its last array dies.
+
+>>> import numpy as np, luxnn as lx
+>>> model = lx.Dense(3, 2)
+>>> ps, st = lx.setup(np.random.default_rng(0), model)
+>>> ts = lx.TrainState(model, ps, st, lx.optim.sgd(0.1), allocator_cache=None)
+>>> x, y = np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32)
+>>> grads, loss, stats, ts = lx.single_train_step_(lx.AutoTape(), lx.losses.MSELoss(), (x, y), ts)
+>>> ts.step
+1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from . import optim
+from .ad import AutoTape, value_and_grad
+from .core import Layer
+from .memory import cached, get_allocator_cache
+
+__all__ = [
+    "TrainState", "compute_gradients", "apply_gradients", "apply_gradients_",
+    "single_train_step", "single_train_step_",
+]  # fmt: skip
+
+_DEFAULT = object()  # "pick the cache for the parameters' device"
+
+Objective = Callable[[Layer, Any, Any, Any], tuple[Any, Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
+class TrainState:
+    """Everything a training loop carries from step to step.
+
+    ``TrainState(model, parameters, states, optimizer)`` initialises the optimizer state,
+    starts at step 0 and picks the allocator cache for the parameters' device
+    (`luxnn.get_allocator_cache`); pass ``allocator_cache=`` your own `AllocCache` or None.
+    `step` counts applied updates.
+    """
+
+    model: Layer
+    parameters: Any
+    states: Any
+    optimizer: optim.GradientTransformation
+    optimizer_state: Any
+    step: int
+    allocator_cache: Any
+
+    def __init__(
+        self,
+        model: Layer,
+        parameters: Any,
+        states: Any,
+        optimizer: optim.GradientTransformation,
+        *,
+        optimizer_state: Any = None,
+        step: int = 0,
+        allocator_cache: Any = _DEFAULT,
+    ) -> None:
+        if not isinstance(model, Layer):
+            raise TypeError(f"TrainState: expected a luxnn Layer as model, got {type(model).__name__}")
+        if not isinstance(optimizer, optim.GradientTransformation):
+            raise TypeError(f"TrainState: expected an optimizer (luxnn.optim.GradientTransformation), got {type(optimizer).__name__}")
+        if allocator_cache is _DEFAULT:
+            from .devices import get_device
+
+            allocator_cache = get_allocator_cache(get_device(parameters))
+        fields = {
+            "model": model,
+            "parameters": parameters,
+            "states": states,
+            "optimizer": optimizer,
+            "optimizer_state": optimizer.init(parameters) if optimizer_state is None else optimizer_state,
+            "step": int(step),
+            "allocator_cache": allocator_cache,
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def replace(self, **changes: Any) -> "TrainState":
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_device(self, device: Any) -> "TrainState":
+        """This state's arrays on `device`, with a fresh allocator cache for that device
+        (a cache serves one device)."""
+        return self.replace(
+            parameters=device(self.parameters),
+            states=device(self.states),
+            optimizer_state=device(self.optimizer_state),
+            allocator_cache=get_allocator_cache(device) if self.allocator_cache is not None else None,
+        )
+
+    def __repr__(self) -> str:
+        from .core import parameter_count
+
+        return (
+            f"TrainState(model={type(self.model).__name__}, parameters={parameter_count(self.parameters)}, "
+            f"step={self.step}, allocator_cache={self.allocator_cache!r})"
+        )
+
+
+def _check_ad(ad: Any) -> None:
+    if not isinstance(ad, AutoTape):
+        raise TypeError(f"expected an AD backend such as luxnn.AutoTape(), got {type(ad).__name__}")
+
+
+def compute_gradients(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
+    """Gradients of ``objective(model, ps, st, data) -> (loss, st, stats)`` with respect to
+    the parameters. Returns ``(grads, loss, stats, ts)``; `ts` carries the new model state.
+    """
+    _check_ad(ad)
+
+    def loss_fn(ps: Any) -> tuple[Any, tuple[Any, Any]]:
+        loss, st, stats = objective(ts.model, ps, ts.states, data)
+        return loss, (st, stats)
+
+    with cached(ts.allocator_cache):
+        (loss, (states, stats)), grads = value_and_grad(loss_fn, has_aux=True)(ts.parameters)
+    return grads, loss, stats, ts.replace(states=states)
+
+
+def apply_gradients(ts: TrainState, grads: Any) -> TrainState:
+    """One optimizer update with `grads`; returns a new `TrainState` with new parameter
+    arrays (the old ones are left untouched)."""
+    with cached(ts.allocator_cache):
+        updates, opt_state = ts.optimizer.update(grads, ts.optimizer_state, ts.parameters)
+        parameters = optim.apply_updates(ts.parameters, updates)
+    return ts.replace(parameters=parameters, optimizer_state=opt_state, step=ts.step + 1)
+
+
+def apply_gradients_(ts: TrainState, grads: Any) -> TrainState:
+    """One optimizer update with `grads`, written into the parameter arrays in place."""
+    with cached(ts.allocator_cache):
+        updates, opt_state = ts.optimizer.update(grads, ts.optimizer_state, ts.parameters)
+        parameters = optim.apply_updates_(ts.parameters, updates)
+    return ts.replace(parameters=parameters, optimizer_state=opt_state, step=ts.step + 1)
+
+
+def single_train_step(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
+    """`compute_gradients` then `apply_gradients`: ``(grads, loss, stats, ts)``."""
+    grads, loss, stats, ts = compute_gradients(ad, objective, data, ts)
+    return grads, loss, stats, apply_gradients(ts, grads)
+
+
+def single_train_step_(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
+    """`compute_gradients` then `apply_gradients_` (parameters updated in place)."""
+    grads, loss, stats, ts = compute_gradients(ad, objective, data, ts)
+    return grads, loss, stats, apply_gradients_(ts, grads)
