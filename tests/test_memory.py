@@ -1,0 +1,442 @@
+"""The caching allocator: scopes, semantics, faults, threads and tasks.
+
+Imports `luxnn.memory` only (NumPy and the C core), never the rest of luxnn.
+"""
+
+import asyncio
+import gc
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from luxnn import memory
+from luxnn.memory import _core
+
+MiB = 1 << 20
+
+
+def handler_name() -> str:
+    return np._core.multiarray.get_handler_name()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+# ---- scopes and handlers -------------------------------------------------------------
+
+
+def test_scope_sets_and_restores_exactly_the_previous_handler():
+    cache = memory.AllocCache()
+    before = _core.get_handler()
+    with memory.cached(cache):
+        assert _core.get_handler() is cache._numpy_handler
+        assert handler_name() == "luxnn_cache"
+    assert _core.get_handler() is before
+    assert handler_name() == "default_allocator"
+
+
+def test_exception_inside_scope_restores_handler():
+    cache = memory.AllocCache()
+    before = _core.get_handler()
+    with pytest.raises(ZeroDivisionError):
+        with memory.cached(cache):
+            _ = np.ones(10)
+            1 / 0
+    assert _core.get_handler() is before
+
+
+def test_arrays_come_from_the_innermost_cache_and_uncached_routes_around_all():
+    a, b = memory.AllocCache(), memory.AllocCache()
+    with memory.cached(a):
+        x = np.empty(1000)
+        with memory.cached(b):
+            y = np.empty(2000)
+            with memory.uncached():
+                assert handler_name() == "default_allocator"
+                z = np.empty(3000)
+            assert _core.get_handler() is b._numpy_handler
+        assert _core.get_handler() is a._numpy_handler
+    assert a.stats().bytes_live == memory.bin_size(x.nbytes)
+    assert b.stats().bytes_live == memory.bin_size(y.nbytes)
+    del x, y, z
+    assert a.stats().bytes_live == b.stats().bytes_live == 0
+
+
+def test_uncached_outside_any_scope_changes_nothing():
+    before = _core.get_handler()
+    with memory.uncached():
+        assert _core.get_handler() is before
+    assert _core.get_handler() is before
+
+
+def test_cached_none_is_a_no_op_scope():
+    before = _core.get_handler()
+    with memory.cached(None) as scope:
+        assert _core.get_handler() is before
+    assert scope.stats is None
+
+
+def test_decorator_opens_a_fresh_scope_per_call():
+    cache = memory.AllocCache()
+
+    @memory.cached(cache)
+    def step(n):
+        assert _core.get_handler() is cache._numpy_handler
+        return np.ones(n).sum()
+
+    assert step(100) == step(100) == 100.0
+    assert cache.stats().scopes == 2
+    assert handler_name() == "default_allocator"
+
+
+def test_a_scope_object_cannot_be_open_twice():
+    scope = memory.cached(memory.AllocCache())
+    with scope:
+        with pytest.raises(RuntimeError, match="already open"):
+            scope.__enter__()
+
+
+def test_scope_stats_are_the_scopes_own_figures():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        keep = np.empty(MiB // 8)  # 1 MiB
+    with memory.cached(cache) as scope:
+        t = np.empty(MiB // 8)
+        del t
+        u = np.empty(MiB // 8)
+    s = scope.stats
+    assert (s.upstream_allocs, s.hits, s.scopes) == (1, 1, 1)
+    assert s.bytes_live_change == MiB and s.bytes_reserved_change == MiB
+    assert s.peak_live == 2 * MiB  # keep + t, then keep + u
+    del keep, u
+
+
+# ---- semantics ----------------------------------------------------------------------
+
+
+def test_blocks_are_reused_after_the_first_step_and_peak_is_the_working_set():
+    cache = memory.AllocCache()
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+
+    def step(x):
+        for _ in range(3):
+            x = np.tanh(x @ w) * 0.5 + 0.1
+        return float(x.sum())
+
+    x = np.ones((512, 256), np.float32)
+    with memory.cached(cache):
+        first = step(x)
+    cache.reset_peaks()
+    for _ in range(5):
+        with memory.cached(cache) as scope:
+            assert step(x) == first
+        assert scope.stats.upstream_allocs == 0
+    s = cache.stats()
+    assert s.peak_reserved <= 1.1 * s.peak_live
+    # A pinning cache would hold every temporary of the step; we hold the working set.
+    assert s.peak_live <= 4 * x.nbytes
+
+
+def test_escaped_arrays_keep_their_values_across_50_heavy_scopes():
+    cache = memory.AllocCache()
+    rng = np.random.default_rng(1)
+    kept = []
+    for step in range(50):
+        with memory.cached(cache):
+            a = rng.standard_normal(4096)
+            b = a * 2 + 1  # same size class as the kept arrays
+            big = np.full(MiB, float(step))
+            if step % 5 == 0:
+                kept.append((b, b.copy()))
+            del a, big
+    for array, expected in kept:
+        np.testing.assert_array_equal(array, expected)
+    assert len({arr.ctypes.data for arr, _ in kept}) == len(kept)
+
+
+def test_nested_scopes_on_one_cache_do_not_release_outer_arrays():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        outer = np.full(10_000, 7.0)
+        for _ in range(5):
+            with memory.cached(cache):
+                _ = [np.full(10_000, -1.0) for _ in range(4)]
+        np.testing.assert_array_equal(outer, 7.0)
+
+
+@pytest.mark.parametrize("nbytes", [4096, 8 * MiB])  # posix_memalign and mmap blocks
+def test_calloc_is_zeroed_on_a_reused_block(nbytes):
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        junk = np.empty(nbytes, np.uint8)
+        junk.fill(0xAB)
+        address = junk.ctypes.data
+        del junk
+        hits = cache.stats().hits
+        zeros = np.zeros(nbytes, np.uint8)
+    assert cache.stats().hits == hits + 1 and zeros.ctypes.data == address
+    assert not zeros.any()
+
+
+@pytest.mark.parametrize("new_len", [5, 100, 1000, 200_000])
+def test_resize_keeps_the_contents(new_len):
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        a = np.arange(100, dtype=np.int64)
+        a.resize(new_len, refcheck=False)
+    keep = min(100, new_len)
+    np.testing.assert_array_equal(a[:keep], np.arange(keep))
+    assert not a[keep:].any()  # ndarray.resize zero-fills the growth
+    assert cache.stats().bytes_live == memory.bin_size(a.nbytes)
+    del a
+    assert cache.stats().bytes_live == 0
+
+
+def test_resize_after_the_scope_still_goes_through_the_cache():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        a = np.arange(10, dtype=np.float64)
+    a.resize(100_000, refcheck=False)  # NumPy calls the handler the array was made with
+    assert cache.stats().bytes_live == memory.bin_size(a.nbytes)
+    np.testing.assert_array_equal(a[:10], np.arange(10))
+
+
+def test_bins_round_up_with_bounded_slack():
+    sizes = [1, 511, 512, 513, 8192, 8193, 10**5, 3 * MiB + 1, 64 * MiB, 10**10]
+    for n in sizes:
+        b = memory.bin_size(n)
+        assert b >= n and memory.bin_size(b) == b
+        assert b - n < 512 or (b - n) / n < 1 / _core.BIN_DIVISIONS
+    assert [memory.bin_size(n) for n in sorted(sizes)] == sorted(memory.bin_size(n) for n in sizes)
+
+
+def test_evict_after_releases_bins_unused_for_that_many_scopes():
+    cache = memory.AllocCache(evict_after=3)
+    with memory.cached(cache):
+        _ = np.empty(MiB)  # an 8 MiB block, free at once
+    for still_cached in (True, True, False):  # scopes since its bin was last used: 1, 2, 3
+        with memory.cached(cache):
+            _ = np.empty(10)  # a small bin, used every scope: never evicted
+        assert (cache.stats().bytes_cached >= 8 * MiB) is still_cached
+    assert cache.stats().bytes_cached == memory.bin_size(80)
+
+
+def test_trim_releases_least_recently_used_first():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        for mib in (1, 2, 3):  # freed in this order: 1 MiB is the least recently used
+            _ = np.empty(mib * MiB, np.uint8)
+            del _
+    assert cache.stats().bytes_cached == 6 * MiB
+    assert cache.trim(5 * MiB) == 1 * MiB
+    assert cache.trim(3 * MiB) == 2 * MiB
+    assert cache.trim() == 3 * MiB
+    assert cache.stats().bytes_reserved == 0
+
+
+def test_free_with_live_arrays_releases_them_when_they_die_and_reopens():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        live = np.full(MiB, 3.0)
+        _ = np.empty(MiB)
+    del _
+    cache.free()
+    s = cache.stats()
+    assert (s.bytes_cached, s.bytes_live) == (0, 8 * MiB)
+    frees = s.upstream_frees
+    np.testing.assert_array_equal(live, 3.0)
+    del live
+    s = cache.stats()
+    assert (s.bytes_live, s.bytes_cached, s.upstream_frees) == (0, 0, frees + 1)
+    with memory.cached(cache):  # reopens cleanly, and caches again
+        x = np.empty(MiB)
+        del x
+    assert cache.stats().bytes_cached == 8 * MiB
+
+
+def test_cache_collected_while_its_arrays_live():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        survivor = np.full(64 * MiB // 8, 5.0)  # 64 MiB, touched
+    del cache
+    gc.collect()
+    np.testing.assert_array_equal(survivor[::4096], 5.0)
+    with memory.cached(memory.AllocCache()):  # other caches unaffected
+        np.testing.assert_array_equal(np.ones(3) + survivor[:3], 6.0)
+    before = rss_bytes()
+    del survivor  # the last reference to the core: its memory goes back to the system
+    assert before - rss_bytes() > 48 * MiB
+
+
+# ---- limits and out of memory --------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1 << 60])
+def test_bad_limit_is_a_value_error(limit):
+    with pytest.raises(ValueError, match="limit"):
+        memory.AllocCache(limit=limit)
+
+
+@pytest.mark.parametrize("bad", [1.5, "1GiB", True])
+def test_limit_of_the_wrong_type_is_a_type_error(bad):
+    with pytest.raises(TypeError, match="limit"):
+        memory.AllocCache(limit=bad)
+
+
+def test_evict_after_must_be_positive():
+    with pytest.raises(ValueError, match="evict_after"):
+        memory.AllocCache(evict_after=0)
+
+
+def test_request_above_the_limit_is_a_memory_error_naming_both_and_leaks_nothing():
+    cache = memory.AllocCache(limit=16 * MiB)
+    with memory.cached(cache):
+        keep = np.empty(MiB, np.uint8)
+    before = cache.stats()
+    with pytest.raises(memory.CacheMemoryError, match=r"20\.0 MiB \(20971520 bytes\).*limit of 16\.0 MiB") as info:
+        with memory.cached(cache):
+            np.empty(20 * MiB, np.uint8)
+    assert isinstance(info.value, MemoryError)
+    assert "live 1.0 MiB" in str(info.value)
+    after = cache.stats()
+    assert (after.bytes_live, after.bytes_reserved) == (before.bytes_live, before.bytes_reserved)
+    assert after.upstream_allocs == before.upstream_allocs
+    assert _core.get_handler() is not cache._numpy_handler
+    del keep
+
+
+def test_over_the_limit_trims_then_allocates():
+    cache = memory.AllocCache(limit=10 * MiB)
+    with memory.cached(cache):
+        for mib in (1, 2, 3):
+            _ = np.empty(mib * MiB, np.uint8)
+            del _
+        assert cache.stats().bytes_cached == 6 * MiB
+        x = np.empty(6 * MiB, np.uint8)  # 6 + 6 > 10: trims the 1 and 2 MiB blocks (LRU)
+    s = cache.stats()
+    assert (s.bytes_live, s.bytes_cached, s.upstream_frees) == (6 * MiB, 3 * MiB, 2)
+    assert s.bytes_reserved <= 10 * MiB
+    del x
+
+
+def test_upstream_out_of_memory_trims_retries_and_reports_the_figures():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        _ = np.empty(MiB)
+    del _
+    assert cache.stats().bytes_cached == 8 * MiB
+    with pytest.raises(memory.CacheMemoryError, match=r"out of memory allocating 32\.0 TiB|out of memory"):
+        with memory.cached(cache):
+            np.empty(1 << 45, np.uint8)  # 32 TiB
+    assert cache.stats().bytes_cached == 0  # released before the retry
+    with memory.cached(cache):  # and still usable
+        assert np.ones(4).sum() == 4
+
+
+def test_memory_error_caught_inside_the_scope_is_numpys_own():
+    cache = memory.AllocCache(limit=MiB)
+    with memory.cached(cache):
+        with pytest.raises(MemoryError) as info:
+            np.empty(2 * MiB, np.uint8)
+        assert not isinstance(info.value, memory.CacheMemoryError)
+        assert np.ones(3).sum() == 3
+
+
+# ---- threads and tasks ---------------------------------------------------------------
+
+
+def test_threads_with_own_caches_and_a_shared_one_do_not_cross_talk():
+    own = [memory.AllocCache() for _ in range(4)]
+    shared = memory.AllocCache()
+    handed_over: queue.Queue = queue.Queue()
+    errors: list = []
+    barrier = threading.Barrier(4)
+
+    def work(i: int) -> None:
+        try:
+            barrier.wait()
+            for step in range(30):
+                cache = own[i] if step % 2 else shared
+                with memory.cached(cache):
+                    assert _core.get_handler() is cache._numpy_handler
+                    a = np.full(5000 + 1000 * i, float(i))
+                    b = a * 2
+                    assert (b == 2 * i).all()
+                    handed_over.put(b)  # dies in another thread
+                    if step % 3 == 0:
+                        handed_over.get()
+                assert handler_name() == "default_allocator"
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    while not handed_over.empty():
+        handed_over.get()
+    for cache in [*own, shared]:
+        s = cache.stats()
+        assert s.bytes_live == 0 and s.bytes_reserved == s.bytes_cached
+    assert sum(c.stats().scopes for c in own) == shared.stats().scopes == 60
+    assert handler_name() == "default_allocator"
+
+
+def test_asyncio_tasks_have_their_own_scopes():
+    caches = [memory.AllocCache() for _ in range(3)]
+
+    async def task(cache: memory.AllocCache, n: int) -> float:
+        with memory.cached(cache):
+            total = 0.0
+            for _ in range(10):
+                await asyncio.sleep(0)  # the other tasks run their scopes here
+                assert _core.get_handler() is cache._numpy_handler
+                x = np.full(n, 1.0)
+                total += float(x.sum())
+            return total
+
+    async def main() -> list:
+        return await asyncio.gather(*(task(c, 1000 * (i + 1)) for i, c in enumerate(caches)))
+
+    assert asyncio.run(main()) == [10_000.0, 20_000.0, 30_000.0]
+    for i, cache in enumerate(caches):
+        s = cache.stats()
+        assert s.hits + s.misses >= 10 and s.bytes_live == 0
+        assert s.bytes_reserved < 2 * memory.bin_size(8000 * (i + 1)) + 4096
+    assert handler_name() == "default_allocator"
+
+
+# ---- visible -------------------------------------------------------------------------
+
+
+def test_repr_is_one_line_with_the_figures():
+    cache = memory.AllocCache(limit=64 * MiB)
+    text = repr(cache)
+    assert "\n" not in text and text.startswith("AllocCache(") and "limit=64.0 MiB" in text
+
+
+def test_timeline_records_events_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    cache = memory.AllocCache(record=True)
+    for _ in range(3):
+        with memory.cached(cache):
+            _ = np.ones(MiB) * 2
+    events = cache.timeline()
+    kinds = list(events["kind"])
+    assert kinds.count("scope_enter") == kinds.count("scope_exit") == 3
+    assert "upstream" in kinds and "hit" in kinds and "return" in kinds
+    assert (np.diff(events["t"]) >= 0).all()
+    path = tmp_path / "mem.png"
+    memory.plot_timeline(cache, path)
+    assert path.stat().st_size > 1000
+
+
+def test_plot_timeline_needs_a_recording_cache():
+    with pytest.raises(ValueError, match="record=True"):
+        memory.plot_timeline(memory.AllocCache())
