@@ -1,0 +1,76 @@
+"""Fused normalisation: one primitive for zero-mean/unit-variance normalisation over any
+axes (BatchNorm, LayerNorm, GroupNorm) and one for root-mean-square normalisation (RMSNorm).
+
+Both return the normalised value only; the layers apply their affine scale and bias as array
+operations. The VJPs are the closed forms, which need only the normalised output and the
+reciprocal standard deviation, instead of the half-dozen nodes that the composition of
+mean, subtract, var, sqrt and divide would record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..ad.tape import primitive
+
+__all__ = ["moments", "normalize", "rms_normalize"]
+
+
+def moments(x: Any, axis: int | tuple[int, ...]) -> tuple[Any, Any]:
+    """Mean and biased variance of the raw array `x` over `axis`, with kept dimensions.
+
+    >>> m, v = moments(np.array([[1.0, 3.0]]), axis=1)
+    >>> m.tolist(), v.tolist()
+    ([[2.0]], [[1.0]])
+    """
+    mean = np.mean(x, axis=axis, keepdims=True)
+    centred = x - mean
+    centred *= centred
+    return mean, np.mean(centred, axis=axis, keepdims=True)
+
+
+@primitive
+def normalize(x, *, axis, epsilon, stats=None):
+    """``(x - mean) / sqrt(var + epsilon)`` with mean and biased variance over `axis`.
+
+    `stats` is ``(mean, var)`` of `x` itself as `moments` returns them, for a caller that
+    needs them too (BatchNorm updates its running statistics from them); they are computed
+    here otherwise. Gradient: ``rstd * (g - mean(g) - xhat * mean(g * xhat))``.
+
+    >>> y = normalize(np.array([[1.0, 3.0]]), axis=-1, epsilon=0.0)
+    >>> y.tolist()
+    [[-1.0, 1.0]]
+    """
+    mean, var = moments(x, axis) if stats is None else stats
+    rstd = 1.0 / np.sqrt(var + epsilon)
+    xhat = x - mean
+    xhat *= rstd
+
+    def vjp(g, needs):
+        gx = g - np.mean(g, axis=axis, keepdims=True)
+        gx -= xhat * np.mean(g * xhat, axis=axis, keepdims=True)
+        gx *= rstd
+        return (gx,)
+
+    return xhat, vjp
+
+
+@primitive
+def rms_normalize(x, *, axis=-1, epsilon):
+    """``x / sqrt(mean(x**2) + epsilon)`` over `axis`. Gradient:
+    ``rstd * (g - y * mean(g * y))``.
+
+    >>> rms_normalize(np.array([[3.0, 4.0]]), epsilon=0.0).round(4).tolist()
+    [[0.8485, 1.1314]]
+    """
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + epsilon)
+    y = x * rstd
+
+    def vjp(g, needs):
+        gx = g - y * np.mean(g * y, axis=axis, keepdims=True)
+        gx *= rstd
+        return (gx,)
+
+    return y, vjp
