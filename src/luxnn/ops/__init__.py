@@ -3,4 +3,6 @@
 from .activations import (
     elu, gelu, leaky_relu, log_softmax, logsumexp, relu, sigmoid, silu, softmax, softplus, swish,
 )  # fmt: skip
+from .conv import conv, conv_transpose
 from .cross_entropy import softmax_cross_entropy
+from .pool import avg_pool, max_pool

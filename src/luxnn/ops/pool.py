@@ -1,0 +1,121 @@
+"""Pooling primitives over the spatial axes of channels-last input ``(N, *spatial, C)``.
+
+Forward and backward loop over the window offsets only (``prod(window)`` whole-array
+operations on strided views of the padded input), never over output positions.
+
+- `max_pool` pads with -inf; its gradient goes to the first maximum of each window in
+  row-major window order, as PyTorch's (ties do not split the gradient).
+- `avg_pool` pads with zeros and by default divides by the full window size, counting the
+  padding (PyTorch's ``count_include_pad=True`` default); ``count_include_pad=False``
+  divides by the number of real elements in each window instead.
+
+>>> import numpy as np
+>>> x = np.arange(16, dtype=np.float32).reshape(1, 4, 4, 1)
+>>> max_pool(x, (2, 2))[0, :, :, 0].tolist()
+[[5.0, 7.0], [13.0, 15.0]]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import numpy as np
+
+from ..ad.tape import primitive
+from ..backend import module_of
+from .conv import Pairs, _per_axis, _per_side, conv_output_size, crop_spatial, pad_spatial, window_slices
+
+__all__ = ["max_pool", "avg_pool"]
+
+
+def _config(x: Any, window: Any, stride: Any, padding: Any) -> tuple[tuple[int, ...], tuple[int, ...], Pairs]:
+    r = x.ndim - 2
+    window = _per_axis(window, r)
+    return window, window if stride is None else _per_axis(stride, r), _per_side(padding, r)
+
+
+def max_pool(x: Any, window: Any, stride: Any = None, padding: Any = 0) -> Any:
+    """Max over windows of `x` ``(N, *spatial, C)``: ``(N, *out, C)`` with
+    ``out = (spatial + low + high - window) // stride + 1``. `window`, `stride` (default:
+    the window) and `padding` as for `luxnn.ops.conv`."""
+    window, stride, padding = _config(x, window, stride, padding)
+    return _max_pool(x, window=window, stride=stride, padding=padding)
+
+
+def avg_pool(x: Any, window: Any, stride: Any = None, padding: Any = 0, *, count_include_pad: bool = True) -> Any:
+    """Mean over windows of `x` ``(N, *spatial, C)``; arguments as `max_pool`."""
+    window, stride, padding = _config(x, window, stride, padding)
+    return _avg_pool(x, window=window, stride=stride, padding=padding, count_include_pad=count_include_pad)
+
+
+def _windows(xpad: Any, window: tuple[int, ...], stride: tuple[int, ...]) -> tuple[tuple[int, ...], list[tuple[slice, ...]]]:
+    """Output sizes, and for each window offset the index of the elements it reads."""
+    ones = (1,) * len(window)
+    out = tuple(conv_output_size(n, k, s, 1, (0, 0)) for n, k, s in zip(xpad.shape[1:-1], window, stride))
+    return out, [window_slices(off, stride, ones, out) for off in itertools.product(*map(range, window))]
+
+
+@primitive
+def _max_pool(x, *, window, stride, padding):
+    xpad = pad_spatial(x, padding, -np.inf)
+    out, slices = _windows(xpad, window, stride)
+    xp = module_of(x)
+    y = xpad[slices[0]].copy()
+    # Which offset holds each window's first maximum: strict > keeps the earliest on ties.
+    arg = xp.zeros(y.shape, np.uint8 if len(slices) < 256 else np.int32)
+    for k, sl in enumerate(slices[1:], 1):
+        v = xpad[sl]
+        better = np.greater(v, y)
+        np.copyto(y, v, where=better)
+        np.copyto(arg, k, where=better)
+    padded_shape, in_sizes = xpad.shape, x.shape[1:-1]
+    disjoint = all(s >= k for s, k in zip(stride, window))
+
+    def vjp(g, needs):
+        dxpad = xp.zeros(padded_shape, g.dtype)
+        for k, sl in enumerate(slices):
+            dst = dxpad[sl]
+            if disjoint:  # each input element is in one window at most: no accumulation
+                np.copyto(dst, g, where=arg == k)
+            else:
+                np.add(dst, g, out=dst, where=arg == k)
+        return (crop_spatial(dxpad, in_sizes, padding),)
+
+    return y, vjp
+
+
+def _divisor(x: Any, window: tuple[int, ...], stride: tuple[int, ...], padding: Pairs, out: tuple[int, ...], include_pad: bool) -> Any:
+    """The window size, or without padding the count of real elements in each window,
+    shaped ``(1, *out, 1)``; a product of per-axis counts."""
+    if include_pad or not any(lo or hi for lo, hi in padding):
+        return math.prod(window)
+    xp = module_of(x)
+    count = xp.ones((1,) * x.ndim, x.dtype)
+    for axis, (n, k, s, (lo, _), o) in enumerate(zip(x.shape[1:-1], window, stride, padding, out), 1):
+        start = xp.arange(o) * s - lo
+        real = xp.minimum(start + k, n) - xp.maximum(start, 0)
+        count = count * real.astype(x.dtype).reshape(tuple(-1 if i == axis else 1 for i in range(x.ndim)))
+    return count
+
+
+@primitive
+def _avg_pool(x, *, window, stride, padding, count_include_pad):
+    xpad = pad_spatial(x, padding)
+    out, slices = _windows(xpad, window, stride)
+    y = xpad[slices[0]].copy()
+    for sl in slices[1:]:
+        y += xpad[sl]
+    divisor = _divisor(x, window, stride, padding, out, count_include_pad)
+    y /= divisor
+    padded_shape, in_sizes = xpad.shape, x.shape[1:-1]
+
+    def vjp(g, needs):
+        share = g / divisor
+        dxpad = module_of(g).zeros(padded_shape, share.dtype)
+        for sl in slices:
+            dxpad[sl] += share
+        return (crop_spatial(dxpad, in_sizes, padding),)
+
+    return y, vjp
