@@ -6,6 +6,16 @@ from .conv import Conv, ConvTranspose
 from .pooling import AvgPool, GlobalAvgPool, GlobalMaxPool, MaxPool
 from .shape import Flatten, Reshape
 from .dense import Dense
+from .attention import MultiHeadAttention
+from .containers import Parallel, SkipConnection
+from .dropout import Dropout
+from .embedding import Embedding
+from .normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
+from .stateful import StatefulLayer
 
 __all__ = ["ACTIVATIONS", "Chain", "Dense", "get_activation"]
+__all__ += [
+    "MultiHeadAttention", "Parallel", "SkipConnection", "Dropout", "Embedding", "BatchNorm",
+    "GroupNorm", "LayerNorm", "RMSNorm", "StatefulLayer",
+]  # fmt: skip
 __all__ += ["Conv", "ConvTranspose", "MaxPool", "AvgPool", "GlobalMaxPool", "GlobalAvgPool", "Flatten", "Reshape"]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import operator
+from typing import Any, Callable, Iterator
 
 from ..core import Layer, call_child
 
@@ -42,3 +43,77 @@ class Chain(Layer):
         if isinstance(key, int):
             return list(self.layers.values())[key]
         return self.layers[key]
+
+
+class SkipConnection(Layer):
+    """``combine(layer(x), x)``: a residual block with the default ``combine=operator.add``.
+
+    As Lux's SkipConnection wraps its layer, its parameters and state are the wrapped
+    layer's own (no extra nesting).
+
+    >>> import numpy as np, luxnn as lx
+    >>> block = lx.SkipConnection(lx.Dense(4, 4))
+    >>> ps, st = lx.setup(np.random.default_rng(0), block)
+    >>> sorted(ps)
+    ['bias', 'weight']
+    """
+
+    def __init__(self, layer: Layer, combine: Callable[[Any, Any], Any] = operator.add) -> None:
+        if not isinstance(layer, Layer):
+            raise TypeError(f"SkipConnection: layer must be a luxnn Layer, got {type(layer).__name__}")
+        if not callable(combine):
+            raise TypeError(f"SkipConnection: combine must be callable, got {type(combine).__name__}")
+        self.layer = layer
+        self.combine = combine
+
+    def init_params(self, rng: Any) -> dict[str, Any]:
+        return self.layer.init_params(rng)
+
+    def init_state(self, rng: Any) -> dict[str, Any]:
+        return self.layer.init_state(rng)
+
+    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        y, st = self.layer(x, ps, st)
+        return self.combine(y, x), st
+
+    def __repr__(self) -> str:
+        combine = "" if self.combine is operator.add else f", {getattr(self.combine, '__name__', self.combine)}"
+        return f"SkipConnection({self.layer!r}{combine})".replace("\n", "\n  ")
+
+
+class Parallel(Layer):
+    """Layers applied side by side, their outputs joined by ``combine(y_1, ..., y_N)``
+    (a tuple of the outputs when `combine` is None). Each layer gets `x`, or, when `x` is a
+    tuple of N elements, layer i gets ``x[i]``. Children are named ``layer_1 ... layer_N``
+    (or by keyword), as in Lux.
+
+    >>> import numpy as np, luxnn as lx
+    >>> model = lx.Parallel(lambda a, b: a + b, lx.Dense(3, 2), lx.Dense(3, 2))
+    >>> ps, st = lx.setup(np.random.default_rng(0), model)
+    >>> model(np.ones((4, 3), np.float32), ps, st)[0].shape
+    (4, 2)
+    """
+
+    def __init__(self, combine: Callable[..., Any] | None, *layers: Layer, **named: Layer) -> None:
+        if layers and named:
+            raise ValueError("Parallel: pass layers either positionally or by name, not both")
+        if not (layers or named):
+            raise ValueError("Parallel: expected at least one layer")
+        if combine is not None and not callable(combine):
+            raise TypeError(f"Parallel: combine must be callable or None, got {type(combine).__name__}")
+        self.combine = combine
+        self.layers: dict[str, Layer] = named or {f"layer_{i}": layer for i, layer in enumerate(layers, 1)}
+        for name, layer in self.layers.items():
+            if not isinstance(layer, Layer):
+                raise TypeError(f"Parallel: {name} must be a luxnn Layer, got {type(layer).__name__}")
+
+    def children(self) -> Iterator[tuple[str, Layer]]:
+        return iter(self.layers.items())
+
+    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        split = isinstance(x, tuple) and len(x) == len(self.layers)
+        outputs, new_st = [], {}
+        for i, (name, layer) in enumerate(self.layers.items()):
+            y, new_st[name] = call_child(name, layer, x[i] if split else x, ps, st)
+            outputs.append(y)
+        return (tuple(outputs) if self.combine is None else self.combine(*outputs)), new_st
