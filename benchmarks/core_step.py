@@ -8,6 +8,7 @@ AD bookkeeping cost per recorded primitive on tiny arrays.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -52,9 +53,9 @@ def luxnn_step(x, y, cache):
 
 def numpy_step(x, y):
     rng = np.random.default_rng(0)
-    w1 = rng.uniform(-1, 1, (IN, HIDDEN)).astype(np.float32) / np.sqrt(IN)
+    w1 = (rng.uniform(-1, 1, (IN, HIDDEN)) / math.sqrt(IN)).astype(np.float32)
     b1 = np.zeros(HIDDEN, np.float32)
-    w2 = rng.uniform(-1, 1, (HIDDEN, OUT)).astype(np.float32) / np.sqrt(HIDDEN)
+    w2 = (rng.uniform(-1, 1, (HIDDEN, OUT)) / math.sqrt(HIDDEN)).astype(np.float32)
     b2 = np.zeros(OUT, np.float32)
     rows = np.arange(BATCH)
 

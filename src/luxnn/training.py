@@ -71,12 +71,17 @@ class TrainState:
             from .devices import get_device
 
             allocator_cache = get_allocator_cache(get_device(parameters))
+        if optimizer_state is None:
+            # Made in the cache, so that the first update's replacement of it is the last
+            # one that reaches upstream: from the second step on, blocks alternate.
+            with cached(allocator_cache):
+                optimizer_state = optimizer.init(parameters)
         fields = {
             "model": model,
             "parameters": parameters,
             "states": states,
             "optimizer": optimizer,
-            "optimizer_state": optimizer.init(parameters) if optimizer_state is None else optimizer_state,
+            "optimizer_state": optimizer_state,
             "step": int(step),
             "allocator_cache": allocator_cache,
         }

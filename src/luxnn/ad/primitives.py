@@ -31,7 +31,8 @@ def unbroadcast(g: Any, shape: tuple[int, ...]) -> Any:
     axes = tuple(range(lead)) + tuple(
         lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1
     )
-    return g.sum(axis=axes).reshape(shape) if axes else g.reshape(shape)
+    g = g.sum(axis=axes) if axes else g
+    return g if g.shape == shape else g.reshape(shape)
 
 
 def _normalize_axis(axis: Any, ndim: int) -> tuple[int, ...]:
@@ -107,11 +108,12 @@ def minimum(a, b):
 
 
 def _select_vjp(g, needs, a, b, wins):
-    # Ties split the cotangent evenly, as PyTorch does.
-    share = wins(a, b) + 0.5 * np.equal(a, b)
+    # Ties split the cotangent evenly, as PyTorch does. Built from g alone, so the
+    # cotangent keeps g's dtype (a float64 share would promote float32 gradients).
+    ga = np.where(np.equal(a, b), 0.5 * g, g * wins(a, b))
     return (
-        unbroadcast(g * share, _shape(a)) if needs[0] else None,
-        unbroadcast(g * (1 - share), _shape(b)) if needs[1] else None,
+        unbroadcast(ga, _shape(a)) if needs[0] else None,
+        unbroadcast(g - ga, _shape(b)) if needs[1] else None,
     )
 
 
@@ -196,26 +198,33 @@ def astype(x, dtype, copy=True):
 # -- linear algebra -----------------------------------------------------------------------
 
 
+def _reshaped(x, shape):
+    # A reshape to the same shape still makes a view, which value_and_grad would then copy.
+    return x if x.shape == shape else x.reshape(shape)
+
+
 @primitive
 def matmul(a, b):
     def vjp(g, needs):
         a2 = a[None, :] if a.ndim == 1 else a
         b2 = b[:, None] if b.ndim == 1 else b
+        # Restore the axes the 1-D operands dropped from g, the column's first: for
+        # vector @ vector, g is 0-d and has no axis -2 until the column axis is back.
         g2 = g
-        if a.ndim == 1:
-            g2 = np.expand_dims(g2, -2)
         if b.ndim == 1:
             g2 = np.expand_dims(g2, -1)
+        if a.ndim == 1:
+            g2 = np.expand_dims(g2, -2)
         ga = gb = None
         if needs[0]:
-            ga = unbroadcast(g2 @ np.swapaxes(b2, -1, -2), a2.shape).reshape(a.shape)
+            ga = _reshaped(unbroadcast(g2 @ np.swapaxes(b2, -1, -2), a2.shape), a.shape)
         if needs[1]:
             if b2.ndim == 2 and a2.ndim > 2:
                 # Weight gradient of a batched input: one GEMM over the flattened batch.
                 k, m = b2.shape
-                gb = (a2.reshape(-1, k).T @ g2.reshape(-1, m)).reshape(b.shape)
+                gb = _reshaped(a2.reshape(-1, k).T @ g2.reshape(-1, m), b.shape)
             else:
-                gb = unbroadcast(np.swapaxes(a2, -1, -2) @ g2, b2.shape).reshape(b.shape)
+                gb = _reshaped(unbroadcast(np.swapaxes(a2, -1, -2) @ g2, b2.shape), b.shape)
         return ga, gb
 
     return np.matmul(a, b), vjp
@@ -258,7 +267,7 @@ def _extremum(reduce):
                 g = g.reshape(y.shape)
             # Ties share the cotangent evenly, as PyTorch's amax/amin do.
             hit = np.equal(x, y)
-            return (hit * (g / hit.sum(axis=axis, keepdims=True)),)
+            return (hit * (g / hit.sum(axis=axis, keepdims=True, dtype=g.dtype)),)
 
         return (y if keepdims else y.reshape(_reduced_shape(x.shape, axis))), vjp
 
@@ -306,7 +315,8 @@ def reshape(x, shape, copy=None):
 
 @primitive
 def permute_dims(x, axes):
-    inverse = tuple(np.argsort(axes))
+    # Negative axes count from the end; argsort needs them normalised to invert the order.
+    inverse = tuple(np.argsort([a % x.ndim for a in axes]))
     return np.transpose(x, axes), lambda g, needs: (np.transpose(g, inverse),)
 
 
