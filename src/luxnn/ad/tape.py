@@ -234,6 +234,8 @@ def _check_differentiable(path: str, leaf: Any) -> None:
 def _owned(g: Any, like: Any, seen: set[int]) -> Any:
     # A cotangent may be a broadcast view, or the same array as another leaf's cotangent
     # (add passes g through to both inputs): hand out arrays the caller can own.
+    if isinstance(g, np.generic):  # NumPy returns 0-d results as scalars, not arrays
+        g = np.asarray(g)
     if g.shape != like.shape:
         g = np.broadcast_to(g, like.shape)
     if g.dtype != like.dtype:
@@ -279,7 +281,7 @@ def value_and_grad(
             out, aux = out
             aux = stop_gradient(aux)
         raw = _stop(out)
-        if getattr(raw, "size", None) != 1:
+        if not isinstance(raw, (int, float)) and getattr(raw, "size", None) != 1:
             raise TypeError(f"value_and_grad: f must return a scalar, got {type(raw).__name__} of shape {getattr(raw, 'shape', None)}")
         if type(out) is Traced and out.tape is tape:
             leaf_grads = tape.backward(out, np.ones_like(raw))

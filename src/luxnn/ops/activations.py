@@ -108,7 +108,7 @@ def logsumexp(x, axis=-1, keepdims=False):
 
     def vjp(g, needs):
         if not keepdims:
-            g = np.expand_dims(g, axis)
+            g = g.reshape(y.shape)  # also for axis=None or a tuple, which expand_dims rejects
         return (g * np.exp(x - y),)
 
     return (y if keepdims else np.squeeze(y, axis=axis)), vjp
