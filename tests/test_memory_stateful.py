@@ -1,6 +1,8 @@
 """Random sequences of allocations, drops, nested scopes over two caches, trims and frees,
 checked against a model of what the caches must hold."""
 
+import os
+
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -104,5 +106,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert cache.stats().bytes_live == 0
 
 
-CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+# Under valgrind (scripts/memcheck.sh) an example is ~50x slower: fewer of them there.
+EXAMPLES = 12 if os.environ.get("LUXNN_MEMCHECK") else 60
+CacheMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None)
 TestCache = CacheMachine.TestCase

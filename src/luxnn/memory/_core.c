@@ -42,23 +42,18 @@
  * bytes, and a free block is reused only for requests of the same bin.
  *
  *   n <= 8 KiB:       multiples of 512 B (16 classes)
- *   2^k < n <= 2^k+1: LX_DIV classes per power of two, a step of 2^k / LX_DIV
+ *   2^k < n <= 2^(k+1): LX_DIV classes per power of two, a step of 2^k / LX_DIV
  *
  * so a block wastes less than 512 B on a small request and less than
- * 1/LX_DIV (6.25 %) of a large one. LX_DIV is the trade between that slack
- * and reuse across nearby sizes (variable batch or sequence lengths). It was
- * chosen by measurement (benchmarks/allocator.py --bins; rebuild with
- * CFLAGS=-DLX_DIV_LOG2=k to compare):
- *
- *   LX_DIV   slack, fixed-shape MLP   variable-length loop: reserved / peak live, hit rate
- *      4         see the module docstring of luxnn.memory.cache (filled in from the sweep)
+ * 1/LX_DIV (6.25 %) of a large one: within the 1.1x reserved/live budget for
+ * any shape. LX_DIV trades that slack against reuse across nearby sizes
+ * (variable batch or sequence lengths), chosen by measurement: see the
+ * module docstring of luxnn/memory/cache.py (benchmarks/allocator.py --sweep).
  *
  * Requests above 2^LX_MAX_LOG2 bytes (128 TiB) are not binned: they fail as
  * out of memory, which they are on any machine.
  */
-#ifndef LX_DIV_LOG2
 #define LX_DIV_LOG2 4
-#endif
 #define LX_DIV (1u << LX_DIV_LOG2)
 #define LX_QUANTUM_LOG2 9
 #define LX_LINEAR_LOG2 (LX_QUANTUM_LOG2 + LX_DIV_LOG2) /* linear classes up to 2^this */
@@ -538,7 +533,6 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     }
     else {
         c->fig.misses++;
-        b = malloc(sizeof(lx_block));
         void *ptr = NULL;
         if (c->limit && (size == 0 || size > c->limit)) {
             *status = LX_OVER_LIMIT; /* no trim can make room for it */
@@ -546,7 +540,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         else if (size == 0) {
             *status = LX_OUT_OF_MEMORY; /* above 128 TiB: no machine has it */
         }
-        else if (b == NULL || map_reserve_one(&c->map) != 0) {
+        else if ((b = malloc(sizeof(lx_block))) == NULL || map_reserve_one(&c->map) != 0) {
             *status = LX_FALLBACK;
         }
         else {
@@ -1001,7 +995,7 @@ static PyTypeObject CoreType = {
 };
 
 static PyObject *
-mod_bin_size(PyObject *mod, PyObject *arg)
+mod_bin_size(PyObject *Py_UNUSED(mod), PyObject *arg)
 {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n == -1 && PyErr_Occurred()) {
@@ -1014,7 +1008,7 @@ mod_bin_size(PyObject *mod, PyObject *arg)
 }
 
 static PyObject *
-mod_get_handler(PyObject *mod, PyObject *Py_UNUSED(ignored))
+mod_get_handler(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored))
 {
     return PyDataMem_GetHandler();
 }
@@ -1022,7 +1016,7 @@ mod_get_handler(PyObject *mod, PyObject *Py_UNUSED(ignored))
 /* Set NumPy's handler in the current context (None: NumPy's default);
  * returns the handler it replaces. */
 static PyObject *
-mod_set_handler(PyObject *mod, PyObject *handler)
+mod_set_handler(PyObject *Py_UNUSED(mod), PyObject *handler)
 {
     if (handler == Py_None) {
         return PyDataMem_SetHandler(NULL);
@@ -1036,7 +1030,7 @@ mod_set_handler(PyObject *mod, PyObject *handler)
 
 /* This thread's last failure: (seq, over_limit, request, limit, figures...) or None. */
 static PyObject *
-mod_last_failure(PyObject *mod, PyObject *Py_UNUSED(ignored))
+mod_last_failure(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored))
 {
     lx_failure f = tl_failure;
     if (f.seq == 0) {
