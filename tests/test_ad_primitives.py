@@ -114,6 +114,9 @@ UNARY = [
     case("sin", P.sin, normal(3, 4)),
     case("cos", P.cos, normal(3, 4)),
     case("clip", lambda x: P.clip(x, -0.5, 0.5), away(3, 4) * 0.8),
+    *[case(f"{fn.__name__}-{k}", lambda x, fn=fn, k=k: fn(x, k), normal(2, 3, 4),
+           ref=lambda x, fn=fn, k=k: getattr(np, fn.__name__)(x, k))
+      for fn in (P.tril, P.triu) for k in (0, 1, -1)],
     case("sigmoid", ops.sigmoid, np.r_[normal(8), 30.0, -30.0], ref=scipy.special.expit),
     case("relu", ops.relu, away(3, 4), ref=lambda x: np.maximum(x, 0)),
     case("gelu-tanh", ops.gelu, normal(3, 4) * 2,
@@ -280,10 +283,17 @@ def test_astype_to_integer_is_a_constant():
 
 C = normal(3, 4)
 
+
+def through_namespace(x):
+    """Array-API code, as layers write it: NumPy on arrays, the traced namespace when traced."""
+    xp = lx.array_namespace(x)
+    x = xp.asarray(x)
+    y = xp.sum(xp.exp(x) * xp.tanh(x), axis=0) + xp.mean(xp.concat([x, x * 2]), axis=0)
+    return y + xp.permute_dims(xp.reshape(x, (4, 3)), (1, 0))[0] * xp.asarray(x, dtype=xp.float64)[1]
+
+
 DISPATCH = {
-    "namespace": lambda x: (lambda xp: xp.sum(xp.exp(x) * xp.tanh(x), axis=0)
-                            + xp.mean(xp.concat([x, x * 2]), axis=0)
-                            + xp.permute_dims(xp.reshape(x, (4, 3)), (1, 0))[0])(lx.array_namespace(x)),
+    "namespace": through_namespace,
     "np.exp": np.exp,
     "np.sum-axis": lambda x: np.sum(x, axis=0),
     "np.sum": np.sum,
@@ -307,6 +317,8 @@ DISPATCH = {
     "np.broadcast_to": lambda x: np.broadcast_to(x, (2, 3, 4)),
     "np.take": lambda x: np.take(x, [1, 1], axis=1),
     "np.clip": lambda x: np.clip(x, -0.5, 0.5),
+    "np.tril": lambda x: np.tril(x, -1),
+    "xp.triu": lambda x: lx.array_namespace(x).triu(x, 1),
     "scalar+x": lambda x: 2.0 + x,
     "x+scalar": lambda x: x + 2,
     "scalar-x": lambda x: 3 - x,
@@ -334,12 +346,25 @@ DISPATCH = {
     "method-T-mT": lambda x: x.T + x.mT,
     "method-squeeze-swapaxes": lambda x: x[:, None].squeeze(1).swapaxes(0, 1),
     "getitem-traced-rows": lambda x: x[x[:, 0] > 0],
+    "iterate-rows": lambda x: [row * i for i, row in enumerate(x)],
 }
 
 
 @pytest.mark.parametrize("f", DISPATCH.values(), ids=DISPATCH.keys())
 def test_dispatch_on_traced_values(f):
     check_grad(f, away(3, 4))
+
+
+def test_asarray_keeps_traced_values_and_makes_constants():
+    def f(x):
+        xp = lx.array_namespace(x)
+        c = xp.asarray([1.0, 2.0, 3.0])
+        assert type(c) is np.ndarray
+        return (xp.asarray(x, dtype=xp.float32) * c).sum() + (xp.array(x) * c).sum()
+
+    g = lx.grad(f)(np.ones(3))
+    assert g.dtype == np.float64
+    np.testing.assert_array_equal(g, [2.0, 4.0, 6.0])
 
 
 def test_array_namespace_resolves_per_argument():

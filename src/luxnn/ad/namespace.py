@@ -31,7 +31,7 @@ DIFFERENTIABLE: dict[str, Callable[..., Any]] = {
     "matrix_transpose": P.matrix_transpose, "moveaxis": P.moveaxis,
     "expand_dims": P.expand_dims, "squeeze": P.squeeze, "broadcast_to": P.broadcast_to,
     "concat": P.concat, "concatenate": P.concat, "stack": P.stack, "split": P.split,
-    "take": P.take,
+    "take": P.take, "tril": P.tril, "triu": P.triu,
 }  # fmt: skip
 
 # Functions whose result carries no derivative: they run on the raw values.
@@ -58,8 +58,23 @@ def _constant(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _conversion(name: str) -> Callable[..., Any]:
+    def convert(self: "TracedNamespace", obj: Any, /, dtype: Any = None, **kwargs: Any) -> Any:
+        if type(obj) is Traced:
+            return obj if dtype is None or obj.dtype == dtype else P.astype(obj, dtype)
+        return getattr(self._backend, name)(obj, dtype=dtype, **kwargs)
+
+    convert.__name__ = name
+    return convert
+
+
 class TracedNamespace:
     """The namespace `xp` of traced values backed by `backend` (``numpy`` or ``cupy``)."""
+
+    # Array code converts its inputs with xp.asarray: a traced value must stay on the tape
+    # (converting its raw value would silently drop its derivative).
+    asarray = _conversion("asarray")
+    array = _conversion("array")
 
     def __init__(self, backend: ModuleType) -> None:
         self._backend = backend
@@ -82,7 +97,7 @@ class TracedNamespace:
 
 
 _CREATION = frozenset(
-    "asarray array zeros ones empty full arange linspace eye tri tril triu ones_like "
+    "zeros ones empty full arange linspace eye tri ones_like "
     "zeros_like finfo iinfo dtype isdtype".split()
 )
 _NAMESPACES: dict[ModuleType, TracedNamespace] = {}

@@ -190,6 +190,16 @@ def clip(x, min=None, max=None):  # noqa: A002 - the array-API names
 
 
 @primitive
+def tril(x, k=0):
+    return np.tril(x, k), lambda g, needs: (np.tril(g, k),)
+
+
+@primitive
+def triu(x, k=0):
+    return np.triu(x, k), lambda g, needs: (np.triu(g, k),)
+
+
+@primitive
 def astype(x, dtype, copy=True):
     source = x.dtype
     return x.astype(dtype, copy=copy), lambda g, needs: (g.astype(source, copy=False),)
