@@ -3,7 +3,8 @@
 The forward pass of a chain of N ops must keep O(N) saved arrays alive (that is the
 forward's own working set). These tests check that the backward pass gives them back as it
 goes: probes on the tape observe what is still alive while the VJPs run, so a tape that
-kept every node until the end fails them.
+kept every node until the end fails them. And a VJP closes over no input it does not need,
+so intermediates die during the forward pass once nothing else uses them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import tracemalloc
 import weakref
 
 import numpy as np
+import pytest
 
 import luxnn as lx
 from luxnn import ops
@@ -128,3 +130,47 @@ def test_backward_memory_stays_at_a_few_arrays():
     # Afterwards only the gradient (and the scalar value) is left.
     assert after - base < 1.5 * nbytes
     assert g.shape == x.shape and np.isfinite(g).all()
+
+
+# Primitives whose VJP needs none of their input's values (only its shape, or their output).
+# Views (reshape, transpose, basic indexing) are left out: their output keeps the input's memory.
+INPUT_NOT_NEEDED = {
+    "add": lambda a: a + 1.0,
+    "subtract": lambda a: 1.0 - a,
+    "divide-numerator": lambda a: a / 2.0,
+    "negative": lambda a: -a,
+    "exp": P.exp,
+    "tanh": P.tanh,
+    "sqrt": P.sqrt,
+    "sigmoid": ops.sigmoid,
+    "relu": ops.relu,
+    "leaky_relu": ops.leaky_relu,
+    "elu": ops.elu,
+    "softmax": ops.softmax,
+    "log_softmax": ops.log_softmax,
+    "sum": lambda a: P.sum(a, axis=0),
+    "mean": P.mean,
+    "astype": lambda a: P.astype(a, np.float32),
+    "concat": lambda a: P.concat([a, a]),
+    "stack": lambda a: P.stack([a, a]),
+    "take": lambda a: P.take(a, [0, 1]),
+    "advanced-index": lambda a: a[[0, 1]],
+    "broadcasting-add": lambda a: a + np.ones((2, 3, 4)),
+    "where": lambda a: P.where(np.eye(3, 4, dtype=bool), a, 0.0),
+}
+
+
+@pytest.mark.parametrize("fn", INPUT_NOT_NEEDED.values(), ids=INPUT_NOT_NEEDED.keys())
+def test_vjp_does_not_keep_an_input_it_does_not_need(fn):
+    kept = []
+
+    def f(x):
+        a = x * 1.0  # an intermediate only `fn` uses (multiply saves x, not its output)
+        ref = weakref.ref(a.value)
+        y = fn(a)
+        del a
+        kept.append(ref() is not None)
+        return y.sum()
+
+    g = lx.grad(f)(np.full((3, 4), 2.0))
+    assert g.shape == (3, 4) and kept == [False]

@@ -79,9 +79,10 @@ def multiply(a, b):
 @primitive
 def divide(a, b):
     y = np.divide(a, b)
+    sa, sb = _shape(a), _shape(b)  # not `a` itself: the numerator is not needed
     return y, lambda g, needs: (
-        unbroadcast(g / b, _shape(a)) if needs[0] else None,
-        unbroadcast(-g * y / b, _shape(b)) if needs[1] else None,
+        unbroadcast(g / b, sa) if needs[0] else None,
+        unbroadcast(-g * y / b, sb) if needs[1] else None,
     )
 
 

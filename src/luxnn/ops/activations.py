@@ -37,9 +37,10 @@ def leaky_relu(x, negative_slope=0.01):
 
 @primitive
 def elu(x, alpha=1.0):
+    positive = x > 0  # saved instead of x: a boolean mask is all the VJP needs
     negative_part = alpha * np.expm1(np.minimum(x, 0))
-    y = np.where(x > 0, x, negative_part)
-    return y, lambda g, needs: (np.where(x > 0, g, g * (negative_part + alpha)),)
+    y = np.where(positive, x, negative_part)
+    return y, lambda g, needs: (np.where(positive, g, g * (negative_part + alpha)),)
 
 
 def _sigmoid(x):
