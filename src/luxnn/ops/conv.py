@@ -77,20 +77,39 @@ def window_slices(offset: tuple[int, ...], stride: tuple[int, ...], dilation: tu
 
 
 def _im2col(xpad: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int) -> Any:
-    """The im2col matrix ``(groups, N*prod(out), prod(kernel)*C/groups)`` of `xpad`: a strided
-    window view ``(N, *out, *kernel, C)`` of the input, copied once by the reshape (no copy at
-    all for a 1x1 kernel at stride 1, where the view already is the matrix)."""
+    """The im2col matrix ``(groups, N*prod(out), prod(kernel)*C/groups)`` of `xpad`, the one
+    buffer of a call: a strided window view ``(N, *out, *kernel, C)`` of the input, copied
+    once by the reshape (no copy at all for a 1x1 kernel at stride 1, where the view already
+    is the matrix)."""
+    xp = module_of(xpad)
     n, c = xpad.shape[0], xpad.shape[-1]
     sn, *ss, sc = xpad.strides
     cg = c // groups
-    view = module_of(xpad).lib.stride_tricks.as_strided(
+    rows, width = n * math.prod(out), math.prod(kernel) * cg
+    if cg == 1 and out[-1] > kernel[-1]:
+        # One channel per group (a first layer on grey images, a depthwise conv): the view's
+        # contiguous runs would be one kernel row, a few elements long, so fill the buffer one
+        # kernel offset at a time instead, whose runs are whole output rows. 3x faster.
+        cols = xp.empty((groups, n, *out, *kernel), xpad.dtype)
+        lead = (slice(None),) * (2 + len(out))
+        for offset in itertools.product(*map(range, kernel)):
+            cols[lead + offset] = np.moveaxis(xpad[window_slices(offset, stride, dilation, out)], -1, 0)
+        return cols.reshape(groups, rows, width)
+    view = xp.lib.stride_tricks.as_strided(
         xpad,
         (n, *out, *kernel, groups, cg),
         (sn, *(a * s for a, s in zip(ss, stride)), *(a * d for a, d in zip(ss, dilation)), cg * sc, sc),
     )
     if groups > 1:
         view = np.moveaxis(view, -2, 0)
-    return view.reshape(groups, n * math.prod(out), math.prod(kernel) * cg)
+    return view.reshape(groups, rows, width)
+
+
+def _channel_sum(g: Any, channels: int) -> Any:
+    """Bias gradient: `g` summed over all axes but the last, as a GEMV (several times
+    faster than NumPy's column sum of a tall matrix)."""
+    g2 = g.reshape(-1, channels)
+    return module_of(g2).ones(g2.shape[0], g2.dtype) @ g2
 
 
 def _col2im(cols: Any, padded_shape: tuple[int, ...], kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int) -> Any:
@@ -193,7 +212,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups):
         if needs[1]:
             dw = _grouped_matmul(cols.transpose(0, 2, 1), gg, cols.shape[2], o // groups, groups, g2.dtype).reshape(w.shape)
         if needs[2]:
-            db = g2.sum(axis=0)
+            db = _channel_sum(g2, o)
         return dx, dw, db
 
     return y.reshape(n, *out, o), vjp
@@ -227,7 +246,7 @@ def _conv_transpose(x, w, b, *, stride, padding, dilation, groups, output_paddin
         if needs[1]:
             dw = _grouped_matmul(cols.transpose(0, 2, 1), xg, cols.shape[2], c // groups, groups, dtype).reshape(w.shape)
         if needs[2]:
-            db = g.reshape(-1, o).sum(axis=0)
+            db = _channel_sum(g, o)
         return dx, dw, db
 
     return y, vjp

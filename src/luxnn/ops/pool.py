@@ -63,24 +63,33 @@ def _max_pool(x, *, window, stride, padding):
     out, slices = _windows(xpad, window, stride)
     xp = module_of(x)
     y = xpad[slices[0]].copy()
-    # Which offset holds each window's first maximum: strict > keeps the earliest on ties.
+    # arg: which offset holds each window's first maximum (strict > keeps the earliest on
+    # ties). Offsets come in increasing order, so ``arg = max(arg, k * better)`` records the
+    # latest improvement; unlike masked copies, every operation here is branch-free.
     arg = xp.zeros(y.shape, np.uint8 if len(slices) < 256 else np.int32)
+    better = xp.empty(y.shape, bool)
+    mark = xp.empty_like(arg)
     for k, sl in enumerate(slices[1:], 1):
         v = xpad[sl]
-        better = np.greater(v, y)
-        np.copyto(y, v, where=better)
-        np.copyto(arg, k, where=better)
+        np.greater(v, y, out=better)
+        np.maximum(y, v, out=y)
+        np.multiply(better, k, out=mark, dtype=arg.dtype)
+        np.maximum(arg, mark, out=arg)
     padded_shape, in_sizes = xpad.shape, x.shape[1:-1]
+    # Windows that tile the padded input exactly write each input gradient element once.
+    tiling = all(s == k and o * s == n for s, k, o, n in zip(stride, window, out, padded_shape[1:-1]))
     disjoint = all(s >= k for s, k in zip(stride, window))
 
     def vjp(g, needs):
-        dxpad = xp.zeros(padded_shape, g.dtype)
+        dxpad = (xp.empty if tiling else xp.zeros)(padded_shape, g.dtype)
+        hit = xp.empty(g.shape, bool)
         for k, sl in enumerate(slices):
+            np.equal(arg, k, out=hit)
             dst = dxpad[sl]
-            if disjoint:  # each input element is in one window at most: no accumulation
-                np.copyto(dst, g, where=arg == k)
+            if disjoint:
+                np.multiply(g, hit, out=dst)
             else:
-                np.add(dst, g, out=dst, where=arg == k)
+                dst += g * hit
         return (crop_spatial(dxpad, in_sizes, padding),)
 
     return y, vjp

@@ -1,0 +1,179 @@
+"""Issue 4's CNN training step: luxnn against PyTorch eager on the CPU, side by side.
+
+28x28x1 images, batch 64: Conv 3x3 1->32 + relu, 2x2 max pool, Conv 3x3 32->64 + relu, 2x2
+max pool, Dense 3136->10 (padding 1, so 28 -> 14 -> 7), softmax cross-entropy, Adam.
+Interleaved rounds, medians; both frameworks on the same number of threads.
+
+    python benchmarks/cnn_step.py [--rounds 15] [--per-round 10] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+import luxnn as lx
+
+BATCH, LR = 64, 1e-3
+
+
+def blas_info() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "threadpoolctl not installed"
+    return "; ".join(
+        f"{i['internal_api']} {i.get('version')} kernel={i.get('architecture')} threads={i['num_threads']}"
+        for i in threadpool_info()
+        if i["user_api"] == "blas"
+    )
+
+
+def luxnn_model() -> lx.Layer:
+    return lx.Chain(
+        lx.Conv(3, 1, 32, activation="relu", padding=1),
+        lx.MaxPool(2),
+        lx.Conv(3, 32, 64, activation="relu", padding=1),
+        lx.MaxPool(2),
+        lx.Flatten(),
+        lx.Dense(7 * 7 * 64, 10),
+    )
+
+
+def luxnn_train_step(x, y, cache: bool):
+    model = luxnn_model()
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    kwargs = {} if cache else {"allocator_cache": None}
+    ts = lx.TrainState(model, ps, st, lx.optim.adam(LR), **kwargs)
+    loss, ad = lx.losses.CrossEntropyLoss(), lx.AutoTape()
+
+    def step():
+        nonlocal ts
+        _, _, _, ts = lx.single_train_step_(ad, loss, (x, y), ts)
+
+    return step
+
+
+def luxnn_forward_backward(x, y):
+    model = luxnn_model()
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    loss = lx.losses.CrossEntropyLoss()
+    vg = lx.value_and_grad(lambda ps: loss(model(x, ps, st)[0], y))
+    return lambda: vg(ps)
+
+
+def torch_model():
+    import torch
+
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(7 * 7 * 64, 10),
+    )  # fmt: skip
+
+
+def torch_train_step(x, y):
+    import torch
+
+    model = torch_model()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    tx, ty = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), torch.from_numpy(y)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(tx), ty).backward()
+        opt.step()
+
+    return step
+
+
+def torch_forward_backward(x, y):
+    import torch
+
+    model = torch_model()
+    tx, ty = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), torch.from_numpy(y)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(tx), ty).backward()
+
+    return step
+
+
+def time_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[float]]:
+    for step in steps.values():  # warm-up
+        for _ in range(5):
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                step()
+            samples[name].append((time.perf_counter() - t0) / per_round)
+    return samples
+
+
+def profile(step, n: int = 30) -> None:
+    import cProfile
+    import pstats
+
+    for _ in range(3):
+        step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--per-round", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="cProfile luxnn's training step instead")
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((BATCH, 28, 28, 1)).astype(np.float32)
+    y = rng.integers(0, 10, BATCH)
+    if args.profile:
+        profile(luxnn_train_step(x, y, cache=True))
+        return
+
+    import torch
+
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    steps = {
+        "luxnn train step (cache on)": luxnn_train_step(x, y, cache=True),
+        "luxnn train step (cache off)": luxnn_train_step(x, y, cache=False),
+        "pytorch train step": torch_train_step(x, y),
+        "luxnn fwd+bwd": luxnn_forward_backward(x, y),
+        "pytorch fwd+bwd": torch_forward_backward(x, y),
+    }
+    print(f"CNN 28x28x1, batch {BATCH}, conv3x3 32 + pool, conv3x3 64 + pool, dense 10; float32, Adam")
+    print(f"BLAS: {blas_info()}; torch {torch.__version__} threads={torch.get_num_threads()}; "
+          f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}")
+    samples = time_rounds(steps, args.rounds, args.per_round)
+    medians = {name: statistics.median(s) for name, s in samples.items()}
+    print(f"{'step':<30} {'median':>9} {'IQR':>8}")
+    for name, s in samples.items():
+        q = statistics.quantiles(s, n=4)
+        print(f"{name:<30} {medians[name] * 1e3:>7.2f}ms {(q[2] - q[0]) * 1e3:>6.2f}ms")
+    torch_step = medians["pytorch train step"]
+    for name in ("luxnn train step (cache on)", "luxnn train step (cache off)"):
+        print(f"ratio {name} / pytorch train step: {medians[name] / torch_step:.2f}x")
+    print(f"ratio luxnn fwd+bwd / pytorch fwd+bwd: {medians['luxnn fwd+bwd'] / medians['pytorch fwd+bwd']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
