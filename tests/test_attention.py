@@ -202,3 +202,30 @@ def test_bad_inputs():
     bad["layer_1"]["k_proj"]["weight"] = np.ones((8, 3), np.float32)
     with pytest.raises(lx.LayerError, match=r"^layer_1/k_proj: Dense\(8 => 8\): expected parameter 'weight' of shape \(8, 8\)"):
         model(q, bad, st)
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_head_products_match_finite_differences_and_leave_inputs_alone(heads):
+    from luxnn.ops.attention import attention_combine, attention_scores
+
+    rng = np.random.default_rng(heads)
+    q, k = rng.normal(size=(2, 4, 3 * heads)), rng.normal(size=(2, 5, 3 * heads))
+    w, v = rng.random((2, heads, 4, 5)), rng.normal(size=(2, 5, 3 * heads))
+    q0, k0 = q.copy(), k.copy()
+    r1, r2 = rng.normal(size=(2, heads, 4, 5)), rng.normal(size=(2, 4, 3 * heads))
+
+    def f(q, k, w, v):
+        return (attention_scores(q, k, num_heads=heads, scale=0.3) * r1).sum() + (attention_combine(w, v, num_heads=heads) * r2).sum()
+
+    grads = lx.grad(f, argnums=(0, 1, 2, 3))(q, k, w, v)
+    np.testing.assert_array_equal(q, q0)  # the scaled copy of q is never q itself
+    np.testing.assert_array_equal(k, k0)
+    args = [q, k, w, v]
+    h = 1e-6
+    for i, g in enumerate(grads):
+        for idx in [(0,) * g.ndim, tuple(n - 1 for n in g.shape)]:
+            plus = [a.copy() for a in args]
+            minus = [a.copy() for a in args]
+            plus[i][idx] += h
+            minus[i][idx] -= h
+            assert abs((f(*plus) - f(*minus)) / (2 * h) - g[idx]) < 1e-6

@@ -8,9 +8,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import init as initializers
-from ..ad import array_namespace
 from ..core import Layer, LayerError
-from ..ops.attention import masked_softmax
+from ..ops.attention import attention_combine, attention_scores, masked_softmax
 from .dense import Dense
 from .dropout import child_generator, dropout_mask, fork_generator
 
@@ -89,29 +88,23 @@ class MultiHeadAttention(Layer):
         q, k, v, mask = self._inputs(x)
         if not isinstance(ps, dict) or ps.keys() != {"q_proj", "k_proj", "v_proj", "out_proj"}:
             raise LayerError(f"{self}: expected parameters ['k_proj', 'out_proj', 'q_proj', 'v_proj'], got {sorted(ps) if isinstance(ps, dict) else type(ps).__name__}")
-        xp = array_namespace(q, k, v, ps["q_proj"]["weight"])
         batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
-        heads, head_dim = self.num_heads, self.dim // self.num_heads
+        heads = self.num_heads
         if mask is not None:
             self._check_mask(mask, (batch, heads, q_len, kv_len))
-
-        # Heads become a batch axis: (batch, heads, seq, head_dim) views that matmul takes
-        # without copies (each head's matrix has unit column stride).
-        def heads_of(t: Any, length: int) -> Any:
-            return xp.permute_dims(t.reshape((batch, length, heads, head_dim)), (0, 2, 1, 3))
-
-        qh = heads_of(self._project("q_proj", q, ps), q_len)
-        kh = heads_of(self._project("k_proj", k, ps), kv_len)
-        vh = heads_of(self._project("v_proj", v, ps), kv_len)
-        weights = masked_softmax(
-            qh @ xp.matrix_transpose(kh), scale=1.0 / math.sqrt(head_dim), mask=mask, is_causal=self.is_causal
+        scores = attention_scores(
+            self._project("q_proj", q, ps),
+            self._project("k_proj", k, ps),
+            num_heads=heads,
+            scale=1.0 / math.sqrt(self.dim // heads),
         )
+        weights = masked_softmax(scores, mask=mask, is_causal=self.is_causal)
         attended = weights
         if self.dropout > 0 and st["training"]:
             rng = fork_generator(st["rng"])
             attended = weights * dropout_mask(rng, weights.shape, weights.dtype, self.dropout)
             st = {"rng": rng, "training": True}
-        out = xp.permute_dims(attended @ vh, (0, 2, 1, 3)).reshape((batch, q_len, self.dim))
+        out = attention_combine(attended, self._project("v_proj", v, ps), num_heads=heads)
         return (self._project("out_proj", out, ps), weights), st
 
     def _project(self, name: str, x: Any, ps: dict[str, Any]) -> Any:
