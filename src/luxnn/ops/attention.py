@@ -24,21 +24,29 @@ def masked_softmax(scores, *, scale=1.0, mask=None, is_causal=False):
     >>> masked_softmax(np.zeros((2, 2)), is_causal=True).tolist()
     [[1.0, 0.0], [0.5, 0.5]]
     """
-    w = scores * scale if scale != 1.0 else scores.copy()
-    masked = mask is not None or is_causal
-    if mask is not None:
-        np.copyto(w, -np.inf, where=np.logical_not(mask))
+    if not scale > 0:
+        raise ValueError(f"masked_softmax: scale must be positive, got {scale!r}")
+    allowed = mask
     if is_causal:
-        q_len, kv_len = w.shape[-2:]
-        future = module_of(w).triu(module_of(w).ones((q_len, kv_len), bool), 1)
-        np.copyto(w, -np.inf, where=future)
-    row_max = np.max(w, axis=-1, keepdims=True)
-    if masked:
+        xp = module_of(scores)
+        past = xp.tril(xp.ones(scores.shape[-2:], bool))
+        allowed = past if allowed is None else np.logical_and(allowed, past)
+    # softmax(scale * s) = exp(scale * (s - max s)) / sum(...) for scale > 0; the first
+    # pass makes the one working array.
+    if allowed is None:
+        w = scores - np.max(scores, axis=-1, keepdims=True)
+    else:
+        w = np.where(allowed, scores, -np.inf)
+        if w.shape != scores.shape:
+            raise ValueError(f"masked_softmax: mask of shape {allowed.shape} does not broadcast to the scores' {scores.shape}")
+        row_max = np.max(w, axis=-1, keepdims=True)
         np.copyto(row_max, 0, where=np.isinf(row_max))  # fully masked rows: exp(-inf - 0) = 0
-    w -= row_max
+        w -= row_max
+    if scale != 1.0:
+        w *= scale
     np.exp(w, out=w)
     total = np.sum(w, axis=-1, keepdims=True)
-    if masked:
+    if allowed is not None:
         np.copyto(total, 1, where=total == 0)
     w *= 1.0 / total
 
