@@ -158,6 +158,28 @@ def test_escaped_arrays_keep_their_values_across_50_heavy_scopes():
     assert len({arr.ctypes.data for arr, _ in kept}) == len(kept)
 
 
+def test_a_reused_block_serves_one_array_at_a_time():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        for nbytes in (100, 10_000, 8 * MiB):
+            first = np.empty(nbytes, np.uint8)
+            del first  # one free block of the bin
+            arrays = [np.empty(nbytes, np.uint8) for _ in range(3)]
+            assert len({a.ctypes.data for a in arrays}) == 3
+            del arrays
+    cache._core.audit()
+
+
+def test_device_must_be_the_host():
+    class HostDevice:  # what luxnn.devices.CPUDevice looks like to the cache
+        xp = np
+
+    assert memory.AllocCache(HostDevice()).device is not None
+    with pytest.raises(NotImplementedError, match="host"):
+        memory.AllocCache(device="cuda:0")
+    assert memory.get_allocator_cache("cuda:0") is None
+
+
 def test_nested_scopes_on_one_cache_do_not_release_outer_arrays():
     cache = memory.AllocCache()
     with memory.cached(cache):

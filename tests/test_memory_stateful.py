@@ -13,7 +13,7 @@ from luxnn.memory import _core
 
 MiB = 1 << 20
 # Around the bin edges (512 B, 8 KiB, the mmap threshold at 4 MiB) and in between.
-SIZES = [1, 100, 512, 513, 4000, 8192, 8193, 70_000, MiB, 4 * MiB - 1, 4 * MiB, 5 * MiB + 3]
+SIZES = [1, 100, 513, 8192, 8193, 70_000, 4 * MiB - 1, 4 * MiB, 5 * MiB + 3]
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -36,6 +36,11 @@ class CacheMachine(RuleBasedStateMachine):
         a.fill(value)
         self.arrays[self.next_key] = (a, self.routing(), value)
         self.next_key += 1
+
+    @rule(size=st.sampled_from(SIZES), count=st.integers(2, 4))
+    def allocate_several(self, size, count):
+        for _ in range(count):
+            self.allocate(size)
 
     @precondition(lambda self: self.arrays)
     @rule(data=st.data())
@@ -88,6 +93,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert s.peak_reserved >= s.peak_live
             assert s.upstream_allocs >= s.upstream_frees
             assert s.hits + s.misses >= s.upstream_allocs
+            cache._core.audit()  # records, free lists, LRU ring and figures agree
 
     @invariant()
     def live_arrays_never_share_memory_and_keep_their_values(self):

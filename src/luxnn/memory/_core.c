@@ -710,6 +710,58 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
     return 0;
 }
 
+/* Check the bookkeeping against itself (for the tests): NULL when every record,
+ * free list and figure agrees, else what does not. */
+static const char *
+audit_locked(lx_core *c)
+{
+    size_t live = 0, cached = 0, owned = 0, listed = 0;
+    for (size_t i = 0; i < c->map.cap; i++) {
+        lx_block *b = c->map.slots[i];
+        if (b == NULL) {
+            continue;
+        }
+        if (map_find(&c->map, b->ptr) != b) {
+            return "a record cannot be found by its pointer";
+        }
+        if (b->size != bin_bytes(b->bin)) {
+            return "a block's size is not its bin's";
+        }
+        owned++;
+        *(b->live ? &live : &cached) += b->size;
+    }
+    for (uint32_t i = 0; i < LX_NBINS; i++) {
+        size_t n = 0;
+        for (lx_block *b = c->bins[i].top, *prev = NULL; b != NULL; prev = b, b = b->next) {
+            if (b->live || b->bin != i || b->prev != prev || map_find(&c->map, b->ptr) != b) {
+                return "a free list holds a live, foreign or unowned block";
+            }
+            n++;
+        }
+        if (n != c->bins[i].nfree) {
+            return "a bin's count of free blocks is wrong";
+        }
+        listed += n;
+    }
+    size_t in_lru = 0;
+    for (lx_block *b = c->lru.newer; b != &c->lru; b = b->newer) {
+        if (b->live || b->newer->older != b) {
+            return "the LRU ring holds a live block or is broken";
+        }
+        in_lru++;
+    }
+    if (in_lru != listed) {
+        return "the LRU ring and the free lists disagree";
+    }
+    if (live != c->fig.bytes_live || cached != c->fig.bytes_cached) {
+        return "bytes_live or bytes_cached disagrees with the records";
+    }
+    if (owned != c->fig.upstream_allocs - c->fig.upstream_frees || owned != c->map.count) {
+        return "the blocks owned disagree with upstream allocations minus frees";
+    }
+    return NULL;
+}
+
 static lx_figures
 lx_figures_of(lx_core *c)
 {
@@ -900,6 +952,19 @@ Core_scope_exit(CoreObject *self, PyObject *arg)
     return Py_BuildValue("(nn)", (Py_ssize_t)peak_live, (Py_ssize_t)peak_reserved);
 }
 
+static PyObject *
+Core_audit(CoreObject *self, PyObject *Py_UNUSED(ignored))
+{
+    pthread_mutex_lock(&self->core->lock);
+    const char *broken = audit_locked(self->core);
+    pthread_mutex_unlock(&self->core->lock);
+    if (broken != NULL) {
+        PyErr_SetString(PyExc_AssertionError, broken);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static void
 handler_capsule_destructor(PyObject *capsule)
 {
@@ -975,6 +1040,8 @@ static PyMethodDef Core_methods[] = {
      "Open a scope; returns its watcher slot."},
     {"scope_exit", (PyCFunction)Core_scope_exit, METH_O,
      "scope_exit(slot) -> (peak_live, peak_reserved) of the scope; evicts unused bins"},
+    {"audit", (PyCFunction)Core_audit, METH_NOARGS,
+     "Raise AssertionError unless the records, free lists and figures agree."},
     {"numpy_handler", (PyCFunction)Core_numpy_handler, METH_NOARGS,
      "A new NEP 49 handler capsule allocating from this core."},
     {"timeline", (PyCFunction)Core_timeline, METH_NOARGS,
