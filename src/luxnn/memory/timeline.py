@@ -11,7 +11,7 @@ __all__ = ["plot_timeline"]
 
 
 def plot_timeline(cache: AllocCache, path: str | PathLike | None = None) -> Any:
-    """Draw bytes live and bytes reserved over time, with each scope shaded; save it to
+    """Draw bytes live and bytes reserved over time, with the scopes shaded; save it to
     `path` if given. Returns the matplotlib `Figure` (matplotlib is imported only here).
 
     The cache must have been created with ``record=True``.
@@ -34,16 +34,21 @@ def plot_timeline(cache: AllocCache, path: str | PathLike | None = None) -> Any:
     ax = fig.add_subplot()
     ax.step(events["t"], events["reserved"] / mib, where="post", label="reserved")
     ax.step(events["t"], events["live"] / mib, where="post", label="live")
-    # Shade each scope from entry to exit (a thread's or task's scopes may interleave:
-    # entries and exits are paired in order, which is exact for nested scopes).
-    entries = list(events["t"][events["kind"] == "scope_enter"])
-    exits = list(events["t"][events["kind"] == "scope_exit"])
-    depth_starts: list[float] = []
-    for t, kind in sorted([(t, 0) for t in entries] + [(t, 1) for t in exits]):
-        if kind == 0:
-            depth_starts.append(t)
-        elif depth_starts:
-            ax.axvspan(depth_starts.pop(), t, color="grey", alpha=0.08, lw=0)
+    # Shade every other outermost scope, so back-to-back steps stay apart. Entries and
+    # exits are paired in time order, which is exact for nested scopes (scopes of several
+    # threads or tasks that interleave merge into one span).
+    marks = sorted(
+        [(t, +1) for t in events["t"][events["kind"] == "scope_enter"]]
+        + [(t, -1) for t in events["t"][events["kind"] == "scope_exit"]]
+    )
+    depth, start, outermost = 0, 0.0, 0
+    for t, step in marks:
+        if depth == 0 and step > 0:
+            start = t
+        depth = max(depth + step, 0)
+        if depth == 0 and step < 0:
+            ax.axvspan(start, t, color="grey", alpha=0.15 if outermost % 2 == 0 else 0.05, lw=0)
+            outermost += 1
     s = cache.stats()
     ax.set_title(
         f"peak live {format_bytes(s.peak_live)}, peak reserved {format_bytes(s.peak_reserved)}, "
