@@ -91,7 +91,11 @@ def power(a, b):
     y = np.power(a, b)
 
     def vjp(g, needs):
-        ga = unbroadcast(g * b * np.power(a, b - 1), _shape(a)) if needs[0] else None
+        ga = None
+        if needs[0]:
+            # where b == 0 the derivative is 0 even at a == 0 (as in PyTorch), not 0 * inf
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ga = unbroadcast(g * np.where(np.equal(b, 0), 0, b * np.power(a, b - 1)), _shape(a))
         gb = unbroadcast(g * y * np.log(np.where(a > 0, a, 1)), _shape(b)) if needs[1] else None
         return ga, gb
 
