@@ -17,6 +17,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import BenchError, commands
+
+    try:
+        if args.command == "compare":
+            return commands.compare_command(args.base, args.new, args.markdown)
+        return commands.bench(args.quick, args.filter, args.json, args.rounds, args.against, args.markdown)
+    except BenchError as e:
+        print(f"luxnn {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="luxnn", description="luxnn: explicit-state neural networks on NumPy and CuPy")
     commands = root.add_subparsers(dest="command", required=True)
@@ -29,6 +41,19 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--memory-plot", metavar="PATH", help="draw the allocator cache's timeline to PATH (PNG)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)
+    bench = commands.add_parser("bench", help="run the benchmark suite (see BENCHMARKS.md)")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (under 2 minutes)")
+    bench.add_argument("--filter", metavar="REGEX", help="only the rows whose names match REGEX")
+    bench.add_argument("--json", metavar="PATH", help="write every sample, the machine and the versions to PATH")
+    bench.add_argument("--rounds", type=int, metavar="N", help="rounds per row (default 5 quick, 8 full)")
+    bench.add_argument("--against", metavar="REV", help="also build git revision REV and print the comparison")
+    bench.add_argument("--markdown", action="store_true", help="print markdown tables")
+    bench.set_defaults(run=_bench)
+    compare = commands.add_parser("compare", help="compare two `luxnn bench --json` results")
+    compare.add_argument("base", metavar="BASE.json")
+    compare.add_argument("new", metavar="NEW.json")
+    compare.add_argument("--markdown", action="store_true", help="print markdown tables")
+    compare.set_defaults(run=_bench)
     return root
 
 

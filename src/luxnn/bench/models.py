@@ -1,0 +1,300 @@
+"""The models of the benchmark suite and their peers, as step builders.
+
+Each builder sets a model up and returns ``step()``, a callable that runs one forward call
+(the basics) or one training step (forward, backward and the optimizer's update) on fixed
+data. The luxnn training steps are ``lx.single_train_step_``; the peers are the same
+networks in PyTorch eager (imported only when asked for) and, where it is short enough to
+write, the same step by hand in NumPy.
+
+The sizes are those of the issues: Lux.jl's own basics benchmarks, the layers issue's
+MLP, CNN and transformer block, and the allocator issue's large-activation MLP. This module
+imports luxnn only as ``luxnn`` (never relatively), so that ``luxnn bench --against`` can
+run the same builders against another revision's luxnn.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+import luxnn as lx
+
+from .machine import blas_threads
+
+Step = Callable[[], Any]
+
+
+# ---- basics: one forward call at Lux.jl's benchmark sizes ------------------------------
+
+
+def basic_dense() -> Step:
+    """Dense 2 -> 3 on a batch of 3 (Lux.jl's ``basics/dense``)."""
+    model = lx.Dense(2, 3)
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    x = np.random.default_rng(1).standard_normal((3, 2)).astype(np.float32)
+    return lambda: model(x, ps, st)
+
+
+def basic_conv() -> Step:
+    """Conv 2x2, 3 -> 16 channels on a (4, 2, 2, 3) NHWC input (Lux.jl's ``basics/conv``)."""
+    model = lx.Conv(2, 3, 16)
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    x = np.random.default_rng(1).standard_normal((4, 2, 2, 3)).astype(np.float32)
+    return lambda: model(x, ps, st)
+
+
+def basic_mha() -> Step:
+    """Self-attention, dim 4, 2 heads on (batch 2, seq 3, dim 4) (Lux.jl's ``basics/MHA``)."""
+    model = lx.MultiHeadAttention(4, num_heads=2)
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    x = np.random.default_rng(1).standard_normal((2, 3, 4)).astype(np.float32)
+    return lambda: model(x, ps, st)
+
+
+BASICS: dict[str, Callable[[], Step]] = {"dense": basic_dense, "conv": basic_conv, "MHA": basic_mha}
+
+
+# ---- training steps --------------------------------------------------------------------
+
+
+def luxnn_train_step(model: lx.Layer, optimizer: Any, loss: Any, data: tuple, cache: Any) -> Step:
+    """``single_train_step_`` of `model` on `data`. `cache`: "default" (the TrainState's
+    own choice, the cache on the CPU), None (cache off) or an `AllocCache`."""
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    kwargs = {} if isinstance(cache, str) else {"allocator_cache": cache}
+    ts = lx.TrainState(model, ps, st, optimizer, **kwargs)
+    ad = lx.AutoTape()
+
+    def step() -> None:
+        nonlocal ts
+        _, _, _, ts = lx.single_train_step_(ad, loss, data, ts)
+
+    return step
+
+
+def torch_train_step(model: Any, optimizer: Any, loss_fn: Any, x: np.ndarray, y: np.ndarray) -> Step:
+    """The same training step in PyTorch eager: zero_grad, forward, backward, step, on as
+    many threads as NumPy's BLAS."""
+    import torch
+
+    threads = blas_threads()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(tx), ty).backward()
+        optimizer.step()
+
+    return step
+
+
+@dataclass(frozen=True)
+class MLP:
+    """``training/mlp``: 784 -> 256 (relu) -> 10, batch 128, softmax cross-entropy, SGD."""
+
+    batch: int = 128
+    sizes: tuple[int, int, int] = (784, 256, 10)
+    lr: float = 0.01
+
+    def data(self) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(1)
+        return rng.standard_normal((self.batch, self.sizes[0])).astype(np.float32), rng.integers(0, self.sizes[2], self.batch)
+
+    def luxnn(self, cache: Any = "default") -> Step:
+        d_in, hidden, d_out = self.sizes
+        model = lx.Chain(lx.Dense(d_in, hidden, activation="relu"), lx.Dense(hidden, d_out))
+        return luxnn_train_step(model, lx.optim.sgd(self.lr), lx.losses.CrossEntropyLoss(), self.data(), cache)
+
+    def numpy(self) -> Step:
+        """The step by hand: forward, fused softmax cross-entropy gradient, backward, SGD."""
+        x, y = self.data()
+        d_in, hidden, d_out = self.sizes
+        rng = np.random.default_rng(0)
+        w1 = (rng.uniform(-1, 1, (d_in, hidden)) / math.sqrt(d_in)).astype(np.float32)
+        b1 = np.zeros(hidden, np.float32)
+        w2 = (rng.uniform(-1, 1, (hidden, d_out)) / math.sqrt(hidden)).astype(np.float32)
+        b2 = np.zeros(d_out, np.float32)
+        rows, lr, batch = np.arange(self.batch), self.lr, self.batch
+
+        def step() -> float:
+            h = x @ w1 + b1
+            a = np.maximum(h, 0)
+            z = a @ w2 + b2
+            z -= z.max(axis=1, keepdims=True)
+            e = np.exp(z)
+            p = e / e.sum(axis=1, keepdims=True)
+            loss = -np.log(p[rows, y]).mean()
+            p[rows, y] -= 1
+            p /= batch
+            gw2 = a.T @ p
+            gb2 = p.sum(axis=0)
+            ga = p @ w2.T
+            ga *= h > 0
+            gw1 = x.T @ ga
+            gb1 = ga.sum(axis=0)
+            for param, g in ((w1, gw1), (b1, gb1), (w2, gw2), (b2, gb2)):
+                param -= lr * g
+            return float(loss)
+
+        return step
+
+    def torch(self) -> Step:
+        import torch
+
+        d_in, hidden, d_out = self.sizes
+        model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, d_out))
+        x, y = self.data()
+        return torch_train_step(model, torch.optim.SGD(model.parameters(), lr=self.lr), torch.nn.CrossEntropyLoss(), x, y)
+
+
+@dataclass(frozen=True)
+class CNN:
+    """``training/cnn``: 28x28x1 images, batch 64; Conv 3x3 1 -> 32 + relu, 2x2 max pool,
+    Conv 3x3 32 -> 64 + relu, 2x2 max pool, Dense 3136 -> 10 (padding 1: 28 -> 14 -> 7);
+    softmax cross-entropy, Adam."""
+
+    batch: int = 64
+    lr: float = 1e-3
+
+    def data(self) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(1)
+        return rng.standard_normal((self.batch, 28, 28, 1)).astype(np.float32), rng.integers(0, 10, self.batch)
+
+    def luxnn(self, cache: Any = "default") -> Step:
+        model = lx.Chain(
+            lx.Conv(3, 1, 32, activation="relu", padding=1), lx.MaxPool(2),
+            lx.Conv(3, 32, 64, activation="relu", padding=1), lx.MaxPool(2),
+            lx.Flatten(), lx.Dense(7 * 7 * 64, 10),
+        )  # fmt: skip
+        return luxnn_train_step(model, lx.optim.adam(self.lr), lx.losses.CrossEntropyLoss(), self.data(), cache)
+
+    def torch(self) -> Step:
+        import torch
+
+        nn = torch.nn
+        model = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(7 * 7 * 64, 10),
+        )  # fmt: skip
+        x, y = self.data()
+        x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))  # NHWC -> NCHW
+        return torch_train_step(model, torch.optim.Adam(model.parameters(), lr=self.lr), nn.CrossEntropyLoss(), x, y)
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """``training/transformer``: one pre-LayerNorm transformer block (self-attention, then
+    an MLP 4x wide with tanh-GELU, each with a skip connection) on (batch, length, dim)
+    inputs, MSE loss against random targets, Adam. PyTorch's peer calls its attention
+    with ``need_weights=False`` (fused scaled_dot_product_attention, as
+    ``torch.nn.TransformerEncoderLayer`` does)."""
+
+    batch: int = 32
+    length: int = 128
+    dim: int = 256
+    heads: int = 8
+    lr: float = 1e-3
+
+    def data(self) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(1)
+        shape = (self.batch, self.length, self.dim)
+        return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+
+    def luxnn(self, cache: Any = "default") -> Step:
+        dim = self.dim
+        attention = lx.SkipConnection(
+            lx.Chain(lx.LayerNorm(dim), lx.MultiHeadAttention(dim, num_heads=self.heads)),
+            lambda y_and_weights, x: y_and_weights[0] + x,
+        )
+        mlp = lx.SkipConnection(lx.Chain(lx.LayerNorm(dim), lx.Dense(dim, 4 * dim, activation="gelu"), lx.Dense(4 * dim, dim)))
+        model = lx.Chain(attention, mlp)
+        return luxnn_train_step(model, lx.optim.adam(self.lr), lx.losses.MSELoss(), self.data(), cache)
+
+    def torch(self) -> Step:
+        import torch
+
+        nn, dim, heads = torch.nn, self.dim, self.heads
+
+        class Block(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+                self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+                self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
+
+            def forward(self, x: Any) -> Any:
+                h = self.ln1(x)
+                x = x + self.attn(h, h, h, need_weights=False)[0]
+                return x + self.mlp(self.ln2(x))
+
+        model = Block()
+        x, y = self.data()
+        return torch_train_step(model, torch.optim.Adam(model.parameters(), lr=self.lr), nn.MSELoss(), x, y)
+
+
+@dataclass(frozen=True)
+class LargeActivations:
+    """``training/large-activations``: the allocator issue's MLP, 256 -> 4096 (relu) ->
+    256 on a batch of 4096 in float32, so that its hidden activations (and their
+    gradients) are 64 MiB arrays, the size at which every fresh allocation is mmap'd and
+    page-faulted; MSE loss, SGD."""
+
+    batch: int = 4096
+    sizes: tuple[int, int, int] = (256, 4096, 256)
+    lr: float = 1e-3
+
+    def data(self) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(1)
+        d_in, _, d_out = self.sizes
+        return (
+            rng.standard_normal((self.batch, d_in), dtype=np.float32),
+            rng.standard_normal((self.batch, d_out), dtype=np.float32),
+        )
+
+    def luxnn(self, cache: Any = "default") -> Step:
+        d_in, hidden, d_out = self.sizes
+        model = lx.Chain(lx.Dense(d_in, hidden, activation="relu"), lx.Dense(hidden, d_out))
+        return luxnn_train_step(model, lx.optim.sgd(self.lr), lx.losses.MSELoss(), self.data(), cache)
+
+    def numpy(self) -> Step:
+        """The step by hand: forward, the MSE gradient, backward, SGD."""
+        x, y = self.data()
+        d_in, hidden, d_out = self.sizes
+        rng = np.random.default_rng(0)
+        w1 = (rng.uniform(-1, 1, (d_in, hidden)) / math.sqrt(d_in)).astype(np.float32)
+        b1 = np.zeros(hidden, np.float32)
+        w2 = (rng.uniform(-1, 1, (hidden, d_out)) / math.sqrt(hidden)).astype(np.float32)
+        b2 = np.zeros(d_out, np.float32)
+        lr, scale = self.lr, np.float32(2.0 / y.size)
+
+        def step() -> float:
+            h = x @ w1 + b1
+            a = np.maximum(h, 0)
+            diff = a @ w2 + b2 - y
+            loss = float((diff * diff).mean())
+            g = diff * scale
+            gw2 = a.T @ g
+            gb2 = g.sum(axis=0)
+            ga = g @ w2.T
+            ga *= h > 0
+            gw1 = x.T @ ga
+            gb1 = ga.sum(axis=0)
+            for param, grad in ((w1, gw1), (b1, gb1), (w2, gw2), (b2, gb2)):
+                param -= lr * grad
+            return loss
+
+        return step
+
+    def torch(self) -> Step:
+        import torch
+
+        d_in, hidden, d_out = self.sizes
+        model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, d_out))
+        x, y = self.data()
+        return torch_train_step(model, torch.optim.SGD(model.parameters(), lr=self.lr), torch.nn.MSELoss(), x, y)

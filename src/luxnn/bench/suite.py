@@ -1,0 +1,142 @@
+"""The rows of the suite, in groups of variants that are timed side by side.
+
+A `Group` is set up once in a process and its variants are timed in interleaved rounds
+(round r starts with variant r mod n). Row names:
+
+- ``basics/dense``, ``basics/conv``, ``basics/MHA``: one forward call at Lux.jl's sizes;
+  ``basics/NAME (first run)``: the first call after set-up, one fresh process per round;
+- ``training/NAME (cache on)``, ``(cache off)``: ``single_train_step_`` with the
+  TrainState's allocator cache and without one; ``(numpy by hand)``, ``(pytorch eager)``:
+  the peers, where they exist and PyTorch is installed;
+- ``training/transformer-quick`` and ``training/large-activations-quick``: ``--quick``'s
+  smaller sizes (their rows are never compared with the full ones);
+- ``time_to_load``: ``import luxnn`` in a fresh process, one per round (at least 5).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import models
+
+TIME_TO_LOAD = "time_to_load"
+MIN_LOAD_ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of a group.
+
+    build(cache): the step. For ``memory == "own"`` (luxnn with its cache on) `cache` is
+    the `AllocCache` the TrainState must use, or "default" for its own choice; the other
+    variants ignore it. memory: "own" (counted by the cache the step runs in), "wrapped"
+    (counted by a counting cache around each call: NumPy's default allocator otherwise) or
+    None (not NumPy arrays: PyTorch). needs: a module that must be importable.
+    """
+
+    name: str
+    build: Callable[[Any], models.Step]
+    memory: str | None
+    needs: str | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.needs is None or importlib.util.find_spec(self.needs) is not None
+
+
+@dataclass(frozen=True)
+class Group:
+    """Variants timed side by side; `first_run`: the name of the fresh-process row, if any."""
+
+    name: str
+    variants: tuple[Variant, ...]
+    params: dict = field(default_factory=dict)
+    first_run: str | None = None
+
+    def variant(self, name: str) -> Variant:
+        return next(v for v in self.variants if v.name == name)
+
+
+def _basic(name: str) -> Group:
+    build = models.BASICS[name]
+    row = f"basics/{name}"
+    return Group(row, (Variant(row, lambda _cache: build(), "wrapped"),), first_run=f"{row} (first run)")
+
+
+def _training(name: str, model: Any, params: dict) -> Group:
+    variants = [
+        Variant(f"{name} (cache on)", model.luxnn, "own"),
+        Variant(f"{name} (cache off)", lambda _cache: model.luxnn(None), "wrapped"),
+    ]
+    if hasattr(model, "numpy"):
+        variants.append(Variant(f"{name} (numpy by hand)", lambda _cache: model.numpy(), "wrapped"))
+    variants.append(Variant(f"{name} (pytorch eager)", lambda _cache: model.torch(), None, needs="torch"))
+    return Group(name, tuple(variants), params)
+
+
+def groups(quick: bool) -> list[Group]:
+    """The suite's groups, in the order they run and print."""
+    suffix = "-quick" if quick else ""
+    transformer = models.Transformer(batch=8, length=64, dim=128, heads=4) if quick else models.Transformer()
+    large = models.LargeActivations(batch=2048) if quick else models.LargeActivations()
+    return [
+        _basic("dense"),
+        _basic("conv"),
+        _basic("MHA"),
+        _training("training/mlp", models.MLP(), {"batch": 128, "sizes": [784, 256, 10], "optimizer": "sgd"}),
+        _training("training/cnn", models.CNN(), {"batch": 64, "image": [28, 28, 1], "channels": [32, 64], "optimizer": "adam"}),
+        _training(
+            f"training/transformer{suffix}", transformer,
+            {"batch": transformer.batch, "length": transformer.length, "dim": transformer.dim,
+             "heads": transformer.heads, "optimizer": "adam"},
+        ),  # fmt: skip
+        _training(
+            f"training/large-activations{suffix}", large,
+            {"batch": large.batch, "sizes": list(large.sizes), "optimizer": "sgd",
+             "activation_bytes": large.batch * large.sizes[1] * 4},
+        ),  # fmt: skip
+    ]
+
+
+def find_group(name: str, quick: bool) -> Group:
+    for group in groups(quick):
+        if group.name == name:
+            return group
+    raise KeyError(f"no group {name!r} in the {'quick' if quick else 'full'} suite")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rows a run measures: for each group, its selected variants and whether its
+    first-run row is selected; and whether time_to_load is."""
+
+    groups: list[tuple[Group, list[str], bool]]
+    time_to_load: bool
+    unavailable: list[str]
+
+    @property
+    def row_count(self) -> int:
+        return sum(len(names) + first for _, names, first in self.groups) + self.time_to_load
+
+
+def select(quick: bool, pattern: str | None) -> Selection:
+    """The rows whose names `pattern` (a regular expression, searched) matches; variants
+    whose peer is not installed are left out and named in ``unavailable``."""
+    regex = re.compile(pattern) if pattern else None
+
+    def wanted(name: str) -> bool:
+        return regex is None or regex.search(name) is not None
+
+    chosen, unavailable = [], []
+    for group in groups(quick):
+        names = []
+        for v in group.variants:
+            if wanted(v.name):
+                (names if v.available else unavailable).append(v.name)
+        first = group.first_run is not None and wanted(group.first_run)
+        if names or first:
+            chosen.append((group, names, first))
+    return Selection(chosen, wanted(TIME_TO_LOAD), unavailable)
