@@ -88,7 +88,8 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     model = make_model(args.dim, args.heads, args.causal)
     ps, st = lx.setup(rng, model)
-    schedule = lx.optim.warmup_cosine_decay_schedule(0.0, args.lr, warmup_steps=100, decay_steps=args.steps)
+    warmup = min(100, args.steps // 10)
+    schedule = lx.optim.warmup_cosine_decay_schedule(0.0, args.lr, warmup_steps=warmup, decay_steps=args.steps)
     ts = lx.TrainState(model, ps, st, lx.optim.adam(schedule))
     loss_fn, ad = lx.losses.CrossEntropyLoss(), lx.AutoTape()
     # Fresh random sequences for every step (10^10 possible inputs: no epoch to overfit);
