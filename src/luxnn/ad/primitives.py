@@ -220,6 +220,9 @@ def _reshaped(x, shape):
 
 @primitive
 def matmul(a, b):
+    if b.ndim == 2 and a.ndim > 2:
+        return _matmul_by_matrix(a, b)
+
     def vjp(g, needs):
         a2 = a[None, :] if a.ndim == 1 else a
         b2 = b[:, None] if b.ndim == 1 else b
@@ -234,15 +237,26 @@ def matmul(a, b):
         if needs[0]:
             ga = _reshaped(unbroadcast(g2 @ np.swapaxes(b2, -1, -2), a2.shape), a.shape)
         if needs[1]:
-            if b2.ndim == 2 and a2.ndim > 2:
-                # Weight gradient of a batched input: one GEMM over the flattened batch.
-                k, m = b2.shape
-                gb = _reshaped(a2.reshape(-1, k).T @ g2.reshape(-1, m), b.shape)
-            else:
-                gb = _reshaped(unbroadcast(np.swapaxes(a2, -1, -2) @ g2, b2.shape), b.shape)
+            gb = _reshaped(unbroadcast(np.swapaxes(a2, -1, -2) @ g2, b2.shape), b.shape)
         return ga, gb
 
     return np.matmul(a, b), vjp
+
+
+def _matmul_by_matrix(a, b):
+    # A batch of rows times a weight matrix, (..., k) @ (k, m): NumPy would run one GEMM
+    # per leading index; flattened it is a single GEMM, forward and backward.
+    k, m = b.shape
+    lead = a.shape[:-1]
+    rows = a.reshape(-1, k)
+
+    def vjp(g, needs):
+        g_rows = g.reshape(-1, m)
+        ga = (g_rows @ b.T).reshape(*lead, k) if needs[0] else None
+        gb = rows.T @ g_rows if needs[1] else None
+        return ga, gb
+
+    return (rows @ b).reshape(*lead, m), vjp
 
 
 # -- reductions ---------------------------------------------------------------------------

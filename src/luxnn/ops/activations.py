@@ -85,7 +85,7 @@ def _erf(x):
 def gelu(x, approximate="tanh"):
     """GELU. ``approximate="tanh"`` (the default, as in Flax) or ``"none"`` (exact, erf)."""
     if approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
+        inner = _SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))  # x**3 is ~100x slower for float32
         t = np.tanh(inner)
         y = 0.5 * x * (1 + t)
 
