@@ -339,6 +339,9 @@ def run(
     returns one result document per side. `workers[i]` runs the groups of `sides[i]`."""
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     start_machine = machine.machine()
+    load, cpus = start_machine["load_average"], start_machine["cpus_usable"]
+    if load and cpus and load[0] > cpus / 2:
+        _log(progress, f"luxnn bench: warning: load average {load[0]:.2f} on {cpus} CPUs; other processes will add noise")
     rows: list[dict[str, dict[str, Any]]] = [{} for _ in sides]
     done, total = 0, selection.row_count
 
