@@ -4,15 +4,21 @@ Layouts (channels last, as luxnn's layers): input ``(N, *spatial, C)``; `conv` k
 ``(*k, C/groups, O)``; `conv_transpose` kernel ``(*k, O/groups, C)``, which is the kernel of
 the convolution ``O -> C`` whose input gradient the transposed convolution is (the layout of
 Flux/Lux's ConvTranspose, and PyTorch's ``(C, O/groups, *k)`` transposed). Configuration is
-static and already normalised by the caller: `stride` and `dilation` are tuples with one entry
+static (the public functions normalise it): `stride` and `dilation` are tuples with one entry
 per spatial axis, `padding` a tuple of ``(low, high)`` pairs.
 
 How a call spends its time and memory: one padded copy of the input (only when padding is
-nonzero), one im2col buffer ``(groups, N*prod(out), prod(k)*C/groups)`` built by a single copy
-from a strided view of it, and one GEMM per group against the kernel. The backward pass reuses
-the saved im2col buffer for the weight gradient (one GEMM), and computes the input gradient
-as a GEMM followed by a col2im scatter-add: one strided add per kernel offset into the
-padded input gradient; it is skipped when the input is not differentiated.
+nonzero); then, a block of images at a time (about 2 MB of columns), the im2col matrix
+``(groups, rows, prod(k)*C/groups)`` of the block, built from a strided window view by a
+single copy, and one GEMM per group against the kernel. A call holds one im2col block at a
+time, never the matrix of the whole batch, and the GEMM reads the block while it is in cache.
+The backward pass rebuilds the blocks for the weight gradient (accumulated GEMMs) rather than
+keeping them from the forward pass: measured on the issue's CNN, keeping the whole im2col
+matrix was no faster and took 32 MB at the peak of a step against 20 MB. The input gradient
+is a GEMM followed by a col2im scatter-add (one strided add per kernel offset into the
+padded input gradient), also block by block, and is skipped when the input is not
+differentiated. `conv_transpose` runs the same kernels the other way round: its forward is
+that GEMM and col2im, its backward the im2col GEMMs of the output gradient.
 
 >>> import numpy as np
 >>> x = np.ones((1, 5, 5, 2), np.float32); w = np.ones((3, 3, 2, 4), np.float32)
@@ -77,10 +83,9 @@ def window_slices(offset: tuple[int, ...], stride: tuple[int, ...], dilation: tu
 
 
 def _im2col(xpad: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int) -> Any:
-    """The im2col matrix ``(groups, N*prod(out), prod(kernel)*C/groups)`` of `xpad`, the one
-    buffer of a call: a strided window view ``(N, *out, *kernel, C)`` of the input, copied
-    once by the reshape (no copy at all for a 1x1 kernel at stride 1, where the view already
-    is the matrix)."""
+    """The im2col matrix ``(groups, N*prod(out), prod(kernel)*C/groups)`` of `xpad`: a strided
+    window view ``(N, *out, *kernel, C)`` of the input, copied once by the reshape (no copy at
+    all for a 1x1 kernel at stride 1, where the view already is the matrix)."""
     xp = module_of(xpad)
     n, c = xpad.shape[0], xpad.shape[-1]
     sn, *ss, sc = xpad.strides
@@ -112,34 +117,74 @@ def _channel_sum(g: Any, channels: int) -> Any:
     return module_of(g2).ones(g2.shape[0], g2.dtype) @ g2
 
 
-def _col2im(cols: Any, padded_shape: tuple[int, ...], kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int) -> Any:
-    """The adjoint of `_im2col`: scatter-add `cols` ``(groups, N*prod(out), prod(kernel)*C/groups)``
-    into a zero array of `padded_shape`, one strided add per kernel offset."""
+# Images per block: about this many bytes of im2col columns, so that a block is still in
+# cache when its GEMM (or its col2im) reads it, and a call holds one block, never the whole
+# matrix. Measured on the issue's CNN: faster than one im2col and one GEMM over the batch,
+# and 14 MB less peak memory.
+_BLOCK_BYTES = 2 << 20
+
+
+def _blocks(n: int, bytes_per_image: int) -> list[tuple[int, int]]:
+    step = max(1, _BLOCK_BYTES // max(1, bytes_per_image))
+    return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
+
+
+def _matmul_into(out: Any, a: Any, b: Any, accumulate: bool) -> None:
+    """``out = a @ b``, or ``out += a @ b``; `out` may be a strided view (BLAS writes it)."""
+    if accumulate:
+        out += np.matmul(a, b)
+    else:
+        np.matmul(a, b, out=out)
+
+
+def _gemm_col2im(a: Any, wg: Any, padded_shape: tuple[int, ...], kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int, dtype: Any) -> Any:
+    """col2im of ``a @ wg^T``, the adjoint of `_im2col` applied to a GEMM's result: `a`
+    ``(groups, N*prod(out), c)`` times `wg` ``(groups, prod(kernel)*C/groups, c)`` transposed,
+    scatter-added into a zero array of `padded_shape` ``(N, *spatial, C)`` with one strided
+    add per kernel offset; a block of images at a time."""
     n, c = padded_shape[0], padded_shape[-1]
-    r = len(kernel)
-    target = module_of(cols).zeros(padded_shape, cols.dtype)
+    per_image, width = math.prod(out), wg.shape[1]
+    target = module_of(a).zeros(padded_shape, dtype)
     grouped = target.reshape(*padded_shape[:-1], groups, c // groups)
-    # (groups, N, *out, *kernel, C/groups) -> (N, *out, *kernel, groups, C/groups), a view.
-    src = np.moveaxis(cols.reshape(groups, n, *out, *kernel, c // groups), 0, -2)
-    lead = (slice(None),) * (1 + r)
-    for offset in itertools.product(*map(range, kernel)):
-        dst = grouped[window_slices(offset, stride, dilation, out)]
-        dst += src[lead + offset]
+    wt = wg.transpose(0, 2, 1)
+    lead = (slice(None),) * (1 + len(kernel))
+    for n0, n1 in _blocks(n, groups * per_image * width * np.dtype(dtype).itemsize):
+        cols = np.matmul(a[:, n0 * per_image : n1 * per_image], wt).astype(dtype, copy=False)
+        # (groups, n, *out, *kernel, C/groups) -> (n, *out, *kernel, groups, C/groups), a view.
+        src = np.moveaxis(cols.reshape(groups, n1 - n0, *out, *kernel, c // groups), 0, -2)
+        block = grouped[n0:n1]
+        for offset in itertools.product(*map(range, kernel)):
+            dst = block[window_slices(offset, stride, dilation, out)]
+            dst += src[lead + offset]
+        del cols, src  # before the next block is computed
     return target
+
+
+def _im2col_gemms(
+    xpad: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int,
+    forward: tuple[Any, Any] | None = None, weight_grad: tuple[Any, Any] | None = None,
+) -> None:  # fmt: skip
+    """The GEMMs against the im2col matrix of `xpad`, built a block of images at a time:
+    ``forward = (wg, yg)``: ``yg = cols @ wg`` (`yg` ``(groups, rows, c)``, a view it writes);
+    ``weight_grad = (gg, dwg)``: ``dwg = cols^T @ gg`` (`dwg` ``(groups, width, c)``)."""
+    per_image = math.prod(out)
+    width = math.prod(kernel) * xpad.shape[-1]
+    for i, (n0, n1) in enumerate(_blocks(xpad.shape[0], per_image * width * xpad.itemsize)):
+        cols = _im2col(xpad[n0:n1], kernel, stride, dilation, out, groups)
+        rows = slice(n0 * per_image, n1 * per_image)
+        if forward is not None:
+            wg, yg = forward
+            np.matmul(cols, wg, out=yg[:, rows])
+        if weight_grad is not None:
+            gg, dwg = weight_grad
+            _matmul_into(dwg, cols.transpose(0, 2, 1), gg[:, rows], accumulate=i > 0)
+        del cols  # before the next block is built
 
 
 def _grouped_kernel(w: Any, groups: int) -> Any:
     """Kernel ``(*k, Cin/groups, Cout)`` as ``(groups, prod(k)*Cin/groups, Cout/groups)``, a view:
     output channel ``o`` belongs to group ``o // (Cout/groups)``, as in PyTorch."""
     return w.reshape(-1, groups, w.shape[-1] // groups).transpose(1, 0, 2)
-
-
-def _grouped_matmul(a: Any, b: Any, rows: int, cols: int, groups: int, dtype: Any) -> Any:
-    """``a @ b`` per group, (groups, rows, k) x (groups, k, cols), written into a
-    ``(rows, groups * cols)`` array so that each group's result lands in its channels."""
-    out = module_of(a).empty((rows, groups, cols), dtype)
-    np.matmul(a, b, out=out.transpose(1, 0, 2))
-    return out.reshape(rows, groups * cols)
 
 
 def _by_group(a: Any, groups: int) -> Any:
@@ -193,29 +238,31 @@ def _conv(x, w, b, *, stride, padding, dilation, groups):
     n, o = x.shape[0], w.shape[-1]
     xpad = pad_spatial(x, padding)
     out = tuple(conv_output_size(s, k, st, d, (0, 0)) for s, k, st, d in zip(xpad.shape[1:-1], kernel, stride, dilation))
-    cols = _im2col(xpad, kernel, stride, dilation, out, groups)
     wg = _grouped_kernel(w, groups)
-    dtype = np.result_type(x.dtype, w.dtype)
-    y = _grouped_matmul(cols, wg, cols.shape[1], o // groups, groups, dtype)
+    y = module_of(x).empty((n, *out, o), np.result_type(x.dtype, w.dtype))
+    _im2col_gemms(xpad, kernel, stride, dilation, out, groups, forward=(wg, _by_group(y, groups)))
     if b is not None:
         y += b
-    padded_shape, in_sizes = xpad.shape, x.shape[1:-1]
+    in_sizes = x.shape[1:-1]
 
     def vjp(g, needs):
-        g2 = module_of(g).ascontiguousarray(g).reshape(-1, o)
-        gg = _by_group(g2, groups)
+        xp = module_of(g)
+        g = xp.ascontiguousarray(g)
+        gg = _by_group(g, groups)
         dx = dw = db = None
         if needs[0]:
-            dcols = np.matmul(gg, wg.transpose(0, 2, 1))
-            dxpad = _col2im(dcols, padded_shape, kernel, stride, dilation, out, groups)
+            dxpad = _gemm_col2im(gg, wg, xpad.shape, kernel, stride, dilation, out, groups, g.dtype)
             dx = crop_spatial(dxpad, in_sizes, padding)
         if needs[1]:
-            dw = _grouped_matmul(cols.transpose(0, 2, 1), gg, cols.shape[2], o // groups, groups, g2.dtype).reshape(w.shape)
+            # The im2col matrix is rebuilt rather than kept from the forward pass: as fast
+            # (blocks in cache), and the forward-to-backward memory is only the padded input.
+            dw = xp.empty(w.shape, g.dtype)
+            _im2col_gemms(xpad, kernel, stride, dilation, out, groups, weight_grad=(gg, _by_group(dw, groups)))
         if needs[2]:
-            db = _channel_sum(g2, o)
+            db = _channel_sum(g, o)
         return dx, dw, db
 
-    return y.reshape(n, *out, o), vjp
+    return y, vjp
 
 
 @primitive
@@ -233,18 +280,22 @@ def _conv_transpose(x, w, b, *, stride, padding, dilation, groups, output_paddin
     wg = _grouped_kernel(w, groups)  # the kernel of the convolution O -> C, grouped
     xg = _by_group(x, groups)
     dtype = np.result_type(x.dtype, w.dtype)
-    ypad = _col2im(np.matmul(xg, wg.transpose(0, 2, 1)).astype(dtype, copy=False), padded, kernel, stride, dilation, in_sizes, groups)
-    y = crop_spatial(ypad, out, crop)
+    y = crop_spatial(_gemm_col2im(xg, wg, padded, kernel, stride, dilation, in_sizes, groups, dtype), out, crop)
     y = y + b if b is not None else module_of(y).ascontiguousarray(y)
 
     def vjp(g, needs):
-        gpad = pad_spatial(module_of(g).ascontiguousarray(g), crop)
-        cols = _im2col(gpad, kernel, stride, dilation, in_sizes, groups)
+        xp = module_of(g)
+        gpad = pad_spatial(xp.ascontiguousarray(g), crop)
         dx = dw = db = None
         if needs[0]:
-            dx = _grouped_matmul(cols, wg, cols.shape[1], c // groups, groups, dtype).reshape(x.shape)
+            dx = xp.empty(x.shape, dtype)
         if needs[1]:
-            dw = _grouped_matmul(cols.transpose(0, 2, 1), xg, cols.shape[2], c // groups, groups, dtype).reshape(w.shape)
+            dw = xp.empty(w.shape, dtype)
+        _im2col_gemms(
+            gpad, kernel, stride, dilation, in_sizes, groups,
+            forward=(wg, _by_group(dx, groups)) if needs[0] else None,
+            weight_grad=(xg, _by_group(dw, groups)) if needs[1] else None,
+        )  # fmt: skip
         if needs[2]:
             db = _channel_sum(g, o)
         return dx, dw, db
