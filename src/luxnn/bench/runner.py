@@ -275,10 +275,13 @@ class Side:
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         lines = done.stdout.strip().splitlines()
-        if done.returncode != 0 or not lines:
-            tail = done.stderr.strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
-            return {"error": tail[0]}
-        return json.loads(lines[-1])
+        if done.returncode == 0 and lines:
+            try:
+                return json.loads(lines[-1])
+            except json.JSONDecodeError:
+                pass
+        tail = done.stderr.strip().splitlines()[-1:] or [f"exit code {done.returncode}, output {done.stdout.strip()[-200:]!r}"]
+        return {"error": tail[0]}
 
     def first_run(self, group: str, quick: bool, count: bool, timeout: float) -> dict[str, Any]:
         args = ["-m", f"{self.package}.worker", "first-run", group] + ["--quick"] * quick + ["--memory"] * count
