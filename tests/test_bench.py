@@ -221,3 +221,39 @@ def test_against_a_revision_that_fails_to_build(tmp_path, monkeypatch, capsys):
     assert "failed to build" in err and "this revision does not build" in err and "Traceback" not in err
     listed = subprocess.run(["git", "-C", str(repo), "worktree", "list"], capture_output=True, text=True).stdout
     assert len(listed.strip().splitlines()) == 1  # only the main worktree is left
+
+
+def _in_git_checkout() -> bool:
+    import os
+
+    import luxnn
+
+    if shutil.which("git") is None:
+        return False
+    here = os.path.dirname(luxnn.__file__)
+    return subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _in_git_checkout(), reason="needs luxnn imported from a git checkout")
+def test_against_head(tmp_path, capsys):
+    """The pull-request check end to end: HEAD built in a temporary worktree, both sides
+    measured, the comparison printed, both results written, nothing left behind."""
+    import luxnn
+
+    repo = subprocess.run(["git", "-C", luxnn.__path__[0], "rev-parse", "--show-toplevel"], capture_output=True, text=True).stdout.strip()
+    before = subprocess.run(["git", "-C", repo, "worktree", "list"], capture_output=True, text=True).stdout
+    path = tmp_path / "r.json"
+    argv = ["bench", "--quick", "--filter", "basics/dense$", "--rounds", "2", "--against", "HEAD", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| name" in out and "base / new" in out
+    assert any(line.startswith("| basics/dense ") for line in out.splitlines())
+    base, new = json.loads((tmp_path / "r.base.json").read_text()), json.loads(path.read_text())
+    assert base["label"].startswith("HEAD") and new["label"].endswith("(working tree)")
+    assert new["versions"]["luxnn_path"] == luxnn.__path__[0]
+    assert base["versions"]["luxnn_path"] != new["versions"]["luxnn_path"]
+    for doc in (base, new):
+        (only,) = doc["rows"]
+        assert only["name"] == "basics/dense" and only["error"] is None and len(only["times"]) == 2
+    after = subprocess.run(["git", "-C", repo, "worktree", "list"], capture_output=True, text=True).stdout
+    assert after == before
