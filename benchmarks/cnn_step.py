@@ -4,7 +4,7 @@
 max pool, Dense 3136->10 (padding 1, so 28 -> 14 -> 7), softmax cross-entropy, Adam.
 Interleaved rounds, medians; both frameworks on the same number of threads.
 
-    python benchmarks/cnn_step.py [--rounds 15] [--per-round 10] [--profile]
+    python benchmarks/cnn_step.py [--rounds 15] [--per-round 10] [--threads N] [--profile]
 """
 
 from __future__ import annotations
@@ -139,9 +139,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--per-round", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="BLAS and PyTorch threads")
     parser.add_argument("--profile", action="store_true", help="cProfile luxnn's training step instead")
     args = parser.parse_args()
 
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(args.threads, user_api="blas")
     rng = np.random.default_rng(1)
     x = rng.standard_normal((BATCH, 28, 28, 1)).astype(np.float32)
     y = rng.integers(0, 10, BATCH)
@@ -151,8 +155,7 @@ def main() -> None:
 
     import torch
 
-    threads = len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads)
     steps = {
         "luxnn train step (cache on)": luxnn_train_step(x, y, cache=True),
         "luxnn train step (cache off)": luxnn_train_step(x, y, cache=False),

@@ -36,6 +36,10 @@ def torch_kernel(w, rank):
     return w.permute(rank + 1, rank, *range(rank)).contiguous()
 
 
+def torch_activation(torch, name, y):
+    return y if name is None else getattr(torch, name)(y)
+
+
 def luxnn_grads(layer, x, ps, r):
     def loss(x, ps):
         y, _ = layer(x, ps, {})
@@ -93,7 +97,8 @@ def conv_configs(rank, count, seed):
             padding = kind
         sizes = tuple(int(d * (kk - 1) + 1 + rng.integers(0, 6)) for kk, d in zip(k, dilation))
         yield dict(k=k, cin=cin, cout=cout, stride=stride, dilation=dilation, padding=padding, groups=groups,
-                   sizes=sizes, use_bias=bool(rng.random() < 0.8), batch=int(rng.integers(1, 4)))
+                   sizes=sizes, use_bias=bool(rng.random() < 0.8), batch=int(rng.integers(1, 4)),
+                   activation=[None, "relu", "tanh"][i % 3])
 
 
 def pairs(padding, sizes, cfg):
@@ -111,7 +116,7 @@ def test_conv_matches_torch(torch, rank, seed):
     F = torch.nn.functional
     conv_nd = F.conv2d if rank == 2 else F.conv1d
     for i, cfg in enumerate(conv_configs(rank, 25 if rank == 2 else 15, seed)):
-        layer = lx.Conv(cfg["k"], cfg["cin"], cfg["cout"], stride=cfg["stride"], padding=cfg["padding"],
+        layer = lx.Conv(cfg["k"], cfg["cin"], cfg["cout"], cfg["activation"], stride=cfg["stride"], padding=cfg["padding"],
                         dilation=cfg["dilation"], groups=cfg["groups"], use_bias=cfg["use_bias"])
         x = np.random.default_rng(i).standard_normal((cfg["batch"], *cfg["sizes"], cfg["cin"]))
         pads = pairs(cfg["padding"], cfg["sizes"], cfg)
@@ -120,7 +125,7 @@ def test_conv_matches_torch(torch, rank, seed):
             xt = to_channels_first(tx, rank)
             xt = F.pad(xt, [p for pair in reversed(pads) for p in pair])
             y = conv_nd(xt, torch_kernel(tw, rank), tb, stride=cfg["stride"], dilation=cfg["dilation"], groups=cfg["groups"])
-            return to_channels_last(y, rank)
+            return to_channels_last(torch_activation(torch, cfg["activation"], y), rank)
 
         check_against(torch, layer, x, torch_fn, seed=100 * seed + i)
 
@@ -151,7 +156,7 @@ def test_conv_transpose_matches_torch(torch, rank, seed):
                             for (lo, hi), kk, d in zip(padding, k, dilation))
         output_padding = 0 if padding == "same" else tuple(int(rng.integers(0, max(s, d))) for s, d in zip(stride, dilation))
         sizes = tuple(int(v) for v in rng.integers(1, 5, rank))
-        layer = lx.ConvTranspose(k, cfg["cin"], cfg["cout"], stride=stride, padding=padding, dilation=dilation,
+        layer = lx.ConvTranspose(k, cfg["cin"], cfg["cout"], cfg["activation"], stride=stride, padding=padding, dilation=dilation,
                                  groups=cfg["groups"], output_padding=output_padding, use_bias=cfg["use_bias"])
         x = rng.standard_normal((cfg["batch"], *sizes, cfg["cin"]))
         if padding == "same":
@@ -167,7 +172,7 @@ def test_conv_transpose_matches_torch(torch, rank, seed):
             y = convt_nd(to_channels_first(tx, rank), torch_kernel(tw, rank), tb, stride=stride, dilation=dilation,
                          groups=cfg["groups"], output_padding=extra)
             index = (slice(None), slice(None), *(slice(lo, y.shape[2 + a] - hi) for a, (lo, hi) in enumerate(crops)))
-            return to_channels_last(y[index], rank)
+            return to_channels_last(torch_activation(torch, cfg["activation"], y[index]), rank)
 
         check_against(torch, layer, x, torch_fn, seed=200 * seed + i)
         if padding == "same":
@@ -228,7 +233,9 @@ def test_one_im2col_block_at_a_time():
     lx.grad(lambda x, ps: layer(x, ps, {})[0].sum(), argnums=(0, 1))(x64, ps64)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert peak < 2 * (padded + 2 * out) + (2 << 20) + cols / 4
+    # Live in float64: the padded input and the output (kept by the tape), the output
+    # gradient, the padded input gradient and one block; the whole matrix alone would be 2 * cols.
+    assert peak < 2 * (2 * padded + 2 * out) + (2 << 20) + cols / 4 < 2 * cols
 
 
 BAD_CONV = [

@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import init as initializers
 from ..core import Layer, LayerError, check_params
+from ..ops.activations import relu
 from ..ops.conv import Pairs, conv, conv_output_size, conv_transpose
 from .activations import get_activation
 
@@ -139,8 +140,12 @@ class _ConvLayer(Layer):
             ps["bias"] = self.init_bias(rng, (self.out_channels,))
         return ps
 
+    def _fused_relu(self) -> bool:
+        # relu runs inside the convolution primitive, in place on its result.
+        return self.activation is relu
+
     def _finish(self, y: Any) -> Any:
-        return y if self.activation is None else self.activation(y)
+        return y if self.activation is None or self._fused_relu() else self.activation(y)
 
     def _options(self) -> str:
         parts = []
@@ -224,7 +229,7 @@ class Conv(_ConvLayer):
                 )
         y = conv(
             x, ps["weight"], ps.get("bias"), stride=self.stride, padding=padding, dilation=self.dilation,
-            groups=self.groups,
+            groups=self.groups, relu=self._fused_relu(),
         )  # fmt: skip
         return self._finish(y), st
 
@@ -314,7 +319,7 @@ class ConvTranspose(_ConvLayer):
                 )
         y = conv_transpose(
             x, ps["weight"], ps.get("bias"), stride=self.stride, padding=padding, dilation=self.dilation,
-            groups=self.groups, output_padding=output_padding,
+            groups=self.groups, output_padding=output_padding, relu=self._fused_relu(),
         )  # fmt: skip
         return self._finish(y), st
 

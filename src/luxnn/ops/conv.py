@@ -203,21 +203,29 @@ def _per_side(padding: Any, r: int) -> Pairs:
     return tuple((p, p) if isinstance(p, (int, np.integer)) else (int(p[0]), int(p[1])) for p in padding)
 
 
-def conv(x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Any:
+def conv(
+    x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1, relu: bool = False
+) -> Any:
     """Cross-correlation of `x` ``(N, *spatial, C)`` with kernel `w` ``(*k, C/groups, O)``,
     plus bias `b` ``(O,)`` if given: ``(N, *out, O)`` with
     ``out = (spatial + low + high - dilation*(k-1) - 1) // stride + 1``.
 
     `stride`, `dilation`: an int or one per spatial axis; `padding`: an int, one per axis,
-    or one ``(low, high)`` pair per axis. The `Conv` layer checks shapes; this does not.
+    or one ``(low, high)`` pair per axis. ``relu=True`` applies relu to the result in place
+    (and its derivative in the backward pass), saving a pass and an array. The `Conv` layer
+    checks shapes; this does not.
     """
     r = x.ndim - 2
-    return _conv(x, w, b, stride=_per_axis(stride, r), padding=_per_side(padding, r), dilation=_per_axis(dilation, r), groups=groups)
+    return _conv(
+        x, w, b, stride=_per_axis(stride, r), padding=_per_side(padding, r), dilation=_per_axis(dilation, r),
+        groups=groups, relu=relu,
+    )  # fmt: skip
 
 
 def conv_transpose(
-    x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1, output_padding: Any = 0
-) -> Any:
+    x: Any, w: Any, b: Any = None, *, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1,
+    output_padding: Any = 0, relu: bool = False,
+) -> Any:  # fmt: skip
     """Transposed convolution of `x` ``(N, *spatial, C)`` with kernel `w` ``(*k, O/groups, C)``:
     the input gradient of ``conv(·, w)`` (the convolution ``O -> C``), as PyTorch's
     ``conv_transpose``. Output ``(N, *out, O)`` with
@@ -227,12 +235,12 @@ def conv_transpose(
     r = x.ndim - 2
     return _conv_transpose(
         x, w, b, stride=_per_axis(stride, r), padding=_per_side(padding, r), dilation=_per_axis(dilation, r),
-        groups=groups, output_padding=_per_axis(output_padding, r),
+        groups=groups, output_padding=_per_axis(output_padding, r), relu=relu,
     )  # fmt: skip
 
 
 @primitive
-def _conv(x, w, b, *, stride, padding, dilation, groups):
+def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
     r = x.ndim - 2
     kernel = w.shape[:r]
     n, o = x.shape[0], w.shape[-1]
@@ -243,11 +251,13 @@ def _conv(x, w, b, *, stride, padding, dilation, groups):
     _im2col_gemms(xpad, kernel, stride, dilation, out, groups, forward=(wg, _by_group(y, groups)))
     if b is not None:
         y += b
+    if relu:
+        np.maximum(y, 0, out=y)
     in_sizes = x.shape[1:-1]
 
     def vjp(g, needs):
         xp = module_of(g)
-        g = xp.ascontiguousarray(g)
+        g = g * (y > 0) if relu else xp.ascontiguousarray(g)
         gg = _by_group(g, groups)
         dx = dw = db = None
         if needs[0]:
@@ -266,7 +276,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups):
 
 
 @primitive
-def _conv_transpose(x, w, b, *, stride, padding, dilation, groups, output_padding):
+def _conv_transpose(x, w, b, *, stride, padding, dilation, groups, output_padding, relu):
     r = x.ndim - 2
     kernel = w.shape[:r]
     n, c, og = x.shape[0], x.shape[-1], w.shape[-2]
@@ -282,10 +292,13 @@ def _conv_transpose(x, w, b, *, stride, padding, dilation, groups, output_paddin
     dtype = np.result_type(x.dtype, w.dtype)
     y = crop_spatial(_gemm_col2im(xg, wg, padded, kernel, stride, dilation, in_sizes, groups, dtype), out, crop)
     y = y + b if b is not None else module_of(y).ascontiguousarray(y)
+    if relu:
+        np.maximum(y, 0, out=y)
 
     def vjp(g, needs):
         xp = module_of(g)
-        gpad = pad_spatial(xp.ascontiguousarray(g), crop)
+        g = g * (y > 0) if relu else xp.ascontiguousarray(g)
+        gpad = pad_spatial(g, crop)
         dx = dw = db = None
         if needs[0]:
             dx = xp.empty(x.shape, dtype)
