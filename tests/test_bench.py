@@ -257,3 +257,13 @@ def test_against_head(tmp_path, capsys):
         assert only["name"] == "basics/dense" and only["error"] is None and len(only["times"]) == 2
     after = subprocess.run(["git", "-C", repo, "worktree", "list"], capture_output=True, text=True).stdout
     assert after == before
+
+
+def test_compare_shows_failed_rows(tmp_path, capsys):
+    """A row that failed on one side (e.g. a revision without the feature): 'error', no ratio."""
+    failed = {**row("a", []), "error": "TypeError: no such argument", "memory": {"error": "TypeError: no such argument"}}
+    new = result(rows=[failed, *NEW["rows"][1:]])
+    assert main(["compare", write(tmp_path / "b.json", BASE), write(tmp_path / "n.json", new), "--markdown"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "| a | 3.00 ± 0.75 ms | error | — |" in lines
+    assert "| a | 10 allocs: 2.05 kB | error | — |" in lines

@@ -46,6 +46,8 @@ def bench(quick: bool, pattern: str | None, json_path: str | None, rounds: int |
         selection = suite.select(quick, pattern)
     except re.error as e:
         raise BenchError(f"--filter {pattern!r} is not a regular expression: {e}") from None
+    if selection.row_count == 0 and selection.unavailable:
+        raise BenchError(f"--filter {pattern!r} matches only rows whose peer is not installed: {', '.join(selection.unavailable)}")
     if selection.row_count == 0:
         names = [v.name for g in suite.groups(quick) for v in g.variants] + [suite.TIME_TO_LOAD]
         raise BenchError(f"--filter {pattern!r} matches no row; the rows are:\n  " + "\n  ".join(names))

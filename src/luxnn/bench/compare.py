@@ -170,26 +170,32 @@ def time_rows(base: dict[str, Any], new: dict[str, Any], markdown: bool) -> list
     return out
 
 
+def _memory_cell(raw: dict[str, Any] | None, fmt: Any) -> str:
+    if raw and "error" in raw:
+        return "error"
+    return fmt(raw) if raw and raw.get("bytes") is not None else MISSING
+
+
+def _allocs(m: dict[str, Any]) -> str:
+    return format_allocs(m["allocs"], m["bytes"])
+
+
+def _peaks(m: dict[str, Any]) -> str:
+    reserved = MISSING if m.get("peak_reserved") is None else format_bytes(m["peak_reserved"])
+    return f"{format_bytes(m['peak_live'])} / {reserved}, {format_count(m['upstream_allocs'])} upstream"
+
+
 def memory_rows(base: dict[str, Any], new: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
     """(allocations and bytes per call, peaks and upstream allocations) rows."""
     b_rows, n_rows = ({r["name"]: r for r in d["rows"]} for d in (base, new))
     per_call, peaks = [], []
     for name in _ordered_names(base, new):
-        mb, mn = _memory(b_rows.get(name)), _memory(n_rows.get(name))
-        if mb is None and mn is None:
+        rb, rn = ((r or {}).get("memory") for r in (b_rows.get(name), n_rows.get(name)))
+        if not (rb or rn):
             continue
-
-        def cell(m: dict[str, Any] | None) -> str:
-            return format_allocs(m["allocs"], m["bytes"]) if m else MISSING
-
-        def peak(m: dict[str, Any] | None) -> str:
-            if not m:
-                return MISSING
-            reserved = MISSING if m.get("peak_reserved") is None else format_bytes(m["peak_reserved"])
-            return f"{format_bytes(m['peak_live'])} / {reserved}, {format_count(m['upstream_allocs'])} upstream"
-
-        per_call.append([name, cell(mb), cell(mn), _plain_ratio(mb, mn, "bytes")])
-        peaks.append([name, peak(mb), peak(mn), _plain_ratio(mb, mn, "peak_live")])
+        mb, mn = _memory(b_rows.get(name)), _memory(n_rows.get(name))
+        per_call.append([name, _memory_cell(rb, _allocs), _memory_cell(rn, _allocs), _plain_ratio(mb, mn, "bytes")])
+        peaks.append([name, _memory_cell(rb, _peaks), _memory_cell(rn, _peaks), _plain_ratio(mb, mn, "peak_live")])
     return per_call, peaks
 
 

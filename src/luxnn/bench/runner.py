@@ -351,7 +351,7 @@ def run(
     def order(r: int) -> list[int]:
         return list(range(len(sides)))[:: 1 if r % 2 == 0 else -1]
 
-    def report(name: str) -> None:
+    def announce(name: str) -> None:
         nonlocal done
         done += 1
         cells = "  ".join(f"{s.label}: {_time_cell(rows[i][name])}" for i, s in enumerate(sides)) if len(sides) > 1 else _time_cell(rows[0][name])
@@ -378,7 +378,7 @@ def run(
                         "memory": memories[i].get(name), "error": plans[i]["errors"].get(name),
                     }  # fmt: skip
             for name in names:
-                report(name)
+                announce(name)
             _log(progress, f"      ({group.name}: {time.perf_counter() - t0:.0f} s)")
         if first:
             name = group.first_run
@@ -392,9 +392,10 @@ def run(
                 rows[i][name] = {
                     "name": name, "group": group.name, "kind": "first run", "params": group.params,
                     "times": [[x["time"]] for x in results[i] if "time" in x], "inner": 1,
-                    "memory": counted.get("memory"), "error": errors[0] if errors else None,
+                    "memory": counted.get("memory") or ({"error": counted["error"]} if "error" in counted else None),
+                    "error": errors[0] if errors else None,
                 }  # fmt: skip
-            report(name)
+            announce(name)
     if selection.time_to_load:
         results = [[] for _ in sides]
         for r in range(max(timing.rounds, suite.MIN_LOAD_ROUNDS)):
@@ -407,7 +408,7 @@ def run(
                 "times": [[x["time"]] for x in results[i] if "time" in x], "inner": 1, "memory": None,
                 "error": errors[0] if errors else None,
             }  # fmt: skip
-        report(suite.TIME_TO_LOAD)
+        announce(suite.TIME_TO_LOAD)
 
     end_machine = machine.machine()
     documents = []
@@ -448,7 +449,9 @@ def report(document: dict[str, Any], *, markdown: bool = False) -> str:
             rel = format_ratio(*ratio(*summaries[name], *summaries[ref]))
         time_rows.append([name, cell, rel])
         m = r.get("memory")
-        if m and "error" not in m and m.get("bytes") is not None:
+        if m and "error" in m:
+            memory_rows.append([name, "error: " + m["error"], "", "", ""])
+        elif m and m.get("bytes") is not None:
             reserved = "—" if m["peak_reserved"] is None else format_bytes(m["peak_reserved"])
             memory_rows.append([name, format_allocs(m["allocs"], m["bytes"]), format_count(m["upstream_allocs"]),
                                 format_bytes(m["peak_live"]), reserved])  # fmt: skip
