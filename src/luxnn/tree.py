@@ -110,21 +110,38 @@ def structure(tree: Any) -> Structure:
 
 
 def flatten(tree: Any) -> tuple[list[Any], Structure]:
-    """Split `tree` into its leaves and its structure.
+    """Split `tree` into its leaves and its structure (one pass).
 
     >>> leaves_, s = flatten({"a": 1, "b": (2, 3)})
     >>> unflatten(s, [x * 10 for x in leaves_])
     {'a': 10, 'b': (20, 30)}
     """
-    return leaves(tree), structure(tree)
+    out: list[Any] = []
+    return out, _flatten_into(tree, out)
+
+
+def _flatten_into(tree: Any, out: list[Any]) -> Structure:
+    if isinstance(tree, dict):
+        return Structure(dict, tuple(tree), tuple([_flatten_into(v, out) for v in tree.values()]))
+    if isinstance(tree, _CONTAINERS):
+        return Structure(type(tree), (), tuple([_flatten_into(v, out) for v in tree]))
+    out.append(tree)
+    return _LEAF
+
+
+_END = object()
 
 
 def unflatten(struct: Structure, leaves_: list[Any]) -> Any:
     """Rebuild a tree of structure `struct` from `leaves_` (inverse of `flatten`)."""
-    if struct.num_leaves != len(leaves_):
-        raise ValueError(f"structure has {struct.num_leaves} leaves, got {len(leaves_)}")
     it = iter(leaves_)
-    return _build(struct, it)
+    try:
+        tree = _build(struct, it)
+    except StopIteration:
+        tree = _END
+    if tree is _END or next(it, _END) is not _END:
+        raise ValueError(f"structure has {struct.num_leaves} leaves, got {len(leaves_)}")
+    return tree
 
 
 def _build(struct: Structure, it: Any) -> Any:

@@ -269,10 +269,15 @@ def value_and_grad(
                 raise ValueError(f"value_and_grad: argnums {n} out of range for {len(args)} arguments")
         tape = Tape()
         args = list(args)
+        traced_args = []
         for n in nums:
-            for path, leaf in tree.paths(args[n]):
-                _check_differentiable(path, leaf)
-            args[n] = tree.map(tape.leaf, args[n])
+            leaves, struct = tree.flatten(args[n])
+            for i, leaf in enumerate(leaves):
+                if getattr(getattr(leaf, "dtype", None), "kind", None) != "f" or not hasattr(leaf, "shape"):
+                    _check_differentiable(tree.paths(args[n])[i][0], leaf)
+            traced = [tape.leaf(leaf) for leaf in leaves]
+            traced_args.append((struct, traced))
+            args[n] = tree.unflatten(struct, traced)
         out = f(*args, **kwargs)
         aux = None
         if has_aux:
@@ -293,7 +298,7 @@ def value_and_grad(
             g = leaf_grads.get(t.index)
             return np.zeros_like(t.value) if g is None else _owned(g, t.value, seen)
 
-        grads = tuple(tree.map(grad_of, args[n]) for n in nums)
+        grads = tuple(tree.unflatten(struct, [grad_of(t) for t in traced]) for struct, traced in traced_args)
         value = (raw, aux) if has_aux else raw
         return value, grads[0] if single else grads
 
