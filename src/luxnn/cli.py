@@ -11,7 +11,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     figures = run(
         args.model, epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.lr,
-        seed=args.seed, memory_plot=args.memory_plot, progress=not args.no_progress,
+        seed=args.seed, memory_plot=args.memory_plot, progress=not args.no_progress, device=args.device,
     )  # fmt: skip
     print(report(figures))
     return 0
@@ -40,6 +40,7 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--memory-plot", metavar="PATH", help="draw the allocator cache's timeline to PATH (PNG)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="train on the CPU or on a CUDA GPU (CuPy)")
     demo.set_defaults(run=_demo)
     bench = commands.add_parser("bench", help="run the benchmark suite (see BENCHMARKS.md)")
     bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (under 2 minutes)")

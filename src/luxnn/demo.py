@@ -49,23 +49,35 @@ def build_model(name: str) -> lx.Layer:
     raise ValueError(f"unknown demo model {name!r}; expected one of {MODELS}")
 
 
-def accuracy(model: lx.Layer, ps: Any, st: Any, x: np.ndarray, y: np.ndarray) -> float:
+def accuracy(model: lx.Layer, ps: Any, st: Any, x: Any, y: np.ndarray) -> float:
     logits, _ = model(x, ps, lx.testmode(st))
-    return float((np.asarray(logits).argmax(axis=-1) == y).mean())
+    return float((lx.cpu_device()(logits).argmax(axis=-1) == y).mean())
+
+
+def _device(name: str) -> lx.devices.Device:
+    if name == "cpu":
+        return lx.cpu_device()
+    if name == "gpu":
+        return lx.gpu_device(force=True)  # asked for a GPU: no silent fallback
+    raise ValueError(f"unknown demo device {name!r}; expected 'cpu' or 'gpu'")
 
 
 def run(model_name: str = "mlp", *, epochs: int = 30, batch_size: int = 64, learning_rate: float = 3e-3,
-        seed: int = 0, memory_plot: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train the demo model; returns its figures (accuracy, seconds per step, cache stats)."""
+        seed: int = 0, memory_plot: str | None = None, progress: bool = True, device: str = "cpu") -> dict[str, Any]:
+    """Train the demo model on `device` ("cpu" or "gpu"); returns its figures (accuracy,
+    seconds per step, cache stats)."""
     from tqdm.auto import tqdm
 
     (x_train, y_train), (x_test, y_test) = load_digits(seed)
     model = build_model(model_name)
     rng = np.random.default_rng(seed)
-    ps, st = lx.setup(rng, model)
-    cache = lx.memory.AllocCache(record=memory_plot is not None)
+    dev = _device(device)
+    ps, st = dev(lx.setup(rng, model))
+    cache = lx.memory.AllocCache(None if device == "cpu" else dev, record=memory_plot is not None)
     ts = lx.TrainState(model, ps, st, lx.optim.adam(learning_rate), allocator_cache=cache)
-    loader = lx.DataLoader((x_train, y_train), batch_size, shuffle=True, drop_last=True, rng=rng)
+    loader = lx.DataLoader((x_train, y_train), batch_size, shuffle=True, drop_last=True, rng=rng, device=dev)
+    # A GPU step is timed to its end, not to the end of its launches.
+    sync = dev.xp.cuda.get_current_stream().synchronize if device == "gpu" else lambda: None
     loss_fn, ad = lx.losses.CrossEntropyLoss(), lx.AutoTape()
 
     step_times: list[float] = []
@@ -76,6 +88,7 @@ def run(model_name: str = "mlp", *, epochs: int = 30, batch_size: int = 64, lear
             before = cache.stats().upstream_allocs
             t0 = time.perf_counter()
             _, loss, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
+            sync()
             step_times.append(time.perf_counter() - t0)
             if len(step_times) > 1:
                 upstream_after_first += cache.stats().upstream_allocs - before
@@ -85,9 +98,10 @@ def run(model_name: str = "mlp", *, epochs: int = 30, batch_size: int = 64, lear
 
     figures = {
         "model": model_name,
+        "device": repr(dev),
         "parameters": lx.parameter_count(ts.parameters),
         "steps": len(step_times),
-        "test_accuracy": accuracy(model, ts.parameters, ts.states, x_test, y_test),
+        "test_accuracy": accuracy(model, ts.parameters, ts.states, dev(x_test), y_test),
         "seconds_per_step": statistics.median(step_times),
         "cache": cache.stats(),
         "upstream_allocs_after_first_step": upstream_after_first,
@@ -102,7 +116,7 @@ def report(figures: dict[str, Any]) -> str:
     """The demo's closing lines."""
     s = figures["cache"]
     lines = [
-        f"model {figures['model']}: {figures['parameters']} parameters, {figures['steps']} steps",
+        f"model {figures['model']} on {figures.get('device', 'CPUDevice()')}: {figures['parameters']} parameters, {figures['steps']} steps",
         f"test accuracy {figures['test_accuracy']:.2%}, median time per step {figures['seconds_per_step'] * 1e3:.3f} ms",
         f"allocator cache: {s.hits} hits, {s.misses} misses, {figures['upstream_allocs_after_first_step']} "
         f"upstream allocations after the first step, peak live {_mib(s.peak_live)}, "

@@ -18,7 +18,9 @@ import numpy as np
 from . import tree
 from .backend import is_array
 
-__all__ = ["Device", "CPUDevice", "CUDADevice", "cpu_device", "gpu_device", "get_device"]
+__all__ = ["Device", "CPUDevice", "CUDADevice", "cpu_device", "gpu_device", "get_device", "check_same_device"]
+
+_warned_no_gpu = False  # gpu_device() warns once per process, as Lux's does
 
 
 class Device:
@@ -26,7 +28,8 @@ class Device:
     objects with a ``to_device(device)`` method (a `TrainState`) move themselves."""
 
     def __call__(self, x: Any) -> Any:
-        mover = getattr(x, "to_device", None)
+        # Arrays have a to_device of their own (the array API's), taking other arguments.
+        mover = None if is_array(x) else getattr(x, "to_device", None)
         if mover is not None:
             return mover(self)
         return tree.map(self._move_leaf, x)
@@ -87,8 +90,9 @@ def cpu_device() -> CPUDevice:
 
 
 def gpu_device(device_id: int | None = None, *, force: bool = False) -> Device:
-    """A `CUDADevice` when CuPy and a working CUDA GPU are present; otherwise warns and
-    returns the CPU device (``force=True`` raises instead)."""
+    """A `CUDADevice` when CuPy and a working CUDA GPU are present; otherwise returns the
+    CPU device, with a warning the first time (``force=True`` raises instead)."""
+    global _warned_no_gpu
     try:
         import cupy
 
@@ -102,7 +106,9 @@ def gpu_device(device_id: int | None = None, *, force: bool = False) -> Device:
     except Exception as err:  # ImportError, CUDA runtime errors: all mean "no usable GPU"
         if force:
             raise RuntimeError(f"gpu_device: no usable CUDA GPU ({err})") from err
-        warnings.warn(f"gpu_device: no usable CUDA GPU ({err}); using the CPU", stacklevel=2)
+        if not _warned_no_gpu:
+            _warned_no_gpu = True
+            warnings.warn(f"gpu_device: no usable CUDA GPU ({err}); using the CPU", stacklevel=2)
         return CPUDevice()
 
 
@@ -110,6 +116,36 @@ def _device_of(leaf: Any) -> Device:
     if isinstance(leaf, np.ndarray):
         return CPUDevice()
     return CUDADevice(leaf.device.id)
+
+
+def _first_array(x: Any) -> Any:
+    """The first array leaf of `x` (None if it holds none), without walking the rest."""
+    if isinstance(x, dict):
+        x = x.values()
+    elif not isinstance(x, (list, tuple)):
+        return x if is_array(x) else None
+    for child in x:
+        leaf = _first_array(child)
+        if leaf is not None:
+            return leaf
+    return None
+
+
+def check_same_device(what: str, a: Any, b: Any, a_name: str, b_name: str) -> None:
+    """Raise `ValueError` naming both devices when the first arrays of trees `a` and `b`
+    live on different devices: a check cheap enough for every training step.
+
+    >>> check_same_device("compute_gradients", {"w": np.zeros(2)}, (np.ones(3),), "parameters", "data")
+    """
+    leaf_a, leaf_b = _first_array(a), _first_array(b)
+    if leaf_a is None or leaf_b is None or (type(leaf_a) is np.ndarray and type(leaf_b) is np.ndarray):
+        return
+    dev_a, dev_b = _device_of(leaf_a), _device_of(leaf_b)
+    if dev_a != dev_b:
+        raise ValueError(
+            f"{what}: the {a_name} are on {dev_a} but the {b_name} on {dev_b}; move both to "
+            f"one device first, e.g. dev = lx.gpu_device(); ts, data = dev(ts), dev(data)"
+        )
 
 
 def get_device(x: Any) -> Device | None:

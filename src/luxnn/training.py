@@ -22,6 +22,7 @@ from typing import Any, Callable
 from . import optim
 from .ad import AutoTape, value_and_grad
 from .core import Layer
+from .devices import check_same_device
 from .memory import cached, get_allocator_cache
 
 __all__ = [
@@ -119,8 +120,10 @@ def _check_ad(ad: Any) -> None:
 def compute_gradients(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
     """Gradients of ``objective(model, ps, st, data) -> (loss, st, stats)`` with respect to
     the parameters. Returns ``(grads, loss, stats, ts)``; `ts` carries the new model state.
+    Parameters and `data` must be on one device (`ValueError` naming both otherwise).
     """
     _check_ad(ad)
+    check_same_device("compute_gradients", ts.parameters, data, "parameters", "data")
 
     def loss_fn(ps: Any) -> tuple[Any, tuple[Any, Any]]:
         loss, st, stats = objective(ts.model, ps, ts.states, data)

@@ -460,7 +460,7 @@ def getitem(x, index):
         if _is_basic(index):
             gx[index] = g
         else:
-            np.add.at(gx, index, g)  # repeated indices accumulate
+            xp.add.at(gx, index, g)  # repeated indices accumulate (CuPy's is an atomic scatter)
         return (gx,)
 
     return x[index], vjp
@@ -473,9 +473,9 @@ def take(x, indices, axis=None):
     def vjp(g, needs):
         gx = xp.zeros(shape, dtype)
         if axis is None:
-            np.add.at(gx.reshape(-1), indices, g)
+            xp.add.at(gx.reshape(-1), indices, g)
         else:
-            np.add.at(gx, (slice(None),) * (axis % len(shape)) + (indices,), g)
+            xp.add.at(gx, (slice(None),) * (axis % len(shape)) + (indices,), g)
         return (gx, None)
 
     return np.take(x, indices, axis=axis), vjp

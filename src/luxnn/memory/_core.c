@@ -5,11 +5,12 @@
  * are free (by size bin, and in least-recently-used order), and the figures.
  * It never reads or writes the contents of a block, so the same core can serve
  * host pointers (the NumPy front end below) and device pointers (a CuPy front
- * end plugs in its own lx_upstream).
+ * end plugs in its own lx_upstream: section 2b).
  *
  * Sections:
  *   1. size bins          which byte sizes share a free list
  *   2. upstream           where blocks come from and go back to
+ *   2b. CUDA upstream     device memory through the CUDA driver, bound at run time
  *   3. ownership map      pointer -> block record, for every block the core owns
  *   4. the core           free lists, LRU order, figures, scope watchers, timeline
  *   5. failure record     why this thread's last cached allocation failed
@@ -165,6 +166,65 @@ host_free(void *ctx, void *ptr, size_t size)
 }
 
 static const lx_upstream host_upstream = {"host", NULL, host_alloc, host_free};
+
+/* ---- 2b. CUDA upstream --------------------------------------------------
+ *
+ * Device memory from the CUDA driver API: cuMemAlloc / cuMemFree in the
+ * device's primary context, the context that the CUDA runtime and so CuPy
+ * use. The context is pushed around each call, so any thread may allocate or
+ * release whatever its current device or context. The extension links no CUDA
+ * library (it builds on machines without one): the CuPy front end
+ * (luxnn/memory/cupy_backend.py) looks the functions up in libcuda with ctypes
+ * and binds them on the cache's first use; the tests bind host-memory fakes
+ * with the same signatures. Driver functions return 0 on success.
+ *
+ * The CuPy front end calls into the core with the GIL held, and the driver
+ * functions never wait for it, so the lock order above holds.
+ */
+typedef struct {
+    int (*mem_alloc)(unsigned long long *dptr, size_t size); /* cuMemAlloc_v2 */
+    int (*mem_free)(unsigned long long dptr);                /* cuMemFree_v2 */
+    int (*ctx_push)(void *context);                          /* cuCtxPushCurrent_v2 */
+    int (*ctx_pop)(void **context);                          /* cuCtxPopCurrent_v2 */
+    void *context; /* the device's primary context, retained by the front end */
+} lx_cuda_api;
+
+/* The driver's error code of this thread's last failed upstream allocation
+ * (0: none, or a host upstream), for the out-of-memory message. */
+static _Thread_local int tl_upstream_error;
+
+static void *
+cuda_alloc(void *ctx, size_t size, int zeroed)
+{
+    const lx_cuda_api *api = ctx;
+    unsigned long long dptr = 0;
+    void *popped;
+    (void)zeroed; /* the CuPy front end never asks for zero-filled blocks */
+    if (api->mem_alloc == NULL) {
+        tl_upstream_error = -1; /* not bound: the front end binds before any use */
+        return NULL;
+    }
+    int err = api->ctx_push(api->context);
+    if (err == 0) {
+        err = api->mem_alloc(&dptr, size);
+        api->ctx_pop(&popped);
+    }
+    tl_upstream_error = err;
+    return err == 0 ? (void *)(uintptr_t)dptr : NULL;
+}
+
+static void
+cuda_free(void *ctx, void *ptr, size_t size)
+{
+    const lx_cuda_api *api = ctx;
+    void *popped;
+    (void)size;
+    /* A failure here (the driver already shut down at exit) leaves nothing to do. */
+    if (api->ctx_push(api->context) == 0) {
+        api->mem_free((unsigned long long)(uintptr_t)ptr);
+        api->ctx_pop(&popped);
+    }
+}
 
 /* ---- 3. Ownership map ---------------------------------------------------
  *
@@ -451,6 +511,7 @@ typedef struct {
     size_t request; /* bytes asked for */
     size_t limit;   /* the cache's limit, 0 if none */
     lx_figures fig; /* the cache's figures when it failed */
+    int upstream_error; /* the CUDA driver's error code, 0 for host memory */
 } lx_failure;
 
 static _Thread_local lx_failure tl_failure;
@@ -463,6 +524,7 @@ note_failure_locked(lx_core *c, lx_status status, size_t request)
     tl_failure.request = request;
     tl_failure.limit = c->limit;
     tl_failure.fig = c->fig;
+    tl_failure.upstream_error = tl_upstream_error;
 }
 
 /* ---- 4, continued: the core's operations ------------------------------ */
@@ -548,6 +610,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
                 size_t room = c->limit - size;
                 trim_locked(c, room > c->fig.bytes_live ? room - c->fig.bytes_live : 0);
             }
+            tl_upstream_error = 0;
             ptr = c->up.alloc(c->up.ctx, size, zeroed);
             if (ptr == NULL && c->fig.bytes_cached > 0) { /* out of memory: trim, retry */
                 trim_locked(c, 0);
@@ -845,18 +908,35 @@ np_realloc(void *ctx, void *ptr, size_t new_size)
 typedef struct {
     PyObject_HEAD
     lx_core *core;
+    int cuda;        /* 1: device memory (section 2b), served through Block objects */
+    lx_cuda_api api; /* the CUDA upstream's functions, once bound */
 } CoreObject;
+
+/* A block of a CUDA core handed to CuPy: CuPy's memory object for the block
+ * owns it, and the block goes back to the core when that object dies. */
+typedef struct {
+    PyObject_HEAD
+    CoreObject *owner; /* the core outlives its blocks */
+    void *ptr;
+    size_t size;
+} BlockObject;
 
 static const char handler_capsule_name[] = "mem_handler"; /* NumPy requires this name */
 
 static PyObject *
 Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"limit", "evict_after", "timeline_capacity", NULL};
+    static char *kwlist[] = {"limit", "evict_after", "timeline_capacity", "upstream", NULL};
     unsigned long long limit = 0, evict_after = 0, timeline_capacity = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|KKK:Core", kwlist, &limit,
-                                     &evict_after, &timeline_capacity)) {
+    const char *upstream = "host";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|KKKs:Core", kwlist, &limit,
+                                     &evict_after, &timeline_capacity, &upstream)) {
         return NULL;
+    }
+    int cuda = strcmp(upstream, "cuda") == 0;
+    if (!cuda && strcmp(upstream, "host") != 0) {
+        return PyErr_Format(PyExc_ValueError, "upstream must be 'host' or 'cuda', got '%s'",
+                            upstream);
     }
     if (limit > LX_MAX_REQUEST) {
         return PyErr_Format(PyExc_ValueError, "limit %llu is above %zu bytes", limit,
@@ -866,8 +946,12 @@ Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL) {
         return NULL;
     }
-    self->core = lx_core_new(host_upstream, (size_t)limit, evict_after,
-                             (size_t)timeline_capacity);
+    self->cuda = cuda;
+    lx_upstream up = host_upstream;
+    if (cuda) {
+        up = (lx_upstream){"cuda", &self->api, cuda_alloc, cuda_free};
+    }
+    self->core = lx_core_new(up, (size_t)limit, evict_after, (size_t)timeline_capacity);
     if (self->core == NULL) {
         Py_DECREF(self);
         return PyErr_NoMemory();
@@ -965,6 +1049,114 @@ Core_audit(CoreObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* bind_cuda(mem_alloc, mem_free, ctx_push, ctx_pop, context): the addresses of
+ * the driver's functions (section 2b) and of the retained primary context. */
+static PyObject *
+Core_bind_cuda(CoreObject *self, PyObject *args)
+{
+    unsigned long long f[5];
+    if (!PyArg_ParseTuple(args, "KKKKK:bind_cuda", &f[0], &f[1], &f[2], &f[3], &f[4])) {
+        return NULL;
+    }
+    if (!self->cuda) {
+        return PyErr_Format(PyExc_TypeError, "bind_cuda: this core serves host memory");
+    }
+    if (!f[0] || !f[1] || !f[2] || !f[3]) {
+        return PyErr_Format(PyExc_ValueError, "bind_cuda: a function address is 0");
+    }
+    lx_core *c = self->core;
+    pthread_mutex_lock(&c->lock);
+    int bound = self->api.mem_alloc != NULL;
+    if (!bound) {
+        self->api.mem_free = (int (*)(unsigned long long))(uintptr_t)f[1];
+        self->api.ctx_push = (int (*)(void *))(uintptr_t)f[2];
+        self->api.ctx_pop = (int (*)(void **))(uintptr_t)f[3];
+        self->api.context = (void *)(uintptr_t)f[4];
+        self->api.mem_alloc = (int (*)(unsigned long long *, size_t))(uintptr_t)f[0];
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (bound) {
+        return PyErr_Format(PyExc_RuntimeError, "bind_cuda: already bound");
+    }
+    Py_RETURN_NONE;
+}
+
+static PyTypeObject BlockType;
+
+/* block(size) -> a Block of at least size bytes from a CUDA core; None when the
+ * bookkeeping is out of memory (allocate elsewhere); MemoryError over the limit
+ * or out of device memory even after releasing the free blocks (the reason
+ * and figures in last_failure()). */
+static PyObject *
+Core_block(CoreObject *self, PyObject *arg)
+{
+    Py_ssize_t size = PyLong_AsSsize_t(arg);
+    if (size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!self->cuda || size < 0) {
+        return PyErr_Format(PyExc_ValueError, "block(%zd): %s", size,
+                            self->cuda ? "negative size" : "this core serves host memory");
+    }
+    BlockObject *block = PyObject_New(BlockObject, &BlockType);
+    if (block == NULL) {
+        return NULL;
+    }
+    int zero_filled;
+    lx_status status;
+    block->ptr = lx_alloc(self->core, (size_t)size, 0, &zero_filled, &status);
+    if (block->ptr == NULL) {
+        block->owner = NULL;
+        Py_DECREF(block);
+        if (status == LX_FALLBACK) {
+            Py_RETURN_NONE;
+        }
+        return PyErr_Format(PyExc_MemoryError, "the cache cannot allocate %zd bytes", size);
+    }
+    block->size = bin_bytes(bin_of(size ? (size_t)size : 1)); /* served, so <= LX_MAX_REQUEST */
+    Py_INCREF(self);
+    block->owner = self;
+    return (PyObject *)block;
+}
+
+static void
+Block_dealloc(BlockObject *self)
+{
+    if (self->owner != NULL) {
+        lx_free(self->owner->core, self->ptr);
+        Py_DECREF(self->owner);
+    }
+    PyObject_Free(self);
+}
+
+static PyObject *
+Block_get_ptr(BlockObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromVoidPtr(self->ptr);
+}
+
+static PyObject *
+Block_get_size(BlockObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(self->size);
+}
+
+static PyGetSetDef Block_getset[] = {
+    {"ptr", (getter)Block_get_ptr, NULL, "the block's address", NULL},
+    {"size", (getter)Block_get_size, NULL, "the block's bytes (its size bin's)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject BlockType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "luxnn.memory._core.Block",
+    .tp_basicsize = sizeof(BlockObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A block of a CUDA core in use; it goes back to the core when it dies.",
+    .tp_dealloc = (destructor)Block_dealloc,
+    .tp_getset = Block_getset,
+};
+
 static void
 handler_capsule_destructor(PyObject *capsule)
 {
@@ -978,6 +1170,9 @@ handler_capsule_destructor(PyObject *capsule)
 static PyObject *
 Core_numpy_handler(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
+    if (self->cuda) {
+        return PyErr_Format(PyExc_TypeError, "numpy_handler: this core serves device memory");
+    }
     PyDataMem_Handler *h = PyMem_RawCalloc(1, sizeof(PyDataMem_Handler));
     if (h == NULL) {
         return PyErr_NoMemory();
@@ -1044,6 +1239,13 @@ static PyMethodDef Core_methods[] = {
      "Raise AssertionError unless the records, free lists and figures agree."},
     {"numpy_handler", (PyCFunction)Core_numpy_handler, METH_NOARGS,
      "A new NEP 49 handler capsule allocating from this core."},
+    {"bind_cuda", (PyCFunction)Core_bind_cuda, METH_VARARGS,
+     "bind_cuda(mem_alloc, mem_free, ctx_push, ctx_pop, context): a CUDA core's driver "
+     "functions (addresses of cuMemAlloc_v2, cuMemFree_v2, cuCtxPushCurrent_v2, "
+     "cuCtxPopCurrent_v2) and primary context; once, before its first block"},
+    {"block", (PyCFunction)Core_block, METH_O,
+     "block(size) -> Block from a CUDA core; None: allocate elsewhere; MemoryError: "
+     "over the limit or out of device memory (see last_failure())"},
     {"timeline", (PyCFunction)Core_timeline, METH_NOARGS,
      "(event bytes, events dropped); each event is 4 int64: t_ns, live, reserved, kind"},
     {NULL, NULL, 0, NULL},
@@ -1054,8 +1256,9 @@ static PyTypeObject CoreType = {
     .tp_name = "luxnn.memory._core.Core",
     .tp_basicsize = sizeof(CoreObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Core(limit=0, evict_after=0, timeline_capacity=0): the bookkeeping of "
-              "one AllocCache (0 means none / never / not recording).",
+    .tp_doc = "Core(limit=0, evict_after=0, timeline_capacity=0, upstream='host'): the "
+              "bookkeeping of one AllocCache (0 means none / never / not recording); "
+              "upstream 'cuda' serves device memory once bind_cuda() is called.",
     .tp_new = Core_new,
     .tp_dealloc = (destructor)Core_dealloc,
     .tp_methods = Core_methods,
@@ -1095,7 +1298,8 @@ mod_set_handler(PyObject *Py_UNUSED(mod), PyObject *handler)
     return PyDataMem_SetHandler(handler);
 }
 
-/* This thread's last failure: (seq, over_limit, request, limit, figures...) or None. */
+/* This thread's last failure: (seq, over_limit, request, limit, figures,
+ * upstream_error) or None. */
 static PyObject *
 mod_last_failure(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored))
 {
@@ -1103,10 +1307,10 @@ mod_last_failure(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored))
     if (f.seq == 0) {
         Py_RETURN_NONE;
     }
-    return Py_BuildValue("(KOnnN)", (unsigned long long)f.seq,
+    return Py_BuildValue("(KOnnNi)", (unsigned long long)f.seq,
                          f.status == LX_OVER_LIMIT ? Py_True : Py_False,
                          (Py_ssize_t)f.request, (Py_ssize_t)f.limit,
-                         figures_tuple(f.fig));
+                         figures_tuple(f.fig), f.upstream_error);
 }
 
 static PyMethodDef module_methods[] = {
@@ -1115,7 +1319,8 @@ static PyMethodDef module_methods[] = {
     {"set_handler", mod_set_handler, METH_O,
      "set_handler(capsule or None) -> the previous handler of this context"},
     {"last_failure", mod_last_failure, METH_NOARGS,
-     "(seq, over_limit, request, limit, figures) of this thread's last failure, or None"},
+     "(seq, over_limit, request, limit, figures, upstream_error) of this thread's last "
+     "failure, or None"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1128,7 +1333,7 @@ PyMODINIT_FUNC
 PyInit__core(void)
 {
     import_array();
-    if (PyType_Ready(&CoreType) < 0) {
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&BlockType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&core_module);

@@ -135,16 +135,18 @@ def format_bytes(n: int) -> str:
 
 
 def _check_device(device: Any) -> Any:
-    # The host is the only device the core has an upstream for yet; a device's class says
+    # The core has upstreams for the host and for CUDA devices; a device's class says
     # which array module it holds, without importing CuPy.
-    if device is None or getattr(type(device), "xp", None) is np:
+    from ..devices import CUDADevice
+
+    if device is None or getattr(type(device), "xp", None) is np or isinstance(device, CUDADevice):
         return device
-    raise NotImplementedError(f"AllocCache serves host (NumPy) memory only, not {device!r}")
+    raise NotImplementedError(f"AllocCache serves host (NumPy) and CUDA (CuPy) memory, not {device!r}")
 
 
 def get_allocator_cache(device: Any = None) -> AllocCache | None:
-    """A new cache for the arrays of a training state on `device` (None: the host), or None
-    where luxnn has no cache for that device yet (GPUs, until the CuPy front end lands).
+    """A new cache for the arrays of a training state on `device` (None: the host; a
+    `CUDADevice`: its CuPy allocations), or None where luxnn has no cache for the device.
 
     >>> get_allocator_cache()
     AllocCache(live=0 B, cached=0 B, peak_live=0 B, peak_reserved=0 B, hits=0, misses=0, limit=none, evict_after=16)
@@ -185,6 +187,10 @@ class AllocCache:
     (default `DEFAULT_EVICT_AFTER`).
     record: keep a timeline of events for `plot_timeline` (the last 65536 events).
 
+    `device`: None or a `CPUDevice` for NumPy arrays; a `CUDADevice` for the CuPy arrays of
+    that GPU (`luxnn.memory.cupy_backend`: the device is first touched on the first scope,
+    not here).
+
     >>> import numpy as np
     >>> from luxnn import memory
     >>> cache = memory.AllocCache()
@@ -209,14 +215,24 @@ class AllocCache:
         self.evict_after = _check_evict_after(evict_after)
         self.record = bool(record)
         self._created_ns = time.monotonic_ns()  # the core's clock is CLOCK_MONOTONIC too
+        device_id = getattr(self.device, "device_id", None)
         self._core = _core.Core(
             limit=self.limit or 0,
             evict_after=self.evict_after,
             timeline_capacity=TIMELINE_CAPACITY if self.record else 0,
+            upstream="host" if device_id is None else "cuda",
         )
-        # The NEP 49 handler that `cached` installs. Each array made through it holds it,
-        # and it holds the core: memory outlives this object while arrays use it.
-        self._numpy_handler = self._core.numpy_handler()
+        if device_id is None:
+            # The NEP 49 handler that `cached` installs. Each array made through it holds
+            # it, and it holds the core: memory outlives this object while arrays use it.
+            self._numpy_handler = self._core.numpy_handler()
+            self._cupy = None
+        else:
+            # CuPy's memory objects hold their blocks, which hold the core, likewise.
+            from .cupy_backend import CupyFrontEnd
+
+            self._numpy_handler = None
+            self._cupy = CupyFrontEnd(self._core, device_id, self.limit)
 
     def stats(self) -> CacheStats:
         """The cache's figures now (see `CacheStats`).
@@ -262,8 +278,9 @@ class AllocCache:
     def __repr__(self) -> str:
         s = self.stats()
         limit = "none" if self.limit is None else format_bytes(self.limit)
+        device = "" if self._cupy is None else f"device={self.device!r}, "
         return (
-            f"AllocCache(live={format_bytes(s.bytes_live)}, cached={format_bytes(s.bytes_cached)}, "
+            f"AllocCache({device}live={format_bytes(s.bytes_live)}, cached={format_bytes(s.bytes_cached)}, "
             f"peak_live={format_bytes(s.peak_live)}, peak_reserved={format_bytes(s.peak_reserved)}, "
             f"hits={s.hits}, misses={s.misses}, limit={limit}, evict_after={self.evict_after})"
         )

@@ -1,9 +1,12 @@
-"""`cached(cache)` and `uncached()`: which allocator NumPy uses, per thread and per task.
+"""`cached(cache)` and `uncached()`: which allocator NumPy uses, per thread and per task,
+and which allocator CuPy uses, per thread.
 
 NumPy keeps its current data allocator (a NEP 49 handler) in a context variable, so
 setting it affects only the current thread, or the current asyncio task. A scope sets the
 handler on entry and puts back exactly the handler it replaced on exit, also when the body
-raises.
+raises. A cache on a `CUDADevice` routes CuPy's allocations instead, through CuPy's
+thread-local allocator hook (`luxnn.memory.cupy_backend`), restored the same way; CuPy
+keeps that hook per thread, not per asyncio task.
 
 Out of memory. A NEP 49 handler can only return NULL, and NumPy then raises its own
 `MemoryError` ("Unable to allocate ..."). The core records why a request failed (over the
@@ -28,8 +31,9 @@ __all__ = ["cached", "uncached", "Scope", "UncachedScope", "CacheMemoryError"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 # The handler in effect outside every luxnn scope of this context (None: not in one), for
-# `uncached` to route around all the caches that are open.
+# `uncached` to route around all the caches that are open; likewise CuPy's allocator.
 _outside_handler: ContextVar[Any] = ContextVar("luxnn_memory_outside_handler", default=None)
+_outside_cupy: ContextVar[Any] = ContextVar("luxnn_memory_outside_cupy", default=None)
 
 
 class CacheMemoryError(MemoryError):
@@ -37,7 +41,7 @@ class CacheMemoryError(MemoryError):
 
 
 def _failure_message(failure: tuple) -> str:
-    _seq, over_limit, request, limit, figures = failure
+    _seq, over_limit, request, limit, figures, _upstream_error = failure
     _, _, _, _, live, cached, reserved, peak_live, peak_reserved, _ = figures
     asked = f"{format_bytes(request)} ({request} bytes)"
     if over_limit:
@@ -95,6 +99,8 @@ class Scope(_Switch):
             self._open = ()
             return self
         core = self.cache._core
+        if self.cache._cupy is not None:
+            return self._enter_cupy(core)
         failure = _core.last_failure()
         before = core.stats()
         slot = core.scope_enter()
@@ -104,14 +110,27 @@ class Scope(_Switch):
         self._open = (failure, before, slot, previous, token)
         return self
 
+    def _enter_cupy(self, core: Any) -> Scope:
+        hook, previous = self.cache._cupy.scope()
+        before = core.stats()
+        slot = core.scope_enter()
+        outside = _outside_cupy.get()
+        token = _outside_cupy.set(previous if outside is None else outside)
+        self._open = (None, before, slot, hook, token)
+        return self
+
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         opened, self._open = self._open, None
         if self.cache is None:
             return
         failure, before, slot, previous, token = opened
-        _outside_handler.reset(token)
-        _core.set_handler(previous)
         core = self.cache._core
+        if self.cache._cupy is not None:
+            _outside_cupy.reset(token)
+            previous.__exit__(None, None, None)  # CuPy's hook: its allocator before the scope
+        else:
+            _outside_handler.reset(token)
+            _core.set_handler(previous)
         peak_live, peak_reserved = core.scope_exit(slot)
         after = core.stats()
         d = [a - b for a, b in zip(after, before)]
@@ -128,7 +147,8 @@ class Scope(_Switch):
 
 def cached(cache: AllocCache | None) -> Scope:
     """A scope in which every NumPy array allocation of this thread (or asyncio task)
-    comes from `cache`; ``cached(None)`` changes nothing. Also a decorator.
+    comes from `cache`, or every CuPy allocation of this thread on the cache's device for
+    a cache on a `CUDADevice`; ``cached(None)`` changes nothing. Also a decorator.
 
     Arrays may outlive the scope: their blocks return to the cache when they die.
 
@@ -159,18 +179,27 @@ class UncachedScope(_Switch):
         if self._open is not None:
             raise RuntimeError("this scope is already open; enter a new uncached()")
         outside = _outside_handler.get()
-        self._open = (None if outside is None else _core.set_handler(outside),)
+        outside_cupy = _outside_cupy.get()
+        hook = None
+        if outside_cupy is not None:
+            import cupy
+
+            hook = cupy.cuda.using_allocator(outside_cupy)
+            hook.__enter__()
+        self._open = (None if outside is None else _core.set_handler(outside), hook)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        (previous,), self._open = self._open, None
+        (previous, hook), self._open = self._open, None
         if previous is not None:
             _core.set_handler(previous)
+        if hook is not None:
+            hook.__exit__(None, None, None)
 
 
 def uncached() -> UncachedScope:
-    """A scope that allocates as if no `cached` scope were open (with NumPy's allocator of
-    the surrounding code). Also a decorator.
+    """A scope that allocates as if no `cached` scope were open (with NumPy's and CuPy's
+    allocators of the surrounding code). Also a decorator.
 
     >>> import numpy as np
     >>> from luxnn import memory

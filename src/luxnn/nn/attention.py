@@ -8,6 +8,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import init as initializers
+from ..ad.tape import Traced
+from ..backend import module_of
 from ..core import Layer, LayerError
 from ..ops.attention import attention_combine, attention_scores, masked_softmax
 from .dense import Dense
@@ -102,7 +104,8 @@ class MultiHeadAttention(Layer):
         attended = weights
         if self.dropout > 0 and st["training"]:
             rng = fork_generator(st["rng"])
-            attended = weights * dropout_mask(rng, weights.shape, weights.dtype, self.dropout)
+            xp = module_of(weights.value if type(weights) is Traced else weights)
+            attended = weights * dropout_mask(rng, weights.shape, weights.dtype, self.dropout, xp)
             st = {"rng": rng, "training": True}
         out = attention_combine(attended, self._project("v_proj", v, ps), num_heads=heads)
         return (self._project("out_proj", out, ps), weights), st

@@ -1,4 +1,12 @@
-"""Dropout, with its random generator kept in the layer's state."""
+"""Dropout, with its random generator kept in the layer's state.
+
+The generator in a state is always a NumPy one, on every device: moving a state to a GPU
+leaves it on the host. For CuPy arrays the mask is made on the device from one seed drawn
+from that generator, by a counter-based hash of each element's index (splitmix64): no
+random state lives on the device (a CuPy generator's state could not be copied cheaply
+for the "never advanced in place" rule below), and no mask is copied from the host. The
+masks of the two backends differ for the same seed; each is reproducible from the state.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..ad.tape import Traced
 from ..backend import module_of
 from ..core import Layer, LayerError
 
@@ -14,9 +23,9 @@ __all__ = ["Dropout", "dropout_mask", "fork_generator", "child_generator"]
 
 
 def child_generator(rng: Any) -> Any:
-    """A new generator seeded from `rng` (NumPy's or CuPy's), of the same library; drawing
-    the seed advances `rng`, so layers set up from one generator get different streams."""
-    return module_of(rng).random.default_rng(int(rng.integers(2**63)))
+    """A new NumPy generator seeded from `rng` (NumPy's or CuPy's); drawing the seed
+    advances `rng`, so layers set up from one generator get different streams."""
+    return np.random.default_rng(int(rng.integers(2**63)))
 
 
 def fork_generator(rng: Any) -> Any:
@@ -30,9 +39,32 @@ def fork_generator(rng: Any) -> Any:
     return copy.deepcopy(rng)
 
 
-def dropout_mask(rng: Any, shape: tuple[int, ...], dtype: Any, p: float) -> Any:
+_device_mask_kernel: Any = None
+
+
+def _device_mask(xp: Any, seed: int, shape: tuple[int, ...], dtype: Any, p: float) -> Any:
+    global _device_mask_kernel
+    if _device_mask_kernel is None:
+        _device_mask_kernel = xp.ElementwiseKernel(
+            "uint64 seed, float64 p, float64 scale",
+            "T mask",
+            """
+            unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+            z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+            z ^= z >> 31;
+            mask = (T)((double)(z >> 11) * (1.0 / 9007199254740992.0) >= p ? scale : 0.0);
+            """,
+            "luxnn_dropout_mask",
+        )
+    return _device_mask_kernel(np.uint64(seed), p, 1.0 / (1.0 - p), xp.empty(shape, dtype))
+
+
+def dropout_mask(rng: Any, shape: tuple[int, ...], dtype: Any, p: float, xp: Any = np) -> Any:
     """Inverted-dropout multiplier: 0 with probability `p`, else ``1 / (1 - p)``; advances
-    `rng`."""
+    `rng` (a NumPy generator). `xp`: the array module of the mask (NumPy or CuPy)."""
+    if xp is not np:
+        return _device_mask(xp, int(rng.integers(2**63)), shape, dtype, p)
     draw_dtype = dtype if np.dtype(dtype) in (np.float32, np.float64) else np.float32
     mask = (rng.random(shape, dtype=draw_dtype) >= p).astype(dtype)
     mask *= 1.0 / (1.0 - p)
@@ -72,7 +104,8 @@ class Dropout(Layer):
         if not st["training"] or self.p == 0.0:
             return x, st
         rng = fork_generator(st["rng"])
-        return x * dropout_mask(rng, x.shape, x.dtype, self.p), {"rng": rng, "training": True}
+        xp = module_of(x.value if type(x) is Traced else x)
+        return x * dropout_mask(rng, x.shape, x.dtype, self.p, xp), {"rng": rng, "training": True}
 
     def __repr__(self) -> str:
         return f"Dropout({self.p})"

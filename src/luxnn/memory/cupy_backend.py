@@ -1,0 +1,180 @@
+"""The CuPy front end of the allocator: device memory for `AllocCache(device=CUDADevice(k))`.
+
+Inside ``cached(cache)`` every CuPy allocation of the current thread on device k goes
+through CuPy's allocator hook (``cupy.cuda.using_allocator``, thread-local) to `CupyFrontEnd.
+malloc`, which takes a block from the cache's C core and hands CuPy a ``MemoryPointer``
+over it. The block's owner is a `_core.Block`: when CuPy's memory object for the block
+dies, the block returns to the cache's free lists, as a NumPy array's block does.
+
+Upstream: raw ``cuMemAlloc`` / ``cuMemFree`` (the CUDA driver API, called from the C core,
+section 2b of ``_core.c``), so the cache is the only pool between CuPy and the driver: its
+figures are the driver's, ``upstream_allocs`` counts driver allocations, and a trimmed or
+evicted block really goes back to the device. The alternative, CuPy's default pool as the
+upstream, was not built: the pool would keep every block the cache trims or evicts, so
+memory would be cached twice and peak reserved would be the pool's, not the cache's; and
+the pool's own figures are what ``scripts/gpu_check.sh`` measures side by side with the
+cache (``benchmarks/gpu_step.py``).
+
+Keys. A cache serves one device and one stream: the device of its `CUDADevice` and the
+stream current at its first use (usually the null stream). Requests on another device
+or stream are passed to the allocator that was active before the scope, so a block
+never crosses devices, and one freed by work queued on one stream is never handed to
+another stream while that work may still run (CuPy's pool keys by stream for the same
+reason).
+
+Binding. Constructing the cache touches nothing: the driver functions are looked up in
+``libcuda.so.1`` with ctypes and the device's primary context retained (the one the CUDA
+runtime and CuPy use; it stays retained for the life of the process, as the runtime's
+does) on the first scope.
+
+Out of device memory: the core releases its free blocks and retries; then the front end
+releases the free blocks of CuPy's default pool and retries once more; then it raises
+CuPy's ``OutOfMemoryError`` (also a `CacheMemoryError`) with the cache's figures.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable
+
+from . import _core
+
+__all__ = ["CupyFrontEnd", "bind_driver"]
+
+# CUresult codes that the messages name.
+_CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+# What the hook asks on every request: the current device and stream (the stream's
+# handle). Set on first use; tests without a GPU set them to fakes beforehand.
+_current_device: Callable[[], int] | None = None
+_current_stream: Callable[[], int] | None = None
+
+
+def _resolve_queries() -> None:
+    global _current_device, _current_stream
+    import cupy
+
+    if _current_device is None:
+        _current_device = cupy.cuda.runtime.getDevice
+    if _current_stream is None:
+        get_current_stream = cupy.cuda.get_current_stream
+        _current_stream = lambda: get_current_stream().ptr  # noqa: E731
+
+
+def _driver_library() -> Any:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as err:
+        raise RuntimeError(f"AllocCache: cannot load the CUDA driver library libcuda.so.1 ({err})") from err
+
+
+def bind_driver(core: Any, device_id: int) -> None:
+    """Bind a CUDA core to the driver: cuMemAlloc/cuMemFree in device `device_id`'s
+    primary context (retained here, once per cache)."""
+    lib = _driver_library()
+
+    def check(name: str, status: int) -> None:
+        if status != 0:
+            text = ctypes.c_char_p()
+            lib.cuGetErrorName(status, ctypes.byref(text))
+            raise RuntimeError(f"AllocCache: {name} failed on device {device_id}: {(text.value or b'?').decode()} ({status})")
+
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    check("cuInit", lib.cuInit(0))
+    check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(device), device_id))
+    check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device))
+
+    def address(name: str) -> int:
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+    core.bind_cuda(
+        address("cuMemAlloc_v2"), address("cuMemFree_v2"), address("cuCtxPushCurrent_v2"),
+        address("cuCtxPopCurrent_v2"), context.value,
+    )  # fmt: skip
+
+
+_out_of_memory_type: type | None = None
+
+
+def _out_of_memory_error(size: int, message: str, reserved: int, limit: int) -> MemoryError:
+    """CuPy's ``OutOfMemoryError`` for `size` bytes, which is also a `CacheMemoryError` (so
+    that `cached` passes it on unchanged), its message followed by `message`."""
+    global _out_of_memory_type
+    if _out_of_memory_type is None:
+        import cupy
+
+        from .scope import CacheMemoryError
+
+        _out_of_memory_type = type(
+            "CacheOutOfMemoryError", (cupy.cuda.memory.OutOfMemoryError, CacheMemoryError),
+            {"__module__": __name__, "__doc__": "CuPy's OutOfMemoryError, raised by an AllocCache."},
+        )  # fmt: skip
+    err = _out_of_memory_type(size, reserved, limit)
+    err.args = (f"{err.args[0] if err.args else ''} {message}".strip(),)
+    return err
+
+
+class CupyFrontEnd:
+    """The CuPy side of one `AllocCache` on a `CUDADevice`; `cached` enters `scope`."""
+
+    def __init__(self, core: Any, device_id: int, limit: int | None) -> None:
+        self.core = core  # not the AllocCache: no cycle keeps a dropped cache alive
+        self.device_id = device_id
+        self.limit = limit
+        self.stream: int | None = None  # the stream served: the one current at first use
+        # Replaced by tests that plug a host-memory fake into the same code path.
+        self.bind: Callable[[Any, int], None] = bind_driver
+
+    def scope(self) -> Any:
+        """Enter CuPy's allocator hook for this thread: returns the entered context
+        manager (exit it to restore the allocator it replaced) and that allocator."""
+        import cupy
+
+        if self.stream is None:
+            _resolve_queries()
+            self.bind(self.core, self.device_id)
+            self.stream = _current_stream()
+        previous = cupy.cuda.get_allocator()
+        hook = cupy.cuda.using_allocator(self.allocator(previous))
+        hook.__enter__()
+        return hook, previous
+
+    def allocator(self, fallback: Callable[[int], Any]) -> Callable[[int], Any]:
+        """CuPy's allocator function for this cache: ``malloc(size) -> MemoryPointer``;
+        requests that the cache must not serve go to `fallback`."""
+        import cupy
+
+        block_of = self.core.block
+        device_id = self.device_id
+        memory, pointer = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer
+
+        def malloc(size: int) -> Any:
+            if _current_device() != device_id or _current_stream() != self.stream:
+                return fallback(size)
+            try:
+                block = block_of(size)
+            except MemoryError:
+                # The core released its own free blocks already; CuPy's pool may hold
+                # free device memory from outside the scope.
+                cupy.get_default_memory_pool().free_all_blocks()
+                try:
+                    block = block_of(size)
+                except MemoryError:
+                    raise self._out_of_memory(size) from None
+            if block is None:  # the bookkeeping itself is out of host memory
+                return fallback(size)
+            return pointer(memory(block.ptr, size, block, device_id), 0)
+
+        return malloc
+
+    def _out_of_memory(self, size: int) -> MemoryError:
+        from .scope import _failure_message
+
+        failure = _core.last_failure()
+        message = _failure_message(failure) if failure is not None else ""
+        error = failure[5] if failure is not None else 0
+        if error not in (0, _CUDA_ERROR_OUT_OF_MEMORY):
+            message += f" The CUDA driver returned error {error} (not out of memory)."
+        reserved = self.core.stats()[6]
+        return _out_of_memory_error(size, message, reserved, self.limit or 0)

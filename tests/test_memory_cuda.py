@@ -1,0 +1,333 @@
+"""The allocator's CUDA side without a GPU: the C core's CUDA upstream with a host-memory
+fake of the driver functions bound through the same path as the real ones, and (where
+CuPy is installed: it imports without a driver) the CuPy front end's hook, scopes and
+errors, with CuPy arrays made over the fake's memory and never computed on.
+
+What needs a device (real cuMemAlloc, kernels on cached arrays) is in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+
+import luxnn as lx
+from luxnn import memory
+from luxnn.memory import _core, cupy_backend
+
+CONTEXT = 0xC0FFEE  # the "primary context" the fake expects to be pushed
+OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+_BOUND: list = []
+
+
+class FakeDriver:
+    """cuMemAlloc_v2, cuMemFree_v2, cuCtxPushCurrent_v2 and cuCtxPopCurrent_v2 over host
+    memory, counting calls and checking that every call runs in the bound context.
+
+    ctypes callbacks run with the GIL taken, so use it from one thread at a time.
+    Assertions cannot raise through C: problems are collected in `errors`.
+    """
+
+    ALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t)
+    FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong)
+    PUSH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    POP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+
+    def __init__(self, capacity: int | None = None, error: int = OUT_OF_MEMORY) -> None:
+        self.capacity = capacity  # bytes it will hand out at once; None: unbounded
+        self.error = error  # what an allocation over the capacity returns
+        self.buffers: dict[int, ctypes.Array] = {}
+        self.allocs = self.frees = 0
+        self.stack: list[int] = []
+        self.errors: list[str] = []
+        self._callbacks = (self.ALLOC(self._alloc), self.FREE(self._free), self.PUSH(self._push), self.POP(self._pop))
+
+    @property
+    def used(self) -> int:
+        return sum(len(b) for b in self.buffers.values())
+
+    def _alloc(self, dptr, size):
+        if self.stack != [CONTEXT]:
+            self.errors.append(f"alloc with context stack {self.stack}")
+        if self.capacity is not None and self.used + size > self.capacity:
+            return self.error
+        buf = ctypes.create_string_buffer(size)
+        self.buffers[ctypes.addressof(buf)] = buf
+        dptr[0] = ctypes.addressof(buf)
+        self.allocs += 1
+        return 0
+
+    def _free(self, ptr):
+        if self.stack != [CONTEXT]:
+            self.errors.append(f"free with context stack {self.stack}")
+        if self.buffers.pop(ptr, None) is None:
+            self.errors.append(f"free of unknown pointer {ptr:#x}")
+        self.frees += 1
+        return 0
+
+    def _push(self, context):
+        self.stack.append(context)
+        return 0
+
+    def _pop(self, out):
+        out[0] = self.stack.pop() if self.stack else None
+        return 0
+
+    def bind(self, core, device_id: int = 0) -> None:
+        _BOUND.append(self)  # the core calls these thunks until it dies: never free them
+        core.bind_cuda(*(ctypes.cast(f, ctypes.c_void_p).value for f in self._callbacks), CONTEXT)
+
+
+def cuda_core(driver: FakeDriver | None = None, **kwargs):
+    core = _core.Core(upstream="cuda", **kwargs)
+    if driver is not None:
+        driver.bind(core)
+    return core
+
+
+# -- the C core's CUDA upstream -----------------------------------------------------------
+
+
+def test_blocks_come_from_the_driver_and_return_to_the_free_lists():
+    driver = FakeDriver()
+    core = cuda_core(driver)
+    a, b = core.block(1000), core.block(1 << 20)
+    assert (a.size, b.size) == (memory.bin_size(1000), memory.bin_size(1 << 20))
+    assert {a.ptr, b.ptr} <= set(driver.buffers) and driver.allocs == 2
+    ptr = a.ptr
+    del a
+    c = core.block(900)
+    assert c.ptr == ptr and driver.allocs == 2  # same bin: reused, no driver call
+    hits, misses, allocs, frees, live, cached = core.stats()[:6]
+    assert (hits, misses, allocs, frees, live, cached) == (1, 2, 2, 0, memory.bin_size(1 << 20) + 1024, 0)
+    del b, c
+    core.audit()
+    assert driver.errors == [] and driver.stack == []
+
+
+def test_trim_free_and_destruction_give_every_block_back_to_the_driver():
+    driver = FakeDriver()
+    core = cuda_core(driver)
+    blocks = [core.block(n) for n in (512, 4096, 1 << 16, 1 << 22)]
+    kept = blocks.pop()
+    del blocks
+    assert core.trim(0) == memory.bin_size(512) + memory.bin_size(4096) + memory.bin_size(1 << 16)
+    assert driver.frees == 3
+    core.release_all()  # `kept` is live: released when it dies
+    assert driver.frees == 3
+    del kept
+    assert driver.frees == 4 and driver.buffers == {}
+    again = core.block(100)  # a released core keeps working
+    del core  # the block holds the core
+    assert driver.frees == 4
+    del again  # the last block dies: the core goes, its free block back to the driver
+    assert driver.allocs == driver.frees == 5 and driver.errors == []
+
+
+def test_out_of_device_memory_trims_then_retries():
+    driver = FakeDriver(capacity=3 << 20)
+    core = cuda_core(driver)
+    a, b = core.block(1 << 20), core.block(1 << 20)
+    del a, b  # 2 MiB cached in the 1 MiB bin
+    big = core.block(2 << 20)  # fails at first, fits once the cache releases its blocks
+    assert driver.frees == 2 and big.size == 2 << 20
+    with pytest.raises(MemoryError):
+        core.block(2 << 20)
+    seq, over_limit, request, limit, figures, upstream_error = _core.last_failure()
+    assert (over_limit, request, upstream_error) == (False, 2 << 20, OUT_OF_MEMORY)
+    assert figures[4] == 2 << 20  # bytes_live when it failed
+    core.audit()
+
+
+def test_limit_and_unbound_core():
+    core = cuda_core(FakeDriver(), limit=1 << 20)
+    with pytest.raises(MemoryError):
+        core.block(2 << 20)
+    assert _core.last_failure()[1] is True  # over the limit
+    unbound = cuda_core()
+    with pytest.raises(MemoryError):
+        unbound.block(10)
+    assert _core.last_failure()[5] == -1  # never bound
+    assert unbound.stats()[2] == 0
+
+
+def test_cuda_cores_and_host_cores_do_not_mix():
+    host, device = _core.Core(), cuda_core()
+    with pytest.raises(TypeError, match="device memory"):
+        device.numpy_handler()
+    with pytest.raises(ValueError, match="host memory"):
+        host.block(10)
+    with pytest.raises(TypeError, match="host memory"):
+        FakeDriver().bind(host)
+    driver = FakeDriver()
+    driver.bind(device)
+    with pytest.raises(RuntimeError, match="already bound"):
+        driver.bind(device)
+    with pytest.raises(ValueError, match="upstream"):
+        _core.Core(upstream="tpu")
+
+
+def test_a_cuda_cache_constructs_without_touching_the_device():
+    cache = memory.AllocCache(lx.CUDADevice(3), limit=1 << 30)
+    assert cache.stats().bytes_reserved == 0 and "CUDADevice(3)" in repr(cache)
+    assert isinstance(memory.get_allocator_cache(lx.CUDADevice(0)), memory.AllocCache)
+
+
+# -- the CuPy front end, over the fake driver ---------------------------------------------
+
+try:
+    import cupy
+except ImportError:
+    cupy = None
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA cache for device 0 bound to a FakeDriver, with the hook's device and stream
+    queries faked (device 0, the null stream), an outside allocator that records, and
+    CuPy's default pool (which the hook empties when out of memory) replaced."""
+    if cupy is None:
+        pytest.skip("CuPy is not installed (pip install luxnn[cuda12]): its front end is untestable")
+    where = {"device": 0, "stream": 0, "pool_released": 0}
+
+    class Pool:
+        def free_all_blocks(self):
+            where["pool_released"] += 1
+
+    monkeypatch.setattr(cupy, "get_default_memory_pool", Pool)
+    monkeypatch.setattr(cupy_backend, "_current_device", lambda: where["device"])
+    monkeypatch.setattr(cupy_backend, "_current_stream", lambda: where["stream"])
+    driver = FakeDriver()
+    outside = []
+
+    def outside_malloc(size):
+        buf = ctypes.create_string_buffer(max(size, 1))
+        outside.append(size)
+        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ctypes.addressof(buf), size, buf, where["device"]), 0)
+
+    cache = memory.AllocCache(lx.CUDADevice(0))
+    cache._cupy.bind = driver.bind
+    with cupy.cuda.using_allocator(outside_malloc):
+        yield cache, driver, where, outside
+    assert driver.errors == []
+
+
+def test_cupy_arrays_in_a_scope_come_from_the_cache(fake_gpu):
+    cache, driver, _, outside = fake_gpu
+    before = cupy.cuda.get_allocator()
+    with memory.cached(cache) as scope:
+        a = cupy.empty((256, 256), cupy.float32)
+        b = cupy.empty(10, cupy.int64)
+        assert a.data.ptr in driver.buffers and b.data.ptr in driver.buffers
+        assert cache.stats().bytes_live == memory.bin_size(a.nbytes) + memory.bin_size(b.nbytes)
+        with memory.uncached():
+            c = cupy.empty(7)
+        assert c.data.ptr not in driver.buffers and outside == [56]
+        del b
+    assert cupy.cuda.get_allocator() is before  # restored
+    assert scope.stats.upstream_allocs == 2 and scope.stats.misses == 2
+    ptr = a.data.ptr
+    view = a[1:]
+    del a
+    assert cache.stats().bytes_live > 0  # the view keeps the block
+    del view
+    with memory.cached(cache) as scope:
+        again = cupy.empty((256, 256), cupy.float32)
+    assert again.data.ptr == ptr and scope.stats.upstream_allocs == 0 and scope.stats.hits == 1
+    cache._core.audit()
+
+
+def test_no_two_live_cupy_arrays_share_a_block(fake_gpu):
+    cache, _, _, _ = fake_gpu
+    rng = np.random.default_rng(0)
+    kept = []
+    for step in range(50):
+        with memory.cached(cache):
+            temporaries = [cupy.empty(int(n), cupy.float32) for n in rng.integers(1, 5000, 8)]
+            kept.append(temporaries[0])
+            del temporaries
+        spans = sorted((a.data.ptr, a.data.ptr + memory.bin_size(a.nbytes)) for a in kept)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    cache._core.audit()
+
+
+def test_other_devices_and_streams_get_the_outside_allocator(fake_gpu):
+    cache, driver, where, outside = fake_gpu
+    with memory.cached(cache):
+        cupy.empty(10)  # binds the cache to the null stream
+        where["device"] = 1
+        on_other_device = cupy.empty(100)
+        where["device"], where["stream"] = 0, 12345
+        on_other_stream = cupy.empty(200)
+    assert outside == [800, 1600]
+    assert on_other_device.data.ptr not in driver.buffers and on_other_stream.data.ptr not in driver.buffers
+    assert cache.stats().upstream_allocs == 1
+
+
+def test_out_of_device_memory_raises_cupys_error_with_the_figures(fake_gpu):
+    cache, driver, where, _ = fake_gpu
+    driver.capacity = 1 << 20
+    with memory.cached(cache):
+        kept = cupy.empty(100_000, cupy.float32)
+        with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as info:
+            cupy.empty(1 << 20, cupy.uint8)
+    assert where["pool_released"] == 1  # CuPy's pool was asked to let go before giving up
+    assert isinstance(info.value, memory.CacheMemoryError)
+    message = str(info.value)
+    assert "Out of memory allocating 1,048,576 bytes" in message and "Cache figures: live" in message
+    del kept
+
+
+def test_a_failing_driver_is_named(fake_gpu):
+    cache, driver, _, _ = fake_gpu
+    driver.capacity, driver.error = 0, 999
+    with memory.cached(cache), pytest.raises(cupy.cuda.memory.OutOfMemoryError, match="error 999"):
+        cupy.empty(10)
+
+
+def test_the_hook_is_per_thread_and_restored_on_errors(fake_gpu):
+    cache, driver, _, _ = fake_gpu
+    before = cupy.cuda.get_allocator()
+    seen = []
+    with pytest.raises(KeyError):
+        with memory.cached(cache):
+            worker = threading.Thread(target=lambda: seen.append(cupy.cuda.get_allocator()))
+            worker.start()
+            worker.join()
+            raise KeyError("boom")
+    assert cupy.cuda.get_allocator() is before
+    assert seen and seen[0] is not None and cupy.cuda.get_allocator() is before
+    assert cache.stats().scopes == 1
+
+
+def test_the_cache_can_die_before_its_arrays(fake_gpu):
+    _, driver, _, _ = fake_gpu
+    cache = memory.AllocCache(lx.CUDADevice(0))
+    cache._cupy.bind = driver.bind
+    with memory.cached(cache):
+        a = cupy.empty(1000)
+    frees = driver.frees
+    del cache
+    assert a.data.ptr in driver.buffers and driver.frees == frees
+    del a  # the last block of the core: the core goes, and its blocks back to the driver
+    assert driver.frees == frees + 1
+
+
+def test_mixed_devices_are_refused_by_the_training_verbs(fake_gpu):
+    cache, _, _, _ = fake_gpu
+    with memory.cached(cache):
+        on_gpu = cupy.empty((4, 3), cupy.float32)  # metadata only: never computed on
+    model = lx.Dense(3, 2)
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    with pytest.raises(ValueError, match=r"CPUDevice\(\) and CUDADevice\(0\)"):
+        lx.get_device({"w": ps["weight"], "x": on_gpu})
+    ts = lx.TrainState(model, ps, st, lx.optim.sgd(0.1), allocator_cache=None)
+    with pytest.raises(ValueError, match=r"parameters are on CPUDevice\(\) but the data on CUDADevice\(0\)"):
+        lx.compute_gradients(lx.AutoTape(), lx.losses.MSELoss(), (on_gpu, np.zeros((4, 2), np.float32)), ts)
+    with pytest.raises(ValueError, match=r"CUDADevice\(0\)"):
+        lx.single_train_step(lx.AutoTape(), lx.losses.MSELoss(), (on_gpu, on_gpu), ts)
