@@ -114,6 +114,9 @@ def time_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[floa
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
+            # Let the previous framework's worker threads (OpenBLAS, OpenMP) stop spinning:
+            # otherwise they compete for the cores with the next framework's first steps.
+            time.sleep(0.3)
             t0 = time.perf_counter()
             for _ in range(per_round):
                 step()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import luxnn as lx
-from luxnn.ops.conv import conv
+from luxnn.ops.conv import _BLOCK_BYTES, conv
 
 RTOL = 1e-6
 
@@ -218,16 +218,16 @@ def test_parameters_only_gradient_skips_the_input():
 def test_one_im2col_block_at_a_time():
     layer = lx.Conv(3, 16, 32, padding=1)
     ps = layer.init_params(np.random.default_rng(0))
-    x = np.random.default_rng(1).standard_normal((32, 20, 20, 16)).astype(np.float32)
-    cols = 32 * 20 * 20 * 3 * 3 * 16 * 4  # the whole batch's im2col matrix: 7.4 MB
-    padded, out = 32 * 22 * 22 * 16 * 4, 32 * 20 * 20 * 32 * 4
+    x = np.random.default_rng(1).standard_normal((64, 20, 20, 16)).astype(np.float32)
+    cols = 64 * 20 * 20 * 3 * 3 * 16 * 4  # the whole batch's im2col matrix: 14.7 MB
+    padded, out = 64 * 22 * 22 * 16 * 4, 64 * 20 * 20 * 32 * 4
     x64 = x.astype(np.float64)
     ps64 = f64(ps)
     tracemalloc.start()
     y, _ = layer(x, ps, {})
     forward_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert forward_peak < padded + out + (2 << 20) + cols / 8
+    assert forward_peak < padded + out + 1.1 * _BLOCK_BYTES < padded + out + cols
     # The backward pass holds one block too: the peak stays well below one whole matrix.
     tracemalloc.start()
     lx.grad(lambda x, ps: layer(x, ps, {})[0].sum(), argnums=(0, 1))(x64, ps64)
@@ -235,7 +235,7 @@ def test_one_im2col_block_at_a_time():
     tracemalloc.stop()
     # Live in float64: the padded input and the output (kept by the tape), the output
     # gradient, the padded input gradient and one block; the whole matrix alone would be 2 * cols.
-    assert peak < 2 * (2 * padded + 2 * out) + (2 << 20) + cols / 4 < 2 * cols
+    assert peak < 2 * (2 * padded + 2 * out) + 1.1 * _BLOCK_BYTES < 2 * cols
 
 
 BAD_CONV = [

@@ -117,11 +117,11 @@ def _channel_sum(g: Any, channels: int) -> Any:
     return module_of(g2).ones(g2.shape[0], g2.dtype) @ g2
 
 
-# Images per block: about this many bytes of im2col columns, so that a block is still in
-# cache when its GEMM (or its col2im) reads it, and a call holds one block, never the whole
-# matrix. Measured on the issue's CNN: faster than one im2col and one GEMM over the batch,
-# and 14 MB less peak memory.
-_BLOCK_BYTES = 2 << 20
+# Images per block: about this many bytes of im2col columns (or of output rows, if more),
+# so that a block is still in cache when its GEMM, its bias and relu or its col2im read it,
+# and a call holds one block, never the whole matrix. Measured on the issue's CNN: faster
+# than one im2col and one GEMM over the batch, and 14 MB less peak memory.
+_BLOCK_BYTES = 4 << 20
 
 
 def _blocks(n: int, bytes_per_image: int) -> list[tuple[int, int]]:
@@ -137,26 +137,30 @@ def _matmul_into(out: Any, a: Any, b: Any, accumulate: bool) -> None:
         np.matmul(a, b, out=out)
 
 
-def _gemm_col2im(a: Any, wg: Any, padded_shape: tuple[int, ...], kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int, dtype: Any) -> Any:
-    """col2im of ``a @ wg^T``, the adjoint of `_im2col` applied to a GEMM's result: `a`
-    ``(groups, N*prod(out), c)`` times `wg` ``(groups, prod(kernel)*C/groups, c)`` transposed,
-    scatter-added into a zero array of `padded_shape` ``(N, *spatial, C)`` with one strided
-    add per kernel offset; a block of images at a time."""
-    n, c = padded_shape[0], padded_shape[-1]
-    per_image, width = math.prod(out), wg.shape[1]
-    target = module_of(a).zeros(padded_shape, dtype)
-    grouped = target.reshape(*padded_shape[:-1], groups, c // groups)
-    wt = wg.transpose(0, 2, 1)
+def _col2im_add(target: Any, cols: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int) -> None:
+    """The adjoint of `_im2col`: scatter-add `cols` ``(groups, n*prod(out), prod(kernel)*C/groups)``
+    into `target` ``(n, *spatial, C)`` (padded), one strided add per kernel offset."""
+    n, c = target.shape[0], target.shape[-1]
+    grouped = target.reshape(*target.shape[:-1], groups, c // groups)
+    # (groups, n, *out, *kernel, C/groups) -> (n, *out, *kernel, groups, C/groups), a view.
+    src = np.moveaxis(cols.reshape(groups, n, *out, *kernel, c // groups), 0, -2)
     lead = (slice(None),) * (1 + len(kernel))
-    for n0, n1 in _blocks(n, groups * per_image * width * np.dtype(dtype).itemsize):
+    for offset in itertools.product(*map(range, kernel)):
+        dst = grouped[window_slices(offset, stride, dilation, out)]
+        dst += src[lead + offset]
+
+
+def _gemm_col2im(a: Any, wg: Any, padded_shape: tuple[int, ...], kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int, dtype: Any) -> Any:
+    """col2im of ``a @ wg^T`` into a zero array of `padded_shape` ``(N, *spatial, C)``: `a`
+    ``(groups, N*prod(out), c)``, `wg` ``(groups, prod(kernel)*C/groups, c)``; a block of
+    images at a time."""
+    per_image = math.prod(out)
+    target = module_of(a).zeros(padded_shape, dtype)
+    wt = wg.transpose(0, 2, 1)
+    for n0, n1 in _blocks(padded_shape[0], per_image * wg.shape[1] * groups * np.dtype(dtype).itemsize):
         cols = np.matmul(a[:, n0 * per_image : n1 * per_image], wt).astype(dtype, copy=False)
-        # (groups, n, *out, *kernel, C/groups) -> (n, *out, *kernel, groups, C/groups), a view.
-        src = np.moveaxis(cols.reshape(groups, n1 - n0, *out, *kernel, c // groups), 0, -2)
-        block = grouped[n0:n1]
-        for offset in itertools.product(*map(range, kernel)):
-            dst = block[window_slices(offset, stride, dilation, out)]
-            dst += src[lead + offset]
-        del cols, src  # before the next block is computed
+        _col2im_add(target[n0:n1], cols, kernel, stride, dilation, out, groups)
+        del cols  # before the next block is computed
     return target
 
 
@@ -243,33 +247,49 @@ def conv_transpose(
 def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
     r = x.ndim - 2
     kernel = w.shape[:r]
-    n, o = x.shape[0], w.shape[-1]
+    n, c, o = x.shape[0], x.shape[-1], w.shape[-1]
     xpad = pad_spatial(x, padding)
     out = tuple(conv_output_size(s, k, st, d, (0, 0)) for s, k, st, d in zip(xpad.shape[1:-1], kernel, stride, dilation))
+    per_image = math.prod(out)
     wg = _grouped_kernel(w, groups)
     y = module_of(x).empty((n, *out, o), np.result_type(x.dtype, w.dtype))
-    _im2col_gemms(xpad, kernel, stride, dilation, out, groups, forward=(wg, _by_group(y, groups)))
-    if b is not None:
-        y += b
-    if relu:
-        np.maximum(y, 0, out=y)
+    y2 = y.reshape(-1, o)
+    blocks = _blocks(n, per_image * max(math.prod(kernel) * c, o) * y.itemsize)
+    for n0, n1 in blocks:
+        cols = _im2col(xpad[n0:n1], kernel, stride, dilation, out, groups)
+        yb = y2[n0 * per_image : n1 * per_image]
+        np.matmul(cols, wg, out=_by_group(yb, groups))
+        if b is not None:
+            yb += b
+        if relu:
+            np.maximum(yb, 0, out=yb)
+        del cols  # before the next block is built
     in_sizes = x.shape[1:-1]
 
     def vjp(g, needs):
+        # One pass over the blocks does everything a block of images needs: its relu mask,
+        # bias gradient, input gradient (GEMM, col2im) and weight gradient (the im2col block
+        # rebuilt rather than kept from the forward pass: as fast, the block being in cache,
+        # and between the passes the call keeps only its padded input).
         xp = module_of(g)
-        g = g * (y > 0) if relu else xp.ascontiguousarray(g)
-        gg = _by_group(g, groups)
-        dx = dw = db = None
-        if needs[0]:
-            dxpad = _gemm_col2im(gg, wg, xpad.shape, kernel, stride, dilation, out, groups, g.dtype)
-            dx = crop_spatial(dxpad, in_sizes, padding)
-        if needs[1]:
-            # The im2col matrix is rebuilt rather than kept from the forward pass: as fast
-            # (blocks in cache), and the forward-to-backward memory is only the padded input.
-            dw = xp.empty(w.shape, g.dtype)
-            _im2col_gemms(xpad, kernel, stride, dilation, out, groups, weight_grad=(gg, _by_group(dw, groups)))
-        if needs[2]:
-            db = _channel_sum(g, o)
+        g2 = xp.ascontiguousarray(g).reshape(-1, o)
+        dxpad = xp.zeros(xpad.shape, g.dtype) if needs[0] else None
+        dw = xp.empty(w.shape, g.dtype) if needs[1] else None
+        db = xp.zeros(o, g.dtype) if needs[2] else None
+        wt = wg.transpose(0, 2, 1)
+        for i, (n0, n1) in enumerate(blocks):
+            rows = slice(n0 * per_image, n1 * per_image)
+            gb = g2[rows] * (y2[rows] > 0) if relu else g2[rows]
+            ggb = _by_group(gb, groups)
+            if needs[0]:
+                _col2im_add(dxpad[n0:n1], np.matmul(ggb, wt), kernel, stride, dilation, out, groups)
+            if needs[1]:
+                cols = _im2col(xpad[n0:n1], kernel, stride, dilation, out, groups)
+                _matmul_into(_by_group(dw, groups), cols.transpose(0, 2, 1), ggb, accumulate=i > 0)
+                del cols
+            if needs[2]:
+                db += _channel_sum(gb, o)
+        dx = crop_spatial(dxpad, in_sizes, padding) if needs[0] else None
         return dx, dw, db
 
     return y, vjp
