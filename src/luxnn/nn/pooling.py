@@ -63,7 +63,7 @@ class MaxPool(_Pool):
     TF-style), padded with -inf, and smaller than the window on each side. The gradient
     goes to the first maximum of each window, as in PyTorch.
 
-    >>> import luxnn as lx
+    >>> import numpy as np, luxnn as lx
     >>> pool = lx.MaxPool(2)
     >>> pool(np.ones((2, 28, 28, 8), np.float32), {}, {})[0].shape
     (2, 14, 14, 8)
@@ -82,7 +82,7 @@ class AvgPool(_Pool):
     the padding counts in each window's mean (PyTorch's ``count_include_pad=True``);
     ``count_include_pad=False`` averages the real elements only (TF's SAME pooling).
 
-    >>> import luxnn as lx
+    >>> import numpy as np, luxnn as lx
     >>> pool = lx.AvgPool(3, stride=2, padding=1)
     >>> pool(np.ones((2, 28, 28, 8), np.float32), {}, {})[0].shape
     (2, 14, 14, 8)
@@ -119,7 +119,7 @@ class GlobalAvgPool(_GlobalPool):
     """Mean over all spatial axes, keeping them as singletons (as Lux's GlobalMeanPool):
     x ``(N, *spatial, C)`` -> ``(N, 1, ..., 1, C)``; follow with `Flatten` for ``(N, C)``.
 
-    >>> import luxnn as lx
+    >>> import numpy as np, luxnn as lx
     >>> lx.GlobalAvgPool()(np.ones((2, 7, 7, 8), np.float32), {}, {})[0].shape
     (2, 1, 1, 8)
     """
@@ -133,7 +133,7 @@ class GlobalMaxPool(_GlobalPool):
     """Maximum over all spatial axes, keeping them as singletons: ``(N, *spatial, C)`` ->
     ``(N, 1, ..., 1, C)``. Tied maxima share the gradient evenly (as PyTorch's ``amax``).
 
-    >>> import luxnn as lx
+    >>> import numpy as np, luxnn as lx
     >>> lx.GlobalMaxPool()(np.ones((2, 7, 7, 8), np.float32), {}, {})[0].shape
     (2, 1, 1, 8)
     """

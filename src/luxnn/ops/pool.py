@@ -25,15 +25,15 @@ import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from .conv import Pairs, _per_axis, _per_side, conv_output_size, crop_spatial, pad_spatial, window_slices
+from .conv import Pairs, conv_output_size, crop_spatial, pad_spatial, per_axis, per_side, window_slices
 
 __all__ = ["max_pool", "avg_pool"]
 
 
 def _config(x: Any, window: Any, stride: Any, padding: Any) -> tuple[tuple[int, ...], tuple[int, ...], Pairs]:
     r = x.ndim - 2
-    window = _per_axis(window, r)
-    return window, window if stride is None else _per_axis(stride, r), _per_side(padding, r)
+    window = per_axis(window, r)
+    return window, window if stride is None else per_axis(stride, r), per_side(padding, r)
 
 
 def max_pool(x: Any, window: Any, stride: Any = None, padding: Any = 0) -> Any:
