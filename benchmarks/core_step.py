@@ -98,16 +98,24 @@ def torch_step(x, y):
 
 
 def time_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[float]]:
+    """Round medians per variant. Each round starts with the next variant, and variants are
+    separated by a pause: PyTorch's and OpenBLAS's worker threads spin for a while after
+    their last call and would otherwise slow whichever variant runs next."""
     for step in steps.values():  # warm-up
         for _ in range(5):
             step()
+    names = list(steps)
     samples: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            t0 = time.perf_counter()
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            time.sleep(0.3)
+            step = steps[name]
+            times = []
             for _ in range(per_round):
+                t0 = time.perf_counter()
                 step()
-            samples[name].append((time.perf_counter() - t0) / per_round)
+                times.append(time.perf_counter() - t0)
+            samples[name].append(statistics.median(times))
     return samples
 
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import init as initializers
+from .. import ops
 from ..core import Layer, LayerError, check_params
 from .activations import get_activation
 
@@ -46,6 +47,9 @@ class Dense(Layer):
         bound = 1.0 / math.sqrt(self.in_features)
         self.init_weight = init_weight or initializers.kaiming_uniform()
         self.init_bias = init_bias or initializers.uniform(-bound, bound)
+        self._shapes = {"weight": (self.in_features, self.out_features)}
+        if use_bias:
+            self._shapes["bias"] = (self.out_features,)
 
     def init_params(self, rng: np.random.Generator) -> dict[str, Any]:
         ps = {"weight": self.init_weight(rng, (self.in_features, self.out_features))}
@@ -53,21 +57,15 @@ class Dense(Layer):
             ps["bias"] = self.init_bias(rng, (self.out_features,))
         return ps
 
-    def _expected(self) -> dict[str, tuple[int, ...]]:
-        shapes = {"weight": (self.in_features, self.out_features)}
-        if self.use_bias:
-            shapes["bias"] = (self.out_features,)
-        return shapes
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         shape = getattr(x, "shape", None)
         if not shape or shape[-1] != self.in_features:
             raise LayerError(f"{self}: expected input of shape (..., {self.in_features}), got {shape}")
-        check_params(self, ps, self._expected())
-        y = x @ ps["weight"]
-        if self.use_bias:
-            y = y + ps["bias"]
-        if self.activation is not None:
+        check_params(self, ps, self._shapes)
+        fuse_relu = self.activation is ops.relu
+        y = ops.dense(x, ps["weight"], ps.get("bias"), relu=fuse_relu)
+        if self.activation is not None and not fuse_relu:
             y = self.activation(y)
         return y, st
 

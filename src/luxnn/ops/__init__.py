@@ -5,6 +5,7 @@ from .activations import (
 )  # fmt: skip
 from .conv import conv, conv_transpose
 from .cross_entropy import softmax_cross_entropy
+from .dense import dense
 from .attention import masked_softmax
 from .embedding import lookup_rows
 from .norm import moments, normalize, rms_normalize
