@@ -82,7 +82,24 @@ class L1Loss(Loss):
         return array_namespace(y_hat, y).abs(y_hat - y)
 
 
-class CrossEntropyLoss(Loss):
+class _LabelSmoothingLoss(Loss):
+    """A loss whose targets may be smoothed towards the uniform distribution over the
+    classes, ``(1 - s) * target + s / K``: the same option, checked and applied alike, for
+    the softmax (K classes) and the binary (K = 2) cross-entropy."""
+
+    def __init__(self, *, label_smoothing: float = 0.0, reduction: str = "mean") -> None:
+        super().__init__(reduction=reduction)
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"{type(self).__name__}: label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.label_smoothing = float(label_smoothing)
+
+    def _smooth(self, y: Any, num_classes: int) -> Any:
+        if not self.label_smoothing:
+            return y
+        return y * (1 - self.label_smoothing) + self.label_smoothing / num_classes
+
+
+class CrossEntropyLoss(_LabelSmoothingLoss):
     """Softmax cross-entropy from logits over the last axis.
 
     Targets are integer class labels of shape ``y_hat.shape[:-1]`` (fused kernel) or
@@ -90,12 +107,6 @@ class CrossEntropyLoss(Loss):
     with the uniform distribution: ``(1 - s) * target + s / K``. Reduction averages over
     examples.
     """
-
-    def __init__(self, *, label_smoothing: float = 0.0, reduction: str = "mean") -> None:
-        super().__init__(reduction=reduction)
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"CrossEntropyLoss: label_smoothing must be in [0, 1), got {label_smoothing}")
-        self.label_smoothing = float(label_smoothing)
 
     def elementwise(self, y_hat: Any, y: Any) -> Any:
         k = y_hat.shape[-1] if y_hat.ndim else 0
@@ -106,23 +117,14 @@ class CrossEntropyLoss(Loss):
                 raise ValueError(f"CrossEntropyLoss: labels must lie in [0, {k}), got values in [{int(y.min())}, {int(y.max())}]")
             return ops.softmax_cross_entropy(y_hat, y, label_smoothing=self.label_smoothing)
         self._check_same_shape(y_hat, y)
-        if self.label_smoothing:
-            y = y * (1 - self.label_smoothing) + self.label_smoothing / k
-        return -(y * ops.log_softmax(y_hat, axis=-1)).sum(axis=-1)
+        return -(self._smooth(y, k) * ops.log_softmax(y_hat, axis=-1)).sum(axis=-1)
 
 
-class BinaryCrossEntropyLoss(Loss):
+class BinaryCrossEntropyLoss(_LabelSmoothingLoss):
     """Binary cross-entropy from logits: ``softplus(x) - x * y``, stable for any x;
     targets in [0, 1] of the logits' shape, optionally smoothed towards 1/2."""
 
-    def __init__(self, *, label_smoothing: float = 0.0, reduction: str = "mean") -> None:
-        super().__init__(reduction=reduction)
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"BinaryCrossEntropyLoss: label_smoothing must be in [0, 1), got {label_smoothing}")
-        self.label_smoothing = float(label_smoothing)
-
     def elementwise(self, y_hat: Any, y: Any) -> Any:
         self._check_same_shape(y_hat, y)
-        if self.label_smoothing:
-            y = y * (1 - self.label_smoothing) + 0.5 * self.label_smoothing
-        return ops.softplus(y_hat) - y_hat * y
+        # Two classes: the smoothed target moves towards 1/2.
+        return ops.softplus(y_hat) - y_hat * self._smooth(y, 2)

@@ -8,6 +8,18 @@ from typing import Any, Callable, Iterator
 from ..core import Layer, call_child
 
 
+def _named_layers(owner: str, layers: tuple[Layer, ...], named: dict[str, Layer]) -> dict[str, Layer]:
+    """The children of a container, named as given or ``layer_1 ... layer_N`` (as in Lux),
+    each checked to be a Layer."""
+    if layers and named:
+        raise ValueError(f"{owner}: pass layers either positionally or by name, not both")
+    children = named or {f"layer_{i}": layer for i, layer in enumerate(layers, 1)}
+    for name, layer in children.items():
+        if not isinstance(layer, Layer):
+            raise TypeError(f"{owner}: {name} must be a luxnn Layer, got {type(layer).__name__}")
+    return children
+
+
 class Chain(Layer):
     """Layers applied in sequence. Children are named ``layer_1 ... layer_N`` (as in Lux),
     or by keyword: ``Chain(encoder=..., head=...)``. Chains nest.
@@ -20,12 +32,7 @@ class Chain(Layer):
     """
 
     def __init__(self, *layers: Layer, **named: Layer) -> None:
-        if layers and named:
-            raise ValueError("Chain: pass layers either positionally or by name, not both")
-        self.layers: dict[str, Layer] = named or {f"layer_{i}": layer for i, layer in enumerate(layers, 1)}
-        for name, layer in self.layers.items():
-            if not isinstance(layer, Layer):
-                raise TypeError(f"Chain: {name} must be a luxnn Layer, got {type(layer).__name__}")
+        self.layers = _named_layers("Chain", layers, named)
 
     def children(self) -> Iterator[tuple[str, Layer]]:
         return iter(self.layers.items())
@@ -95,17 +102,12 @@ class Parallel(Layer):
     """
 
     def __init__(self, combine: Callable[..., Any] | None, *layers: Layer, **named: Layer) -> None:
-        if layers and named:
-            raise ValueError("Parallel: pass layers either positionally or by name, not both")
         if not (layers or named):
             raise ValueError("Parallel: expected at least one layer")
         if combine is not None and not callable(combine):
             raise TypeError(f"Parallel: combine must be callable or None, got {type(combine).__name__}")
         self.combine = combine
-        self.layers: dict[str, Layer] = named or {f"layer_{i}": layer for i, layer in enumerate(layers, 1)}
-        for name, layer in self.layers.items():
-            if not isinstance(layer, Layer):
-                raise TypeError(f"Parallel: {name} must be a luxnn Layer, got {type(layer).__name__}")
+        self.layers = _named_layers("Parallel", layers, named)
 
     def children(self) -> Iterator[tuple[str, Layer]]:
         return iter(self.layers.items())

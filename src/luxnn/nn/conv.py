@@ -32,6 +32,16 @@ def spatial_tuple(owner: str, name: str, value: Any, rank: int, minimum: int = 1
     return tuple(int(v) for v in values)
 
 
+def window_tuple(owner: str, name: str, value: Any) -> tuple[int, ...]:
+    """A kernel or pooling window: an int (a square 2-D window) or one positive int per
+    spatial axis, as a tuple whose length is the layer's spatial rank."""
+    if _is_int(value):
+        value = (value, value)
+    if not isinstance(value, (tuple, list)) or not value:
+        raise ValueError(f"{owner}: {name} must be an int (2-D) or a non-empty tuple, got {value!r}")
+    return spatial_tuple(owner, name, tuple(value), len(value))
+
+
 def padding_spec(owner: str, padding: Any, rank: int) -> str | Pairs:
     """``"same"``, or one ``(low, high)`` pair per spatial axis, from an int, one int per
     axis, one pair per axis, ``"same"`` or ``"valid"``."""
@@ -100,12 +110,8 @@ class _ConvLayer(Layer):
         init_bias: initializers.Initializer | None,
     ) -> None:
         owner = type(self).__name__
-        if _is_int(kernel_size):
-            kernel_size = (kernel_size, kernel_size)
-        if not isinstance(kernel_size, (tuple, list)) or not kernel_size:
-            raise ValueError(f"{owner}: kernel_size must be an int (2-D) or a non-empty tuple, got {kernel_size!r}")
-        self.rank = len(kernel_size)
-        self.kernel_size = spatial_tuple(owner, "kernel_size", tuple(kernel_size), self.rank)
+        self.kernel_size = window_tuple(owner, "kernel_size", kernel_size)
+        self.rank = len(self.kernel_size)
         for name, n in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
             if not _is_int(n) or n < 1:
                 raise ValueError(f"{owner}: {name} must be a positive integer, got {n!r}")
@@ -139,6 +145,12 @@ class _ConvLayer(Layer):
         if self.use_bias:
             ps["bias"] = self.init_bias(rng, (self.out_channels,))
         return ps
+
+    def _check_call(self, x: Any, ps: dict[str, Any]) -> tuple[int, ...]:
+        """Validate a call's input and parameters; return the input's spatial sizes."""
+        sizes = check_input(self, x, self.rank, self.in_channels)
+        check_params(self, ps, self._expected())
+        return sizes
 
     def _fused_relu(self) -> bool:
         # relu runs inside the convolution primitive, in place on its result.
@@ -216,8 +228,7 @@ class Conv(_ConvLayer):
         return (*self.kernel_size, self.in_channels // self.groups, self.out_channels)
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        sizes = check_input(self, x, self.rank, self.in_channels)
-        check_params(self, ps, self._expected())
+        sizes = self._check_call(x, ps)
         padding = self.padding
         if padding == "same":
             padding = same_padding(sizes, self.kernel_size, self.stride, self.dilation)
@@ -306,8 +317,7 @@ class ConvTranspose(_ConvLayer):
         return tuple(pads), tuple(extra)
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        sizes = check_input(self, x, self.rank, self.in_channels)
-        check_params(self, ps, self._expected())
+        sizes = self._check_call(x, ps)
         padding, output_padding = self._crop()
         for axis, (n, k, s, d, (lo, hi), e) in enumerate(
             zip(sizes, self.kernel_size, self.stride, self.dilation, padding, output_padding), 1

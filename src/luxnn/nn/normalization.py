@@ -37,14 +37,52 @@ def _options(**flags: Any) -> str:
     return "".join(f", {k}={v}" for k, v in flags.items())
 
 
-def _affine_params(shape: tuple[int, ...], with_bias: bool = True) -> dict[str, Any]:
-    ps = {"scale": np.ones(shape, np.float32)}
-    if with_bias:
-        ps["bias"] = np.zeros(shape, np.float32)
-    return ps
+class _Norm(Layer):
+    """What the normalisation layers share: epsilon, and the optional learned affine map
+    ``y * scale (+ bias)`` over `_affine_shape` (without a bias where `with_bias` is False)."""
+
+    default_epsilon = 1e-5
+    with_bias = True
+
+    def _init_affine(self, epsilon: float, affine: bool, shape: tuple[int, ...]) -> None:
+        self.epsilon = _non_negative(type(self).__name__, "epsilon", epsilon)
+        self.affine = bool(affine)
+        self._affine_shape = shape
+
+    def init_params(self, rng: np.random.Generator) -> dict[str, Any]:
+        if not self.affine:
+            return {}
+        ps = {"scale": np.ones(self._affine_shape, np.float32)}
+        if self.with_bias:
+            ps["bias"] = np.zeros(self._affine_shape, np.float32)
+        return ps
+
+    def _check_params(self, ps: dict[str, Any]) -> None:
+        names = ("scale", "bias") if self.with_bias else ("scale",)
+        check_params(self, ps, {name: self._affine_shape for name in names} if self.affine else {})
+
+    def _scale_and_shift(self, y: Any, ps: dict[str, Any]) -> Any:
+        if not self.affine:
+            return y
+        y = y * ps["scale"]
+        return y + ps["bias"] if self.with_bias else y
+
+    def _flags(self) -> dict[str, Any]:
+        """The repr's keyword options that differ from their defaults."""
+        flags: dict[str, Any] = {"epsilon": self.epsilon} if self.epsilon != self.default_epsilon else {}
+        if not self.affine:
+            flags["affine"] = False
+        return flags
 
 
-class BatchNorm(Layer):
+def _check_channels_last(layer: Layer, x: Any, channels: int) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) < 2 or shape[-1] != channels:
+        raise LayerError(f"{layer}: expected input of shape (N, ..., {channels}) (channels last), got {shape}")
+    return shape
+
+
+class BatchNorm(_Norm):
     """Batch normalisation over the last (channel) axis: input ``(N, C)``, ``(N, L, C)`` or
     ``(N, H, W, C)`` (any rank >= 2), statistics over every axis but the last.
 
@@ -77,12 +115,8 @@ class BatchNorm(Layer):
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"BatchNorm: momentum must be in [0, 1], got {momentum!r}")
         self.momentum = float(momentum)
-        self.epsilon = _non_negative("BatchNorm", "epsilon", epsilon)
-        self.affine = bool(affine)
+        self._init_affine(epsilon, affine, (self.num_features,))
         self.track_stats = bool(track_stats)
-
-    def init_params(self, rng: np.random.Generator) -> dict[str, Any]:
-        return _affine_params((self.num_features,)) if self.affine else {}
 
     def init_state(self, rng: np.random.Generator) -> dict[str, Any]:
         if not self.track_stats:
@@ -91,20 +125,15 @@ class BatchNorm(Layer):
         return {"running_mean": np.zeros(c, np.float32), "running_var": np.ones(c, np.float32), "training": True}
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        shape = getattr(x, "shape", None)
-        c = self.num_features
-        if shape is None or len(shape) < 2 or shape[-1] != c:
-            raise LayerError(f"{self}: expected input of shape (N, ..., {c}) (channels last), got {shape}")
-        check_params(self, ps, {"scale": (c,), "bias": (c,)} if self.affine else {})
+        _check_channels_last(self, x, self.num_features)
+        self._check_params(ps)
         expected_state = {"running_mean", "running_var", "training"} if self.track_stats else {"training"}
         if not isinstance(st, dict) or st.keys() != expected_state:
             raise LayerError(f"{self}: expected state keys {sorted(expected_state)}, got {sorted(st) if isinstance(st, dict) else type(st).__name__}")
         training = st["training"]
         if training or not self.track_stats:
             y, st = self._batch_statistics(x, st, update=training and self.track_stats)
-            if self.affine:
-                y = y * ps["scale"] + ps["bias"]
-            return y, st
+            return self._scale_and_shift(y, ps), st
         # Test mode: the running statistics fold into one per-channel scale and shift.
         inv_std = 1.0 / np.sqrt(st["running_var"] + self.epsilon)
         if not self.affine:
@@ -134,19 +163,14 @@ class BatchNorm(Layer):
         }
 
     def __repr__(self) -> str:
-        flags = {}
-        if self.momentum != 0.1:
-            flags["momentum"] = self.momentum
-        if self.epsilon != 1e-5:
-            flags["epsilon"] = self.epsilon
-        if not self.affine:
-            flags["affine"] = False
+        flags = {"momentum": self.momentum} if self.momentum != 0.1 else {}
+        flags.update(self._flags())
         if not self.track_stats:
             flags["track_stats"] = False
         return f"BatchNorm({self.num_features}{_options(**flags)})"
 
 
-class LayerNorm(Layer):
+class LayerNorm(_Norm):
     """Layer normalisation over the trailing dimensions `shape` (an int or a tuple), as
     ``torch.nn.LayerNorm(shape)``: input ``(..., *shape)`` -> same shape; parameters
     ``{"scale": shape, "bias": shape}`` (when `affine`), initialised to ones and zeros.
@@ -160,28 +184,18 @@ class LayerNorm(Layer):
 
     def __init__(self, shape: int | tuple[int, ...], *, epsilon: float = 1e-5, affine: bool = True) -> None:
         self.shape = _shape_arg("LayerNorm", shape)
-        self.epsilon = _non_negative("LayerNorm", "epsilon", epsilon)
-        self.affine = bool(affine)
-
-    def init_params(self, rng: np.random.Generator) -> dict[str, Any]:
-        return _affine_params(self.shape) if self.affine else {}
+        self._init_affine(epsilon, affine, self.shape)
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         axes = _trailing_axes(self, x, self.shape)
-        check_params(self, ps, {"scale": self.shape, "bias": self.shape} if self.affine else {})
-        y = normalize(x, axis=axes, epsilon=self.epsilon)
-        if self.affine:
-            y = y * ps["scale"] + ps["bias"]
-        return y, st
+        self._check_params(ps)
+        return self._scale_and_shift(normalize(x, axis=axes, epsilon=self.epsilon), ps), st
 
     def __repr__(self) -> str:
-        flags = {"epsilon": self.epsilon} if self.epsilon != 1e-5 else {}
-        if not self.affine:
-            flags["affine"] = False
-        return f"LayerNorm({_shape_repr(self.shape)}{_options(**flags)})"
+        return f"LayerNorm({_shape_repr(self.shape)}{_options(**self._flags())})"
 
 
-class RMSNorm(Layer):
+class RMSNorm(_Norm):
     """Root-mean-square normalisation over the trailing dimensions `dim` (an int or a
     tuple): ``y = x / sqrt(mean(x**2) + epsilon) * scale``, no centring and no bias.
     Parameters ``{"scale": dim}`` (when `affine`), initialised to ones. The default epsilon
@@ -194,30 +208,23 @@ class RMSNorm(Layer):
     ['scale']
     """
 
+    default_epsilon = 1e-6
+    with_bias = False
+
     def __init__(self, dim: int | tuple[int, ...], *, epsilon: float = 1e-6, affine: bool = True) -> None:
         self.shape = _shape_arg("RMSNorm", dim)
-        self.epsilon = _non_negative("RMSNorm", "epsilon", epsilon)
-        self.affine = bool(affine)
-
-    def init_params(self, rng: np.random.Generator) -> dict[str, Any]:
-        return _affine_params(self.shape, with_bias=False) if self.affine else {}
+        self._init_affine(epsilon, affine, self.shape)
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         axes = _trailing_axes(self, x, self.shape)
-        check_params(self, ps, {"scale": self.shape} if self.affine else {})
-        y = rms_normalize(x, axis=axes, epsilon=self.epsilon)
-        if self.affine:
-            y = y * ps["scale"]
-        return y, st
+        self._check_params(ps)
+        return self._scale_and_shift(rms_normalize(x, axis=axes, epsilon=self.epsilon), ps), st
 
     def __repr__(self) -> str:
-        flags = {"epsilon": self.epsilon} if self.epsilon != 1e-6 else {}
-        if not self.affine:
-            flags["affine"] = False
-        return f"RMSNorm({_shape_repr(self.shape)}{_options(**flags)})"
+        return f"RMSNorm({_shape_repr(self.shape)}{_options(**self._flags())})"
 
 
-class GroupNorm(Layer):
+class GroupNorm(_Norm):
     """Group normalisation of channel-last input ``(N, ..., num_channels)``: the channels
     split into `num_groups` groups of consecutive channels, each normalised over its
     channels and all spatial positions of one sample (as ``torch.nn.GroupNorm`` on the
@@ -235,30 +242,19 @@ class GroupNorm(Layer):
         self.num_channels = _positive_int("GroupNorm", "num_channels", num_channels)
         if self.num_channels % self.num_groups:
             raise ValueError(f"GroupNorm: num_channels ({num_channels}) must be divisible by num_groups ({num_groups})")
-        self.epsilon = _non_negative("GroupNorm", "epsilon", epsilon)
-        self.affine = bool(affine)
-
-    def init_params(self, rng: np.random.Generator) -> dict[str, Any]:
-        return _affine_params((self.num_channels,)) if self.affine else {}
+        self._init_affine(epsilon, affine, (self.num_channels,))
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        shape = getattr(x, "shape", None)
         c, g = self.num_channels, self.num_groups
-        if shape is None or len(shape) < 2 or shape[-1] != c:
-            raise LayerError(f"{self}: expected input of shape (N, ..., {c}) (channels last), got {shape}")
-        check_params(self, ps, {"scale": (c,), "bias": (c,)} if self.affine else {})
+        shape = _check_channels_last(self, x, c)
+        self._check_params(ps)
         grouped = x.reshape((*shape[:-1], g, c // g))
         axes = (*range(1, len(shape) - 1), len(shape))
         y = normalize(grouped, axis=axes, epsilon=self.epsilon).reshape(shape)
-        if self.affine:
-            y = y * ps["scale"] + ps["bias"]
-        return y, st
+        return self._scale_and_shift(y, ps), st
 
     def __repr__(self) -> str:
-        flags = {"epsilon": self.epsilon} if self.epsilon != 1e-5 else {}
-        if not self.affine:
-            flags["affine"] = False
-        return f"GroupNorm({self.num_groups}, {self.num_channels}{_options(**flags)})"
+        return f"GroupNorm({self.num_groups}, {self.num_channels}{_options(**self._flags())})"
 
 
 def _trailing_axes(layer: Layer, x: Any, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from ..ad import array_namespace
 from ..core import Layer, LayerError
 from ..ops.conv import conv_output_size
 from ..ops.pool import avg_pool, max_pool
-from .conv import PaddingSpec, _is_int, check_input, format_padding, padding_spec, same_padding, spatial_tuple
+from .conv import PaddingSpec, check_input, format_padding, padding_spec, same_padding, spatial_tuple, window_tuple
 
 __all__ = ["MaxPool", "AvgPool", "GlobalMaxPool", "GlobalAvgPool"]
 
@@ -16,12 +16,8 @@ __all__ = ["MaxPool", "AvgPool", "GlobalMaxPool", "GlobalAvgPool"]
 class _Pool(Layer):
     def __init__(self, window: int | tuple[int, ...], stride: int | tuple[int, ...] | None, padding: PaddingSpec) -> None:
         owner = type(self).__name__
-        if _is_int(window):
-            window = (window, window)
-        if not isinstance(window, (tuple, list)) or not window:
-            raise ValueError(f"{owner}: window must be an int (2-D) or a non-empty tuple, got {window!r}")
-        self.rank = len(window)
-        self.window = spatial_tuple(owner, "window", tuple(window), self.rank)
+        self.window = window_tuple(owner, "window", window)
+        self.rank = len(self.window)
         self.stride = self.window if stride is None else spatial_tuple(owner, "stride", stride, self.rank)
         self.padding = padding_spec(owner, padding, self.rank)
         if self.padding != "same":
@@ -108,11 +104,20 @@ class AvgPool(_Pool):
 
 
 class _GlobalPool(Layer):
+    # The name of the array namespace's reduction (``mean``, ``max``) that pools all
+    # spatial axes; the subclasses differ only in it.
+    reduction: str
+
     def _axes(self, x: Any) -> tuple[int, ...]:
         shape = getattr(x, "shape", None)
         if shape is None or len(shape) < 3:
             raise LayerError(f"{self}: expected input of shape (N, *spatial, C) with at least one spatial axis, got {shape}")
         return tuple(range(1, len(shape) - 1))
+
+    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        axes = self._axes(x)
+        reduce = getattr(array_namespace(x), self.reduction)
+        return reduce(x, axis=axes, keepdims=True), st
 
 
 class GlobalAvgPool(_GlobalPool):
@@ -124,9 +129,7 @@ class GlobalAvgPool(_GlobalPool):
     (2, 1, 1, 8)
     """
 
-    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        axes = self._axes(x)
-        return array_namespace(x).mean(x, axis=axes, keepdims=True), st
+    reduction = "mean"
 
 
 class GlobalMaxPool(_GlobalPool):
@@ -138,6 +141,4 @@ class GlobalMaxPool(_GlobalPool):
     (2, 1, 1, 8)
     """
 
-    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        axes = self._axes(x)
-        return array_namespace(x).max(x, axis=axes, keepdims=True), st
+    reduction = "max"
