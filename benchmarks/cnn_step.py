@@ -17,87 +17,28 @@ import time
 import numpy as np
 
 import luxnn as lx
+from luxnn.bench import models
+from luxnn.bench.machine import blas, blas_summary
 
-BATCH, LR = 64, 1e-3
-
-
-def blas_info() -> str:
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "threadpoolctl not installed"
-    return "; ".join(
-        f"{i['internal_api']} {i.get('version')} kernel={i.get('architecture')} threads={i['num_threads']}"
-        for i in threadpool_info()
-        if i["user_api"] == "blas"
-    )
+CNN = models.CNN()
+BATCH = CNN.batch
 
 
-def luxnn_model() -> lx.Layer:
-    return lx.Chain(
-        lx.Conv(3, 1, 32, activation="relu", padding=1),
-        lx.MaxPool(2),
-        lx.Conv(3, 32, 64, activation="relu", padding=1),
-        lx.MaxPool(2),
-        lx.Flatten(),
-        lx.Dense(7 * 7 * 64, 10),
-    )
-
-
-def luxnn_train_step(x, y, cache: bool):
-    model = luxnn_model()
-    ps, st = lx.setup(np.random.default_rng(0), model)
-    kwargs = {} if cache else {"allocator_cache": None}
-    ts = lx.TrainState(model, ps, st, lx.optim.adam(LR), **kwargs)
-    loss, ad = lx.losses.CrossEntropyLoss(), lx.AutoTape()
-
-    def step():
-        nonlocal ts
-        _, _, _, ts = lx.single_train_step_(ad, loss, (x, y), ts)
-
-    return step
-
-
-def luxnn_forward_backward(x, y):
-    model = luxnn_model()
+def luxnn_forward_backward():
+    x, y = CNN.data()
+    model = CNN.luxnn_model()
     ps, st = lx.setup(np.random.default_rng(0), model)
     loss = lx.losses.CrossEntropyLoss()
     vg = lx.value_and_grad(lambda ps: loss(model(x, ps, st)[0], y))
     return lambda: vg(ps)
 
 
-def torch_model():
+def torch_forward_backward():
     import torch
 
-    nn = torch.nn
-    return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(7 * 7 * 64, 10),
-    )  # fmt: skip
-
-
-def torch_train_step(x, y):
-    import torch
-
-    model = torch_model()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    tx, ty = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), torch.from_numpy(y)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(tx), ty).backward()
-        opt.step()
-
-    return step
-
-
-def torch_forward_backward(x, y):
-    import torch
-
-    model = torch_model()
-    tx, ty = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), torch.from_numpy(y)
+    model = CNN.torch_model()
+    x, y = CNN.torch_data()
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step():
@@ -149,25 +90,22 @@ def main() -> None:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(args.threads, user_api="blas")
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((BATCH, 28, 28, 1)).astype(np.float32)
-    y = rng.integers(0, 10, BATCH)
     if args.profile:
-        profile(luxnn_train_step(x, y, cache=True))
+        profile(CNN.luxnn())
         return
 
     import torch
 
     torch.set_num_threads(args.threads)
     steps = {
-        "luxnn train step (cache on)": luxnn_train_step(x, y, cache=True),
-        "luxnn train step (cache off)": luxnn_train_step(x, y, cache=False),
-        "pytorch train step": torch_train_step(x, y),
-        "luxnn fwd+bwd": luxnn_forward_backward(x, y),
-        "pytorch fwd+bwd": torch_forward_backward(x, y),
+        "luxnn train step (cache on)": CNN.luxnn(),
+        "luxnn train step (cache off)": CNN.luxnn(cache=None),
+        "pytorch train step": CNN.torch(),
+        "luxnn fwd+bwd": luxnn_forward_backward(),
+        "pytorch fwd+bwd": torch_forward_backward(),
     }
     print(f"CNN 28x28x1, batch {BATCH}, conv3x3 32 + pool, conv3x3 64 + pool, dense 10; float32, Adam")
-    print(f"BLAS: {blas_info()}; torch {torch.__version__} threads={torch.get_num_threads()}; "
+    print(f"BLAS: {blas_summary(blas())}; torch {torch.__version__} threads={torch.get_num_threads()}; "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}")
     samples = time_rounds(steps, args.rounds, args.per_round)
     medians = {name: statistics.median(s) for name, s in samples.items()}

@@ -8,93 +8,17 @@ AD bookkeeping cost per recorded primitive on tiny arrays.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
 import numpy as np
 
 import luxnn as lx
+from luxnn.bench import models
+from luxnn.bench.machine import blas, blas_summary
 
-BATCH, IN, HIDDEN, OUT, LR = 128, 784, 256, 10, 0.01
-
-
-def blas_info() -> str:
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "threadpoolctl not installed"
-    return "; ".join(
-        f"{i['internal_api']} {i.get('version')} {i.get('architecture')} x{i['num_threads']}"
-        for i in threadpool_info()
-        if i["user_api"] == "blas"
-    )
-
-
-def make_data(rng):
-    x = rng.standard_normal((BATCH, IN)).astype(np.float32)
-    y = rng.integers(0, OUT, BATCH)
-    return x, y
-
-
-def luxnn_step(x, y, cache):
-    model = lx.Chain(lx.Dense(IN, HIDDEN, activation="relu"), lx.Dense(HIDDEN, OUT))
-    ps, st = lx.setup(np.random.default_rng(0), model)
-    kwargs = {} if cache else {"allocator_cache": None}
-    ts = lx.TrainState(model, ps, st, lx.optim.sgd(LR), **kwargs)
-    loss, ad = lx.losses.CrossEntropyLoss(), lx.AutoTape()
-
-    def step():
-        nonlocal ts
-        _, _, _, ts = lx.single_train_step_(ad, loss, (x, y), ts)
-
-    return step
-
-
-def numpy_step(x, y):
-    rng = np.random.default_rng(0)
-    w1 = (rng.uniform(-1, 1, (IN, HIDDEN)) / math.sqrt(IN)).astype(np.float32)
-    b1 = np.zeros(HIDDEN, np.float32)
-    w2 = (rng.uniform(-1, 1, (HIDDEN, OUT)) / math.sqrt(HIDDEN)).astype(np.float32)
-    b2 = np.zeros(OUT, np.float32)
-    rows = np.arange(BATCH)
-
-    def step():
-        h = x @ w1 + b1
-        a = np.maximum(h, 0)
-        z = a @ w2 + b2
-        z -= z.max(axis=1, keepdims=True)
-        e = np.exp(z)
-        p = e / e.sum(axis=1, keepdims=True)
-        _loss = -np.log(p[rows, y]).mean()
-        p[rows, y] -= 1
-        p /= BATCH
-        gw2 = a.T @ p
-        gb2 = p.sum(axis=0)
-        ga = p @ w2.T
-        ga *= h > 0
-        gw1 = x.T @ ga
-        gb1 = ga.sum(axis=0)
-        for param, g in ((w1, gw1), (b1, gb1), (w2, gw2), (b2, gb2)):
-            param -= LR * g
-
-    return step
-
-
-def torch_step(x, y):
-    import torch
-
-    model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT))
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(tx), ty).backward()
-        opt.step()
-
-    return step
+MLP = models.MLP()
+BATCH, (IN, HIDDEN, OUT) = MLP.batch, MLP.sizes
 
 
 def time_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[float]]:
@@ -156,20 +80,16 @@ def main() -> None:
     parser.add_argument("--per-round", type=int, default=20)
     args = parser.parse_args()
 
-    x, y = make_data(np.random.default_rng(1))
     steps = {
-        "luxnn (cache on)": luxnn_step(x, y, cache=True),
-        "luxnn (cache off)": luxnn_step(x, y, cache=False),
-        "numpy by hand": numpy_step(x, y),
+        "luxnn (cache on)": MLP.luxnn(),
+        "luxnn (cache off)": MLP.luxnn(cache=None),
+        "numpy by hand": MLP.numpy(),
     }
     try:
-        import torch
-
-        torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
-        steps["pytorch eager"] = torch_step(x, y)
+        steps["pytorch eager"] = MLP.torch()
     except ImportError:
         pass
-    print(f"MLP {IN}-{HIDDEN}-{OUT}, batch {BATCH}, float32, SGD; BLAS: {blas_info()}")
+    print(f"MLP {IN}-{HIDDEN}-{OUT}, batch {BATCH}, float32, SGD; BLAS: {blas_summary(blas())}")
     samples = time_rounds(steps, args.rounds, args.per_round)
     base = statistics.median(samples["numpy by hand"])
     print(f"{'step':<20} {'median':>10} {'IQR':>9} {'vs by hand':>11}")

@@ -93,6 +93,45 @@ def torch_train_step(model: Any, optimizer: Any, loss_fn: Any, x: np.ndarray, y:
     return step
 
 
+def luxnn_mlp(sizes: tuple[int, int, int]) -> lx.Layer:
+    """Dense d_in -> hidden (relu) -> d_out, the network of `MLP` and `LargeActivations`."""
+    d_in, hidden, d_out = sizes
+    return lx.Chain(lx.Dense(d_in, hidden, activation="relu"), lx.Dense(hidden, d_out))
+
+
+def torch_mlp(sizes: tuple[int, int, int]) -> Any:
+    """The same MLP in PyTorch."""
+    import torch
+
+    d_in, hidden, d_out = sizes
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, d_out))
+
+
+def numpy_mlp_params(sizes: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(w1, b1, w2, b2) of the NumPy MLP: uniform weights scaled by 1/sqrt(fan-in), zero biases."""
+    d_in, hidden, d_out = sizes
+    rng = np.random.default_rng(0)
+    w1 = (rng.uniform(-1, 1, (d_in, hidden)) / math.sqrt(d_in)).astype(np.float32)
+    b1 = np.zeros(hidden, np.float32)
+    w2 = (rng.uniform(-1, 1, (hidden, d_out)) / math.sqrt(hidden)).astype(np.float32)
+    b2 = np.zeros(d_out, np.float32)
+    return w1, b1, w2, b2
+
+
+def numpy_mlp_backward_sgd(x: np.ndarray, h: np.ndarray, a: np.ndarray, g: np.ndarray, params: tuple, lr: float) -> None:
+    """The MLP's backward from `g`, the loss gradient at its output (`h`: the hidden
+    pre-activation, `a`: relu(h)), and the SGD update of `params` = (w1, b1, w2, b2) in place."""
+    w1, b1, w2, b2 = params
+    gw2 = a.T @ g
+    gb2 = g.sum(axis=0)
+    ga = g @ w2.T
+    ga *= h > 0
+    gw1 = x.T @ ga
+    gb1 = ga.sum(axis=0)
+    for param, grad in ((w1, gw1), (b1, gb1), (w2, gw2), (b2, gb2)):
+        param -= lr * grad
+
+
 @dataclass(frozen=True)
 class MLP:
     """``training/mlp``: 784 -> 256 (relu) -> 10, batch 128, softmax cross-entropy, SGD."""
@@ -106,19 +145,12 @@ class MLP:
         return rng.standard_normal((self.batch, self.sizes[0])).astype(np.float32), rng.integers(0, self.sizes[2], self.batch)
 
     def luxnn(self, cache: Any = "default") -> Step:
-        d_in, hidden, d_out = self.sizes
-        model = lx.Chain(lx.Dense(d_in, hidden, activation="relu"), lx.Dense(hidden, d_out))
-        return luxnn_train_step(model, lx.optim.sgd(self.lr), lx.losses.CrossEntropyLoss(), self.data(), cache)
+        return luxnn_train_step(luxnn_mlp(self.sizes), lx.optim.sgd(self.lr), lx.losses.CrossEntropyLoss(), self.data(), cache)
 
     def numpy(self) -> Step:
         """The step by hand: forward, fused softmax cross-entropy gradient, backward, SGD."""
         x, y = self.data()
-        d_in, hidden, d_out = self.sizes
-        rng = np.random.default_rng(0)
-        w1 = (rng.uniform(-1, 1, (d_in, hidden)) / math.sqrt(d_in)).astype(np.float32)
-        b1 = np.zeros(hidden, np.float32)
-        w2 = (rng.uniform(-1, 1, (hidden, d_out)) / math.sqrt(hidden)).astype(np.float32)
-        b2 = np.zeros(d_out, np.float32)
+        params = w1, b1, w2, b2 = numpy_mlp_params(self.sizes)
         rows, lr, batch = np.arange(self.batch), self.lr, self.batch
 
         def step() -> float:
@@ -131,14 +163,7 @@ class MLP:
             loss = -np.log(p[rows, y]).mean()
             p[rows, y] -= 1
             p /= batch
-            gw2 = a.T @ p
-            gb2 = p.sum(axis=0)
-            ga = p @ w2.T
-            ga *= h > 0
-            gw1 = x.T @ ga
-            gb1 = ga.sum(axis=0)
-            for param, g in ((w1, gw1), (b1, gb1), (w2, gw2), (b2, gb2)):
-                param -= lr * g
+            numpy_mlp_backward_sgd(x, h, a, p, params, lr)
             return float(loss)
 
         return step
@@ -146,8 +171,7 @@ class MLP:
     def torch(self) -> Step:
         import torch
 
-        d_in, hidden, d_out = self.sizes
-        model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, d_out))
+        model = torch_mlp(self.sizes)
         x, y = self.data()
         return torch_train_step(model, torch.optim.SGD(model.parameters(), lr=self.lr), torch.nn.CrossEntropyLoss(), x, y)
 
@@ -165,26 +189,37 @@ class CNN:
         rng = np.random.default_rng(1)
         return rng.standard_normal((self.batch, 28, 28, 1)).astype(np.float32), rng.integers(0, 10, self.batch)
 
-    def luxnn(self, cache: Any = "default") -> Step:
-        model = lx.Chain(
+    def torch_data(self) -> tuple[np.ndarray, np.ndarray]:
+        """`data` with the images NCHW, as PyTorch's Conv2d takes them."""
+        x, y = self.data()
+        return np.ascontiguousarray(x.transpose(0, 3, 1, 2)), y  # NHWC -> NCHW
+
+    def luxnn_model(self) -> lx.Layer:
+        return lx.Chain(
             lx.Conv(3, 1, 32, activation="relu", padding=1), lx.MaxPool(2),
             lx.Conv(3, 32, 64, activation="relu", padding=1), lx.MaxPool(2),
             lx.Flatten(), lx.Dense(7 * 7 * 64, 10),
         )  # fmt: skip
-        return luxnn_train_step(model, lx.optim.adam(self.lr), lx.losses.CrossEntropyLoss(), self.data(), cache)
 
-    def torch(self) -> Step:
+    def torch_model(self) -> Any:
         import torch
 
         nn = torch.nn
-        model = nn.Sequential(
+        return nn.Sequential(
             nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Flatten(), nn.Linear(7 * 7 * 64, 10),
         )  # fmt: skip
-        x, y = self.data()
-        x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))  # NHWC -> NCHW
-        return torch_train_step(model, torch.optim.Adam(model.parameters(), lr=self.lr), nn.CrossEntropyLoss(), x, y)
+
+    def luxnn(self, cache: Any = "default") -> Step:
+        return luxnn_train_step(self.luxnn_model(), lx.optim.adam(self.lr), lx.losses.CrossEntropyLoss(), self.data(), cache)
+
+    def torch(self) -> Step:
+        import torch
+
+        model = self.torch_model()
+        x, y = self.torch_data()
+        return torch_train_step(model, torch.optim.Adam(model.parameters(), lr=self.lr), torch.nn.CrossEntropyLoss(), x, y)
 
 
 @dataclass(frozen=True)
@@ -206,17 +241,21 @@ class Transformer:
         shape = (self.batch, self.length, self.dim)
         return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
 
-    def luxnn(self, cache: Any = "default") -> Step:
+    def luxnn_model(self) -> lx.Layer:
         dim = self.dim
         attention = lx.SkipConnection(
             lx.Chain(lx.LayerNorm(dim), lx.MultiHeadAttention(dim, num_heads=self.heads)),
             lambda y_and_weights, x: y_and_weights[0] + x,
         )
         mlp = lx.SkipConnection(lx.Chain(lx.LayerNorm(dim), lx.Dense(dim, 4 * dim, activation="gelu"), lx.Dense(4 * dim, dim)))
-        model = lx.Chain(attention, mlp)
-        return luxnn_train_step(model, lx.optim.adam(self.lr), lx.losses.MSELoss(), self.data(), cache)
+        return lx.Chain(attention, mlp)
 
-    def torch(self) -> Step:
+    def luxnn(self, cache: Any = "default") -> Step:
+        return luxnn_train_step(self.luxnn_model(), lx.optim.adam(self.lr), lx.losses.MSELoss(), self.data(), cache)
+
+    def torch(self, need_weights: bool = False) -> Step:
+        """`need_weights=True` (not in the suite): the attention computes its weights
+        explicitly (per head), as luxnn's MultiHeadAttention returns them."""
         import torch
 
         nn, dim, heads = torch.nn, self.dim, self.heads
@@ -230,7 +269,7 @@ class Transformer:
 
             def forward(self, x: Any) -> Any:
                 h = self.ln1(x)
-                x = x + self.attn(h, h, h, need_weights=False)[0]
+                x = x + self.attn(h, h, h, need_weights=need_weights, average_attn_weights=False)[0]
                 return x + self.mlp(self.ln2(x))
 
         model = Block()
@@ -258,19 +297,12 @@ class LargeActivations:
         )
 
     def luxnn(self, cache: Any = "default") -> Step:
-        d_in, hidden, d_out = self.sizes
-        model = lx.Chain(lx.Dense(d_in, hidden, activation="relu"), lx.Dense(hidden, d_out))
-        return luxnn_train_step(model, lx.optim.sgd(self.lr), lx.losses.MSELoss(), self.data(), cache)
+        return luxnn_train_step(luxnn_mlp(self.sizes), lx.optim.sgd(self.lr), lx.losses.MSELoss(), self.data(), cache)
 
     def numpy(self) -> Step:
         """The step by hand: forward, the MSE gradient, backward, SGD."""
         x, y = self.data()
-        d_in, hidden, d_out = self.sizes
-        rng = np.random.default_rng(0)
-        w1 = (rng.uniform(-1, 1, (d_in, hidden)) / math.sqrt(d_in)).astype(np.float32)
-        b1 = np.zeros(hidden, np.float32)
-        w2 = (rng.uniform(-1, 1, (hidden, d_out)) / math.sqrt(hidden)).astype(np.float32)
-        b2 = np.zeros(d_out, np.float32)
+        params = w1, b1, w2, b2 = numpy_mlp_params(self.sizes)
         lr, scale = self.lr, np.float32(2.0 / y.size)
 
         def step() -> float:
@@ -278,15 +310,7 @@ class LargeActivations:
             a = np.maximum(h, 0)
             diff = a @ w2 + b2 - y
             loss = float((diff * diff).mean())
-            g = diff * scale
-            gw2 = a.T @ g
-            gb2 = g.sum(axis=0)
-            ga = g @ w2.T
-            ga *= h > 0
-            gw1 = x.T @ ga
-            gb1 = ga.sum(axis=0)
-            for param, grad in ((w1, gw1), (b1, gb1), (w2, gw2), (b2, gb2)):
-                param -= lr * grad
+            numpy_mlp_backward_sgd(x, h, a, diff * scale, params, lr)
             return loss
 
         return step
@@ -294,7 +318,6 @@ class LargeActivations:
     def torch(self) -> Step:
         import torch
 
-        d_in, hidden, d_out = self.sizes
-        model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, d_out))
+        model = torch_mlp(self.sizes)
         x, y = self.data()
         return torch_train_step(model, torch.optim.SGD(model.parameters(), lr=self.lr), torch.nn.MSELoss(), x, y)
