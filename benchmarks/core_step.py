@@ -2,7 +2,7 @@
 written by hand in NumPy and against PyTorch eager, interleaved, medians of rounds; and the
 AD bookkeeping cost per recorded primitive on tiny arrays.
 
-    python benchmarks/core_step.py [--rounds 15] [--no-cache]
+    python benchmarks/core_step.py [--rounds 15] [--per-round 20]
 """
 
 from __future__ import annotations
