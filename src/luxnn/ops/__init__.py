@@ -3,10 +3,16 @@
 from .activations import (
     elu, gelu, leaky_relu, log_softmax, logsumexp, relu, sigmoid, silu, softmax, softplus, swish,
 )  # fmt: skip
+from .attention import masked_softmax
 from .conv import conv, conv_transpose
 from .cross_entropy import softmax_cross_entropy
 from .dense import dense
-from .attention import masked_softmax
 from .embedding import lookup_rows
 from .norm import moments, normalize, rms_normalize
 from .pool import avg_pool, max_pool
+
+__all__ = [
+    "elu", "gelu", "leaky_relu", "log_softmax", "logsumexp", "relu", "sigmoid", "silu", "softmax",
+    "softplus", "swish", "masked_softmax", "conv", "conv_transpose", "softmax_cross_entropy",
+    "dense", "lookup_rows", "moments", "normalize", "rms_normalize", "avg_pool", "max_pool",
+]  # fmt: skip

@@ -316,7 +316,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
 def _conv_transpose(x, w, b, *, stride, padding, dilation, groups, output_padding, relu):
     r = x.ndim - 2
     kernel = w.shape[:r]
-    n, c, og = x.shape[0], x.shape[-1], w.shape[-2]
+    n, og = x.shape[0], w.shape[-2]
     o = og * groups
     in_sizes = x.shape[1:-1]
     full = tuple((i - 1) * s + d * (k - 1) + 1 for i, k, s, d in zip(in_sizes, kernel, stride, dilation))
