@@ -9,6 +9,12 @@ import sys
 def _demo(args: argparse.Namespace) -> int:
     from .demo import report, run
 
+    if args.memory_plot:
+        try:
+            import matplotlib  # noqa: F401 - checked before training, not after it
+        except ImportError:
+            print("luxnn demo: --memory-plot needs matplotlib: pip install 'luxnn[plot]'", file=sys.stderr)
+            return 2
     figures = run(
         args.model, epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.lr,
         seed=args.seed, memory_plot=args.memory_plot, progress=not args.no_progress, device=args.device,

@@ -24,7 +24,10 @@ def plot_timeline(cache: AllocCache, path: str | PathLike | None = None) -> Any:
     ...         _ = np.ones(1 << 20) + 1
     >>> fig = memory.plot_timeline(cache)   # or plot_timeline(cache, "mem.png")
     """
-    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    except ImportError as err:
+        raise ImportError("plot_timeline needs matplotlib: pip install 'luxnn[plot]'") from err
 
     if not cache.record:
         raise ValueError("this cache keeps no timeline: create it with AllocCache(record=True)")
