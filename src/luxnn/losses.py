@@ -35,16 +35,20 @@ class Loss:
     def elementwise(self, y_hat: Any, y: Any) -> Any:
         raise NotImplementedError
 
+    def value(self, y_hat: Any, y: Any) -> Any:
+        """The reduced loss of predictions `y_hat` against targets `y`."""
+        return self._reduce(self.elementwise(y_hat, y))
+
     def __call__(self, *args: Any) -> Any:
         if len(args) == 2:
-            return self._reduce(self.elementwise(*args))
+            return self.value(*args)
         if len(args) == 4:
             model, ps, st, data = args
             if not (isinstance(data, (tuple, list)) and len(data) == 2):
                 raise ValueError(f"{type(self).__name__}: expected data as a pair (x, y), got {type(data).__name__}")
             x, y = data
             y_hat, st = model(x, ps, st)
-            return self._reduce(self.elementwise(y_hat, y)), st, {}
+            return self.value(y_hat, y), st, {}
         raise TypeError(
             f"{type(self).__name__} takes (y_hat, y) as a loss or (model, ps, st, data) as an "
             f"objective; got {len(args)} arguments"
@@ -108,16 +112,31 @@ class CrossEntropyLoss(_LabelSmoothingLoss):
     examples.
     """
 
+    def value(self, y_hat: Any, y: Any) -> Any:
+        if not _is_labels(y):
+            return super().value(y_hat, y)
+        self._check_labels(y_hat, y)  # the fused kernel reduces too
+        return ops.softmax_cross_entropy(y_hat, y, label_smoothing=self.label_smoothing, reduction=self.reduction)
+
     def elementwise(self, y_hat: Any, y: Any) -> Any:
         k = y_hat.shape[-1] if y_hat.ndim else 0
-        if getattr(y, "dtype", np.dtype(float)).kind in "iub":
-            if y.shape != y_hat.shape[:-1]:
-                raise ValueError(f"CrossEntropyLoss: expected integer labels of shape {y_hat.shape[:-1]}, got {y.shape}")
-            if y.size and (int(y.min()) < 0 or int(y.max()) >= k):
-                raise ValueError(f"CrossEntropyLoss: labels must lie in [0, {k}), got values in [{int(y.min())}, {int(y.max())}]")
+        if _is_labels(y):
+            self._check_labels(y_hat, y)
             return ops.softmax_cross_entropy(y_hat, y, label_smoothing=self.label_smoothing)
         self._check_same_shape(y_hat, y)
         return -(self._smooth(y, k) * ops.log_softmax(y_hat, axis=-1)).sum(axis=-1)
+
+
+    def _check_labels(self, y_hat: Any, y: Any) -> None:
+        k = y_hat.shape[-1] if y_hat.ndim else 0
+        if y.shape != y_hat.shape[:-1]:
+            raise ValueError(f"CrossEntropyLoss: expected integer labels of shape {y_hat.shape[:-1]}, got {y.shape}")
+        if y.size and (int(y.min()) < 0 or int(y.max()) >= k):
+            raise ValueError(f"CrossEntropyLoss: labels must lie in [0, {k}), got values in [{int(y.min())}, {int(y.max())}]")
+
+
+def _is_labels(y: Any) -> bool:
+    return getattr(y, "dtype", np.dtype(float)).kind in "iub"
 
 
 class BinaryCrossEntropyLoss(_LabelSmoothingLoss):

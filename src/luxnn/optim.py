@@ -202,36 +202,40 @@ def _check_steps(name: str, value: Any, *, positive: bool) -> int:
     return steps
 
 
-def _tree_mismatch(expected: Any, got: Any, path: str) -> str | None:
-    """Where and how `got` differs from `expected` in structure or leaf shapes, or None."""
-    where = f"at '{path}'" if path else "at the root"
+def _tree_mismatch(expected: Any, got: Any, path: tuple = ()) -> str | None:
+    """Where and how `got` differs from `expected` in structure or leaf shapes, or None.
+    (It runs on every update: the path is only formatted once something differs.)"""
     if isinstance(expected, dict):
         if not isinstance(got, dict):
-            return f"{where}: expected a dict with keys {list(expected)}, got {type(got).__name__}"
+            return f"{_where(path)}: expected a dict with keys {list(expected)}, got {type(got).__name__}"
         if expected.keys() != got.keys():
-            return f"{where}: expected keys {sorted(map(str, expected))}, got {sorted(map(str, got))}"
-        children = [(str(k), expected[k], got[k]) for k in expected]
+            return f"{_where(path)}: expected keys {sorted(map(str, expected))}, got {sorted(map(str, got))}"
+        children = [(k, expected[k], got[k]) for k in expected]
     elif isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(expected):
             size = f" of length {len(got)}" if isinstance(got, (list, tuple)) else ""
-            return f"{where}: expected a sequence of length {len(expected)}, got {type(got).__name__}{size}"
-        children = [(str(i), e, g) for i, (e, g) in enumerate(zip(expected, got))]
+            return f"{_where(path)}: expected a sequence of length {len(expected)}, got {type(got).__name__}{size}"
+        children = list(zip(range(len(expected)), expected, got))
     else:
         if isinstance(got, (dict, list, tuple)):
-            return f"{where}: expected an array, got a {type(got).__name__}"
+            return f"{_where(path)}: expected an array, got a {type(got).__name__}"
         expected_shape, got_shape = getattr(expected, "shape", None), getattr(got, "shape", None)
         if expected_shape is not None and got_shape is not None and tuple(expected_shape) != tuple(got_shape):
-            return f"{where}: expected shape {tuple(expected_shape)}, got {tuple(got_shape)}"
+            return f"{_where(path)}: expected shape {tuple(expected_shape)}, got {tuple(got_shape)}"
         return None
     for key, e, g in children:
-        problem = _tree_mismatch(e, g, f"{path}/{key}" if path else key)
+        problem = _tree_mismatch(e, g, (*path, key))
         if problem:
             return problem
     return None
 
 
+def _where(path: tuple) -> str:
+    return f"at '{'/'.join(map(str, path))}'" if path else "at the root"
+
+
 def _check_match(expected: Any, expected_name: str, got: Any, got_name: str) -> None:
-    problem = _tree_mismatch(expected, got, "")
+    problem = _tree_mismatch(expected, got)
     if problem:
         raise ValueError(f"{got_name} do not match {expected_name} {problem}")
 

@@ -10,11 +10,13 @@ from ..backend import module_of
 
 
 @primitive
-def softmax_cross_entropy(logits, labels, label_smoothing=0.0):
+def softmax_cross_entropy(logits, labels, label_smoothing=0.0, reduction="none"):
     """Per-example ``-log softmax(logits)[label]`` over the last axis, with optional label
-    smoothing (the target is ``(1 - s) * one_hot + s / K``).
+    smoothing (the target is ``(1 - s) * one_hot + s / K``), and optionally its "mean" or
+    "sum" over the examples (fused: no separate reduction node).
 
-    Shapes: logits ``(..., K)`` floating, labels ``(...)`` integer in ``[0, K)`` -> ``(...)``.
+    Shapes: logits ``(..., K)`` floating, labels ``(...)`` integer in ``[0, K)`` -> ``(...)``
+    (a scalar when reduced).
 
     >>> softmax_cross_entropy(np.zeros((2, 4)), np.array([0, 3])).round(4).tolist()
     [1.3863, 1.3863]
@@ -38,7 +40,13 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0):
         flat[rows, flat_labels] -= 1 - label_smoothing
         if label_smoothing:
             grad -= label_smoothing / k
-        grad *= g[..., None]
+        if reduction == "none":
+            grad *= g[..., None]
+        else:
+            grad *= g / labels.size if reduction == "mean" else g
         return grad, None
 
-    return loss, vjp
+    if reduction == "none":
+        return loss, vjp
+    total_loss = loss.sum()
+    return (total_loss / labels.size if reduction == "mean" else total_loss), vjp
