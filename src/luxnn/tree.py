@@ -27,22 +27,51 @@ def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:  # noqa: A001 - t
     >>> map(lambda a, b: a + b, {"x": 1}, {"x": 2})
     {'x': 3}
     """
+    # One and two trees are the common cases (every optimizer step): walked without
+    # packing the other trees' children into tuples at every node.
+    if not rest:
+        return _map1(fn, tree)
+    if len(rest) == 1:
+        return _map2(fn, tree, rest[0])
     if isinstance(tree, dict):
         for other in rest:
             _check_same_keys(tree, other)
         return {k: map(fn, v, *(o[k] for o in rest)) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         for other in rest:
-            if not isinstance(other, (list, tuple)) or len(other) != len(tree):
-                raise ValueError(
-                    f"tree structures differ: expected a sequence of length {len(tree)}, "
-                    f"got {type(other).__name__}{'' if not isinstance(other, (list, tuple)) else f' of length {len(other)}'}"
-                )
-        children = [map(fn, v, *(o[i] for o in rest)) for i, v in enumerate(tree)]
-        if _is_namedtuple(tree):
-            return type(tree)(*children)
-        return type(tree)(children)
+            _check_same_length(tree, other)
+        return _rebuild(tree, [map(fn, v, *(o[i] for o in rest)) for i, v in enumerate(tree)])
     return fn(tree, *rest)
+
+
+def _map1(fn: Callable[..., Any], tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _map1(fn, v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return _rebuild(tree, [_map1(fn, v) for v in tree])
+    return fn(tree)
+
+
+def _map2(fn: Callable[..., Any], tree: Any, other: Any) -> Any:
+    if isinstance(tree, dict):
+        _check_same_keys(tree, other)
+        return {k: _map2(fn, v, other[k]) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        _check_same_length(tree, other)
+        return _rebuild(tree, [_map2(fn, v, o) for v, o in zip(tree, other)])
+    return fn(tree, other)
+
+
+def _rebuild(node: tuple | list, children: list[Any]) -> Any:
+    if _is_namedtuple(node):
+        return type(node)(*children)
+    return type(node)(children)
+
+
+def _check_same_length(a: tuple | list, b: Any) -> None:
+    if not isinstance(b, (list, tuple)) or len(b) != len(a):
+        size = f" of length {len(b)}" if isinstance(b, (list, tuple)) else ""
+        raise ValueError(f"tree structures differ: expected a sequence of length {len(a)}, got {type(b).__name__}{size}")
 
 
 def _check_same_keys(a: dict, b: Any) -> None:
