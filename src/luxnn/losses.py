@@ -115,7 +115,7 @@ class CrossEntropyLoss(_LabelSmoothingLoss):
     def value(self, y_hat: Any, y: Any) -> Any:
         if not _is_labels(y):
             return super().value(y_hat, y)
-        self._check_labels(y_hat, y)  # the fused kernel reduces too
+        self._check_labels(y_hat, y)  # integer labels: the fused kernel does the reduction too
         return ops.softmax_cross_entropy(y_hat, y, label_smoothing=self.label_smoothing, reduction=self.reduction)
 
     def elementwise(self, y_hat: Any, y: Any) -> Any:
@@ -125,7 +125,6 @@ class CrossEntropyLoss(_LabelSmoothingLoss):
             return ops.softmax_cross_entropy(y_hat, y, label_smoothing=self.label_smoothing)
         self._check_same_shape(y_hat, y)
         return -(self._smooth(y, k) * ops.log_softmax(y_hat, axis=-1)).sum(axis=-1)
-
 
     def _check_labels(self, y_hat: Any, y: Any) -> None:
         k = y_hat.shape[-1] if y_hat.ndim else 0
