@@ -106,14 +106,11 @@ def load(path: str | os.PathLike, *, like: Any) -> Any:
 
     def restore(field: str) -> Any:
         template = getattr(like, field)
-        flat, struct = tree.flatten(template)
-        values = []
-        for (path_, leaf), _ in zip(tree.paths(template, field), flat):
-            if is_array(leaf):
-                values.append(_on_device_of(arrays[path_], leaf))
-            else:
-                values.append(_decode(others[path_]))
-        return tree.unflatten(struct, values)
+        values = [
+            _on_device_of(arrays[path_], leaf) if is_array(leaf) else _decode(others[path_])
+            for path_, leaf in tree.paths(template, field)
+        ]
+        return tree.unflatten(tree.structure(template), values)
 
     return like.replace(**{field: restore(field) for field in _FIELDS}, step=int(metadata["step"]))
 

@@ -97,8 +97,7 @@ class TracedNamespace:
 
 
 _CREATION = frozenset(
-    "zeros ones empty full arange linspace eye tri ones_like "
-    "zeros_like finfo iinfo dtype isdtype".split()
+    "zeros ones empty full arange linspace eye tri finfo iinfo dtype isdtype".split()
 )
 _NAMESPACES: dict[ModuleType, TracedNamespace] = {}
 

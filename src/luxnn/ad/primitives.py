@@ -221,7 +221,7 @@ def _reshaped(x, shape):
 @primitive
 def matmul(a, b):
     if b.ndim == 2 and a.ndim > 2:
-        return _matmul_by_matrix(a, b)
+        return rows_times_matrix(a, b)
 
     def vjp(g, needs):
         a2 = a[None, :] if a.ndim == 1 else a
@@ -243,20 +243,31 @@ def matmul(a, b):
     return np.matmul(a, b), vjp
 
 
-def _matmul_by_matrix(a, b):
-    # A batch of rows times a weight matrix, (..., k) @ (k, m): NumPy would run one GEMM
-    # per leading index; flattened it is a single GEMM, forward and backward.
-    k, m = b.shape
-    lead = a.shape[:-1]
-    rows = a.reshape(-1, k)
+def rows_times_matrix(x, w, b=None, relu=False):
+    """``(out, vjp)`` of ``x @ w (+ b)`` (then ``max(., 0)`` if `relu`) for x ``(..., k)``
+    and w ``(k, m)``: one GEMM over the flattened leading axes (NumPy would run one per
+    leading index), the bias and the relu applied in place on its output. The kernel of
+    `matmul` by a matrix and of `luxnn.ops.dense`; the VJP returns a bias cotangent only
+    when there is a bias."""
+    k, m = w.shape
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, k)
+    y = rows @ w
+    if b is not None:
+        y += b
+    if relu:
+        np.maximum(y, 0, out=y)
 
     def vjp(g, needs):
         g_rows = g.reshape(-1, m)
-        ga = (g_rows @ b.T).reshape(*lead, k) if needs[0] else None
-        gb = rows.T @ g_rows if needs[1] else None
-        return ga, gb
+        if relu:
+            g_rows = g_rows * (y > 0)
+        gx = (g_rows @ w.T).reshape(*lead, k) if needs[0] else None
+        gw = rows.T @ g_rows if needs[1] else None
+        gb = g_rows.sum(axis=0) if b is not None and needs[2] else None
+        return gx, gw, gb
 
-    return (rows @ b).reshape(*lead, m), vjp
+    return y.reshape(*lead, m), vjp
 
 
 # -- reductions ---------------------------------------------------------------------------

@@ -220,15 +220,15 @@ def _two_tapes(fn: Callable) -> ValueError:
     )
 
 
-def _check_differentiable(path: str, leaf: Any) -> None:
+def _check_differentiable(leaf: Any, path_of: Callable[[], str]) -> None:
+    # `path_of` formats the leaf's path: only needed for the error, and this runs every step.
     dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and dtype.kind == "f" and hasattr(leaf, "shape"):
+        return
+    where = path_of() or "the argument"
     if dtype is None or not hasattr(leaf, "shape"):
-        raise TypeError(f"value_and_grad: expected a floating array at {path or 'the argument'}, got {type(leaf).__name__}")
-    if dtype.kind != "f":
-        raise TypeError(
-            f"value_and_grad: can only differentiate with respect to floating arrays; "
-            f"{path or 'the argument'} has dtype {dtype}"
-        )
+        raise TypeError(f"value_and_grad: expected a floating array at {where}, got {type(leaf).__name__}")
+    raise TypeError(f"value_and_grad: can only differentiate with respect to floating arrays; {where} has dtype {dtype}")
 
 
 def _owned(g: Any, like: Any, seen: set[int]) -> Any:
@@ -273,8 +273,7 @@ def value_and_grad(
         for n in nums:
             leaves, struct = tree.flatten(args[n])
             for i, leaf in enumerate(leaves):
-                if getattr(getattr(leaf, "dtype", None), "kind", None) != "f" or not hasattr(leaf, "shape"):
-                    _check_differentiable(tree.paths(args[n])[i][0], leaf)
+                _check_differentiable(leaf, lambda: tree.paths(args[n])[i][0])  # noqa: B023 - called at once
             traced = [tape.leaf(leaf) for leaf in leaves]
             traced_args.append((struct, traced))
             args[n] = tree.unflatten(struct, traced)
