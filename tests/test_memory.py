@@ -294,6 +294,160 @@ def test_cache_collected_while_its_arrays_live():
     assert before - rss_bytes() > 48 * MiB
 
 
+# ---- splitting large blocks ------------------------------------------------------------
+
+
+def segments(cache) -> dict:
+    """{(base, size): [(offset, size, live), ...]} of a cache's segments, pieces in address
+    order (a block of the exact-bin pool is a segment of one piece)."""
+    out: dict = {}
+    for ptr, size, live, base, segment_size, _orphan in cache._core.blocks():
+        out.setdefault((base, segment_size), []).append((ptr - base, size, live))
+    return {key: sorted(pieces) for key, pieces in out.items()}
+
+
+def test_a_free_large_block_is_split_for_smaller_requests_and_coalesces_back():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        big = np.empty(8 * MiB, np.uint8)
+        base = big.ctypes.data
+        del big
+        a = np.empty(3 * MiB, np.uint8)
+        b = np.empty(MiB, np.uint8)
+        c = np.empty(100_000, np.uint8)
+    s = cache.stats()
+    assert (s.upstream_allocs, s.hits) == (1, 3)  # one segment served all three
+    c_size = memory.bin_size(100_000)
+    rest = 8 * MiB - 4 * MiB - c_size
+    assert segments(cache) == {
+        (base, 8 * MiB): [(0, 3 * MiB, True), (3 * MiB, MiB, True), (4 * MiB, c_size, True), (4 * MiB + c_size, rest, False)]
+    }  # fmt: skip
+    assert (s.bytes_live, s.bytes_cached) == (4 * MiB + c_size, rest)
+    del b  # a free piece between two in use
+    cache._core.audit()
+    del a  # coalesces with it
+    assert segments(cache)[(base, 8 * MiB)] == [(0, 4 * MiB, False), (4 * MiB, c_size, True), (4 * MiB + c_size, rest, False)]
+    del c  # and the three are one free segment again
+    assert segments(cache) == {(base, 8 * MiB): [(0, 8 * MiB, False)]}
+    assert cache.stats().bytes_cached == 8 * MiB and cache.stats().upstream_frees == 0
+    cache._core.audit()
+
+
+def test_pieces_keep_the_alignment_of_their_segment():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        big = np.empty(13 * MiB + 12345, np.uint8)  # mmap'd: 2 MiB aligned
+        assert big.ctypes.data % (2 * MiB) == 0
+        del big
+        pieces = [np.empty(n, np.uint8) for n in (70_001, 123_457, 999_999, 2 * MiB + 1, 65_537)]
+    assert cache.stats().upstream_allocs == 1
+    for p in pieces:
+        assert p.ctypes.data % 512 == 0  # offsets are multiples of 512 B
+    cache._core.audit()
+
+
+def test_requests_up_to_the_split_threshold_keep_exact_bins():
+    cache = memory.AllocCache()
+    small = _core.SPLIT_ABOVE  # the largest exact-bin block
+    with memory.cached(cache):
+        big = np.empty(4 * MiB, np.uint8)
+        del big
+        a = np.empty(small, np.uint8)  # not carved from the free segment
+        assert cache.stats().upstream_allocs == 2
+        b = np.empty(small + 1, np.uint8)  # carved from it
+        assert cache.stats().upstream_allocs == 2
+    assert memory.bin_size(small) == small and memory.bin_size(small + 1) > small
+    del a, b
+
+
+def test_trim_releases_only_whole_segments():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        x, y = np.empty(4 * MiB, np.uint8), np.empty(2 * MiB, np.uint8)
+        del x, y
+        keep = np.empty(MiB, np.uint8)  # best fit: the front of the 2 MiB segment
+    assert cache.stats().bytes_cached == 5 * MiB
+    assert cache.trim() == 4 * MiB  # the piece left of the 2 MiB segment cannot go back
+    assert cache.stats().bytes_cached == MiB
+    del keep
+    assert cache.trim() == 2 * MiB
+    s = cache.stats()
+    assert (s.bytes_reserved, s.upstream_allocs, s.upstream_frees) == (0, 2, 2)
+
+
+def test_free_orphans_a_segment_in_use_until_its_last_piece_dies():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        big = np.empty(4 * MiB, np.uint8)
+        del big
+        a = np.empty(MiB // 8)  # 1 MiB: the front of the 4 MiB segment
+    a.fill(1.0)
+    cache.free()
+    s = cache.stats()
+    assert (s.bytes_live, s.bytes_cached, s.upstream_frees) == (MiB, 3 * MiB, 0)  # held, not reusable
+    with memory.cached(cache):
+        b = np.empty(MiB, np.uint8)  # not served from the orphan's free piece
+    assert cache.stats().upstream_allocs == 2
+    np.testing.assert_array_equal(a, 1.0)
+    del a  # the orphan's last piece: the whole segment goes back
+    s = cache.stats()
+    assert (s.bytes_live, s.bytes_cached, s.upstream_frees) == (MiB, 0, 1)
+    del b  # made after free(): cached as usual
+    assert cache.stats().bytes_cached == MiB
+    cache._core.audit()
+
+
+def test_eviction_releases_whole_segments_that_served_no_request():
+    cache = memory.AllocCache(evict_after=2)
+    with memory.cached(cache):  # scope 1: two segments
+        a, b = np.empty(4 * MiB, np.uint8), np.empty(2 * MiB, np.uint8)
+        del a, b
+    with memory.cached(cache):  # scope 2: the 2 MiB segment serves a request
+        x = np.empty(MiB, np.uint8)
+        del x
+    assert cache.stats().bytes_cached == 6 * MiB
+    with memory.cached(cache):  # scope 3: the 4 MiB one has served nothing for 2 scopes
+        pass
+    assert [size for _, size in segments(cache)] == [2 * MiB]
+    assert cache.stats().bytes_cached == 2 * MiB
+
+
+def test_threads_splitting_one_cache_free_each_others_pieces():
+    cache = memory.AllocCache()
+    handed_over: queue.Queue = queue.Queue()
+    errors: list = []
+    barrier = threading.Barrier(4)
+    sizes = [70_000, 300_000, MiB, 3 * MiB + 5, 5 * MiB]
+
+    def work(i: int) -> None:
+        try:
+            rng = np.random.default_rng(i)
+            barrier.wait()
+            for step in range(100):
+                with memory.cached(cache):
+                    a = np.full(int(rng.choice(sizes)) // 8, float(i))
+                    handed_over.put(a)  # dies in whichever thread takes it
+                    if step % 2:
+                        handed_over.get()
+                    assert (a == i).all()
+                del a
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    while not handed_over.empty():
+        handed_over.get()
+    cache._core.audit()
+    s = cache.stats()
+    assert s.bytes_live == 0 and s.bytes_cached == s.bytes_reserved > 0
+    assert all(len(pieces) == 1 for pieces in segments(cache).values())  # all coalesced
+
+
 # ---- limits and out of memory --------------------------------------------------------
 
 

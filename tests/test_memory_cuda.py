@@ -129,6 +129,48 @@ def test_trim_free_and_destruction_give_every_block_back_to_the_driver():
     assert driver.allocs == driver.frees == 5 and driver.errors == []
 
 
+def test_device_segments_are_split_and_go_back_to_the_driver_only_whole():
+    driver = FakeDriver()
+    core = cuda_core(driver, evict_after=3)
+    rng = np.random.default_rng(0)
+    sizes = [1000, 70_000, 300_000, 1 << 20, 3 << 20, 5 << 20]
+    held: list = []
+    for step in range(2000):
+        op = rng.integers(0, 20)
+        if op < 10 or not held:
+            held.append(core.block(int(rng.choice(sizes)) + int(rng.integers(0, 4096))))
+        elif op < 18:
+            held.pop(int(rng.integers(len(held))))
+        elif op == 18:
+            core.trim(int(rng.choice([0, 1 << 20, 1 << 24])))
+        elif step % 7 == 0:
+            core.release_all()
+        else:
+            core.scope_exit(core.scope_enter())  # the clock of eviction
+        core.audit()
+        spans = sorted((b.ptr, b.ptr + b.size) for b in held)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    pieces = [(ptr - base) for ptr, _, _, base, _, _ in core.blocks()]
+    assert all(offset % 512 == 0 for offset in pieces) and any(pieces)  # some were split
+    # The driver was only ever asked to free what it allocated (FakeDriver checks it).
+    held.clear()
+    core.trim(0)
+    assert driver.buffers == {} and driver.allocs == driver.frees and driver.errors == []
+
+
+def test_split_above_sets_which_requests_split():
+    sizes = [(1 << 20) + 4096, 1 << 19, 4096]
+    for split_above, upstream in [(_core.MAX_REQUEST, 4), (0, 1)]:  # never: exact bins; always
+        driver = FakeDriver()
+        core = cuda_core(driver, split_above=split_above)
+        big = core.block(2 << 20)
+        del big
+        kept = [core.block(n) for n in sizes]
+        assert core.stats()[2] == upstream, split_above
+        core.audit()
+        del kept
+
+
 def test_out_of_device_memory_trims_then_retries():
     driver = FakeDriver(capacity=3 << 20)
     core = cuda_core(driver)

@@ -1,19 +1,24 @@
-"""Random sequences of allocations, drops, nested scopes over two caches, trims and frees,
-checked against a model of what the caches must hold."""
+"""Random sequences of allocations, drops, resizes, nested scopes over two caches, trims and
+frees, checked against a model of what the caches must hold, and against the core's own
+record of its blocks and segments (`Core.blocks`, `Core.audit`)."""
 
 import os
 
 import numpy as np
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from luxnn import memory
 from luxnn.memory import _core
 
 MiB = 1 << 20
-# Around the bin edges (512 B, 8 KiB, the mmap threshold at 4 MiB) and in between.
-SIZES = [1, 100, 513, 8192, 8193, 70_000, 4 * MiB - 1, 4 * MiB, 5 * MiB + 3]
+SPLIT = _core.SPLIT_ABOVE  # blocks above this come from splitting free segments
+# Around the bin edges (512 B, 8 KiB, the mmap threshold at 4 MiB), the split pool's threshold
+# (the last exact-bin size and the first split one), and sizes that one larger free segment
+# can serve several of, in between.
+SIZES = [1, 100, 513, 8192, 8193, SPLIT, SPLIT + 1, 70_000, 300_000, MiB, 4 * MiB - 1, 4 * MiB, 5 * MiB + 3]
+LARGE = [MiB, 4 * MiB, 5 * MiB + 3, 12 * MiB]
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -24,6 +29,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.scopes = []  # open scopes, innermost last: (scope, cache index or None)
         self.arrays = {}  # key -> (array, cache index or None, fill value)
         self.next_key = 0
+
+    @initialize(which=st.sampled_from([0, 1, None]))
+    def start_in_a_scope(self, which):
+        if which is not None:
+            self.enter(which)
 
     def routing(self):
         """The cache index new arrays come from, or None for NumPy's own allocator."""
@@ -40,6 +50,18 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(size=st.sampled_from(SIZES), count=st.integers(2, 4))
     def allocate_several(self, size, count):
         for _ in range(count):
+            self.allocate(size)
+
+    @rule(
+        big=st.sampled_from(LARGE),
+        smaller=st.lists(st.sampled_from([n for n in SIZES if n > SPLIT]), min_size=1, max_size=4),
+    )  # fmt: skip
+    def carve(self, big, smaller):
+        # A large block dies, then smaller requests come: served by splitting its segment
+        # (where a cache routes them), whatever else is free.
+        self.allocate(big)
+        del self.arrays[self.next_key - 1]
+        for size in smaller:
             self.allocate(size)
 
     @precondition(lambda self: self.arrays)
@@ -62,18 +84,35 @@ class CacheMachine(RuleBasedStateMachine):
         scope, _ = self.scopes.pop()
         scope.__exit__(None, None, None)
 
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data(), size=st.sampled_from(SIZES))
+    def resize(self, data, size):
+        # Through the handler the array was made with (np_realloc), whatever the scope.
+        key = data.draw(st.sampled_from(sorted(self.arrays)))
+        a, which, value = self.arrays[key]
+        a.resize(size, refcheck=False)
+        assert a[0] == value  # the contents moved with the block
+        a.fill(value)
+
     @rule(which=st.sampled_from([0, 1]), keep=st.sampled_from([0, 512, 2 * MiB, 100 * MiB]))
     def trim(self, which, keep):
         cache = self.caches[which]
         before = cache.stats().bytes_cached
         released = cache.trim(keep)
         after = cache.stats().bytes_cached
-        assert after <= keep and released == before - after
+        assert released == before - after
+        if after > keep:  # only free pieces of segments in use are left: they cannot go back
+            assert not [b for b in cache._core.blocks() if not b[2] and whole(b)]
 
     @rule(which=st.sampled_from([0, 1]))
     def free(self, which):
-        self.caches[which].free()
-        assert self.caches[which].stats().bytes_cached == 0
+        cache = self.caches[which]
+        cache.free()
+        blocks = cache._core.blocks()
+        # What is left is in use, or a free piece of an orphan segment that is: no block
+        # is free and whole, nothing left is reusable, and the figures say so.
+        assert all(b[5] for b in blocks) and not [b for b in blocks if not b[2] and whole(b)]
+        assert cache.stats().bytes_cached == sum(b[1] for b in blocks if not b[2])
 
     @invariant()
     def the_handler_is_the_innermost_scopes(self):
@@ -96,12 +135,30 @@ class CacheMachine(RuleBasedStateMachine):
             cache._core.audit()  # records, free lists, LRU ring and figures agree
 
     @invariant()
+    def the_live_blocks_are_the_arrays(self):
+        for index, cache in enumerate(self.caches):
+            blocks = cache._core.blocks()
+            if any(not whole(b) for b in blocks):
+                event("a segment split in pieces")  # how often (--hypothesis-show-statistics)
+            if any(b[5] and not b[2] for b in blocks):
+                event("a free piece of an orphan segment")
+            live = sorted((b[0], b[1]) for b in blocks if b[2])
+            arrays = sorted((a.ctypes.data, memory.bin_size(a.nbytes)) for a, c, _ in self.arrays.values() if c == index)
+            assert live == arrays
+
+    @invariant()
     def live_arrays_never_share_memory_and_keep_their_values(self):
-        spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a, _, _ in self.arrays.values())
+        # A cached array holds its whole block (its size bin's bytes), a piece of a
+        # segment or not: no two blocks in use, nor any other array, may overlap it.
+        spans = sorted(
+            (a.ctypes.data, a.ctypes.data + (a.nbytes if c is None else memory.bin_size(a.nbytes)))
+            for a, c, _ in self.arrays.values()
+        )  # fmt: skip
         for (_, end), (start, _) in zip(spans, spans[1:]):
             assert end <= start
-        for a, _, value in self.arrays.values():
+        for a, c, value in self.arrays.values():
             assert a[0] == value and a[-1] == value
+            assert c is None or a.ctypes.data % 64 == 0  # every block keeps 64-byte alignment
 
     def teardown(self):
         while self.scopes:
@@ -112,7 +169,14 @@ class CacheMachine(RuleBasedStateMachine):
             assert cache.stats().bytes_live == 0
 
 
+def whole(block) -> bool:
+    """Whether a `Core.blocks()` row is a whole upstream allocation (which alone can go back)."""
+    ptr, size, _live, base, segment_size, _orphan = block
+    return ptr == base and size == segment_size
+
+
 # Under valgrind (scripts/memcheck.sh) an example is ~50x slower: fewer of them there.
-EXAMPLES = 12 if os.environ.get("LUXNN_MEMCHECK") else 60
+# LUXNN_EXAMPLES=3000 for a long local hunt (about 90 s).
+EXAMPLES = int(os.environ.get("LUXNN_EXAMPLES", 0)) or (12 if os.environ.get("LUXNN_MEMCHECK") else 60)
 CacheMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None)
 TestCache = CacheMachine.TestCase
