@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import parallel
 from ..backend import module_of
 from .tape import primitive
 
@@ -235,12 +236,12 @@ def matmul(a, b):
             g2 = np.expand_dims(g2, -2)
         ga = gb = None
         if needs[0]:
-            ga = _reshaped(unbroadcast(g2 @ np.swapaxes(b2, -1, -2), a2.shape), a.shape)
+            ga = _reshaped(unbroadcast(parallel.matmul(g2, np.swapaxes(b2, -1, -2)), a2.shape), a.shape)
         if needs[1]:
-            gb = _reshaped(unbroadcast(np.swapaxes(a2, -1, -2) @ g2, b2.shape), b.shape)
+            gb = _reshaped(unbroadcast(parallel.matmul(np.swapaxes(a2, -1, -2), g2), b2.shape), b.shape)
         return ga, gb
 
-    return np.matmul(a, b), vjp
+    return parallel.matmul(a, b), vjp
 
 
 def rows_times_matrix(x, w, b=None, relu=False):
@@ -252,18 +253,25 @@ def rows_times_matrix(x, w, b=None, relu=False):
     k, m = w.shape
     lead = x.shape[:-1]
     rows = x.reshape(-1, k)
-    y = rows @ w
-    if b is not None:
-        y += b
-    if relu:
-        np.maximum(y, 0, out=y)
+    y = parallel.matmul(rows, w)
+
+    def finish(lo, hi):
+        if b is not None:
+            y[lo:hi] += b
+        if relu:
+            np.maximum(y[lo:hi], 0, out=y[lo:hi])
+
+    if b is not None or relu:
+        parallel.for_blocks(finish, y)
 
     def vjp(g, needs):
         g_rows = g.reshape(-1, m)
         if relu:
-            g_rows = g_rows * (y > 0)
-        gx = (g_rows @ w.T).reshape(*lead, k) if needs[0] else None
-        gw = rows.T @ g_rows if needs[1] else None
+            masked = module_of(g).empty(g_rows.shape, g.dtype)
+            parallel.for_blocks(lambda lo, hi: np.multiply(g_rows[lo:hi], y[lo:hi] > 0, out=masked[lo:hi]), masked)
+            g_rows = masked
+        gx = parallel.matmul(g_rows, w.T).reshape(*lead, k) if needs[0] else None
+        gw = parallel.matmul(rows.T, g_rows) if needs[1] else None
         gb = g_rows.sum(axis=0) if b is not None and needs[2] else None
         return gx, gw, gb
 

@@ -7,10 +7,12 @@ forward. The forms are the numerically stable ones (no overflow for large |x|).
 from __future__ import annotations
 
 import math
+
 import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
+from ..parallel import for_blocks
 
 __all__ = [
     "relu", "leaky_relu", "elu", "sigmoid", "silu", "swish", "softplus", "gelu",
@@ -85,34 +87,52 @@ def _erf(x):
 def gelu(x, approximate="tanh"):
     """GELU. ``approximate="tanh"`` (the default, as in Flax) or ``"none"`` (exact, erf)."""
     if approximate == "tanh":
-        # In-place passes over one temporary: on large activations the kernel is memory
-        # bound, and each fresh temporary costs a pass of its own.
-        t = x * x
-        t *= 0.044715
-        t += 1
-        t *= x
-        t *= _SQRT_2_OVER_PI
-        np.tanh(t, out=t)  # t = tanh(sqrt(2/pi) * (x + 0.044715 x^3))
-        y = t + 1
-        y *= x
-        y *= 0.5
+        # In-place passes over one block of a temporary at a time: the passes find the block
+        # in the cache, and the blocks run on all cores (for_blocks).
+        xp = module_of(x)
+        x = xp.ascontiguousarray(x)
+        flat_x = x.reshape(-1)
+        t = xp.empty_like(flat_x)  # tanh(sqrt(2/pi) * (x + 0.044715 x^3)), kept for the VJP
+        y = xp.empty_like(flat_x)
+
+        def forward(lo, hi):
+            xb, tb, yb = flat_x[lo:hi], t[lo:hi], y[lo:hi]
+            np.multiply(xb, xb, out=tb)
+            tb *= 0.044715
+            tb += 1
+            tb *= xb
+            tb *= _SQRT_2_OVER_PI
+            np.tanh(tb, out=tb)
+            np.add(tb, 1, out=yb)
+            yb *= xb
+            yb *= 0.5
+
+        for_blocks(forward, flat_x)
 
         def vjp(g, needs):
             # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-            d_inner = x * x
-            d_inner *= 3 * 0.044715
-            d_inner += 1
-            d_inner *= x
-            d_inner *= 0.5 * _SQRT_2_OVER_PI
-            one_minus_t2 = t * t
-            np.subtract(1, one_minus_t2, out=one_minus_t2)
-            d_inner *= one_minus_t2
-            d_inner += 0.5
-            d_inner += 0.5 * t
-            d_inner *= g
-            return (d_inner,)
+            flat_g = module_of(g).ascontiguousarray(g).reshape(-1)
+            dx = module_of(g).empty_like(flat_g)
 
-        return y, vjp
+            def backward(lo, hi):
+                xb, tb, d = flat_x[lo:hi], t[lo:hi], dx[lo:hi]
+                np.multiply(xb, xb, out=d)
+                d *= 3 * 0.044715
+                d += 1
+                d *= xb
+                d *= 0.5 * _SQRT_2_OVER_PI
+                one_minus_t2 = tb * tb
+                np.subtract(1, one_minus_t2, out=one_minus_t2)
+                d *= one_minus_t2
+                d += 0.5
+                half_t = np.multiply(tb, 0.5, out=one_minus_t2)  # the block's temporary again
+                d += half_t
+                d *= flat_g[lo:hi]
+
+            for_blocks(backward, flat_g)
+            return (dx.reshape(x.shape),)
+
+        return y.reshape(x.shape), vjp
     if approximate == "none":
         cdf = 0.5 * (1 + _erf(x * _INV_SQRT_2))
         return x * cdf, lambda g, needs: (g * (cdf + x * np.exp(-0.5 * x * x) * _INV_SQRT_2PI),)

@@ -6,8 +6,16 @@ import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
+from ..parallel import for_blocks, matmul
 
 __all__ = ["masked_softmax", "attention_scores", "attention_combine"]
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        return False
 
 
 @primitive
@@ -26,36 +34,52 @@ def masked_softmax(scores, *, scale=1.0, mask=None, is_causal=False):
     """
     if not scale > 0:
         raise ValueError(f"masked_softmax: scale must be positive, got {scale!r}")
+    xp = module_of(scores)
     allowed = mask
     if is_causal:
-        xp = module_of(scores)
         past = xp.tril(xp.ones(scores.shape[-2:], bool))
         allowed = past if allowed is None else np.logical_and(allowed, past)
-    # softmax(scale * s) = exp(scale * (s - max s)) / sum(...) for scale > 0; the first
-    # pass makes the one working array.
-    if allowed is None:
-        w = scores - np.max(scores, axis=-1, keepdims=True)
-    else:
-        w = np.where(allowed, scores, -np.inf)
-        if w.shape != scores.shape:
-            raise ValueError(f"masked_softmax: mask of shape {allowed.shape} does not broadcast to the scores' {scores.shape}")
-        row_max = np.max(w, axis=-1, keepdims=True)
-        np.copyto(row_max, 0, where=np.isinf(row_max))  # fully masked rows: exp(-inf - 0) = 0
-        w -= row_max
-    if scale != 1.0:
-        w *= scale
-    np.exp(w, out=w)
-    total = np.sum(w, axis=-1, keepdims=True)
     if allowed is not None:
-        np.copyto(total, 1, where=total == 0)
-    w *= 1.0 / total
+        if not _broadcasts_to(allowed.shape, scores.shape):
+            raise ValueError(f"masked_softmax: mask of shape {allowed.shape} does not broadcast to the scores' {scores.shape}")
+        allowed = xp.broadcast_to(allowed, scores.shape)  # a view, cut into blocks with the scores
+    scores = xp.ascontiguousarray(scores)
+    w = xp.empty_like(scores)
+
+    def forward(lo, hi):
+        # softmax(scale * s) = exp(scale * (s - max s)) / sum(...) for scale > 0.
+        wb = w[lo:hi]
+        if allowed is None:
+            np.subtract(scores[lo:hi], np.max(scores[lo:hi], axis=-1, keepdims=True), out=wb)
+        else:
+            np.copyto(wb, scores[lo:hi])
+            np.copyto(wb, -np.inf, where=~allowed[lo:hi])
+            row_max = np.max(wb, axis=-1, keepdims=True)
+            np.copyto(row_max, 0, where=np.isinf(row_max))  # fully masked rows: exp(-inf - 0) = 0
+            wb -= row_max
+        if scale != 1.0:
+            wb *= scale
+        np.exp(wb, out=wb)
+        total = np.sum(wb, axis=-1, keepdims=True)
+        if allowed is not None:
+            np.copyto(total, 1, where=total == 0)
+        wb *= 1.0 / total
+
+    for_blocks(forward, w)
 
     def vjp(g, needs):
-        # einsum forms sum(g * w) per row without a full-size temporary.
-        gs = g - np.einsum("...k,...k->...", g, w)[..., None]
-        gs *= w
-        if scale != 1.0:
-            gs *= scale
+        g = module_of(g).ascontiguousarray(g)
+        gs = module_of(g).empty_like(g)
+
+        def backward(lo, hi):
+            # einsum forms sum(g * w) per row without a full-size temporary.
+            gb, wb, out = g[lo:hi], w[lo:hi], gs[lo:hi]
+            np.subtract(gb, np.einsum("...k,...k->...", gb, wb)[..., None], out=out)
+            out *= wb
+            if scale != 1.0:
+                out *= scale
+
+        for_blocks(backward, gs)
         return (gs,)
 
     return w, vjp
@@ -96,15 +120,15 @@ def attention_scores(q, k, *, num_heads, scale=1.0):
     >>> attention_scores(np.ones((1, 2, 4)), np.ones((1, 3, 4)), num_heads=2).shape
     (1, 2, 2, 3)
     """
-    scores = _split_heads(q, num_heads, scale=scale) @ _split_heads(k, num_heads, transpose=True)
+    scores = matmul(_split_heads(q, num_heads, scale=scale), _split_heads(k, num_heads, transpose=True))
 
     def vjp(g, needs):
         gq = gk = None
         if needs[0]:
-            gq = _merge_heads(g @ _split_heads(k, num_heads, scale=scale))
+            gq = _merge_heads(matmul(g, _split_heads(k, num_heads, scale=scale)))
         if needs[1]:
             # dk_h^T = (scale q_h)^T @ g, with the transposed q as a contiguous copy.
-            gk = _merge_heads(_split_heads(q, num_heads, transpose=True, scale=scale) @ g, transposed=True)
+            gk = _merge_heads(matmul(_split_heads(q, num_heads, transpose=True, scale=scale), g), transposed=True)
         return gq, gk
 
     return scores, vjp
@@ -118,15 +142,15 @@ def attention_combine(weights, v, *, num_heads):
     >>> attention_combine(np.full((1, 2, 3, 5), 0.2), np.ones((1, 5, 4)), num_heads=2).shape
     (1, 3, 4)
     """
-    out = _merge_heads(weights @ _split_heads(v, num_heads))
+    out = _merge_heads(matmul(weights, _split_heads(v, num_heads)))
 
     def vjp(g, needs):
         gw = gv = None
         if needs[0]:
-            gw = _split_heads(g, num_heads) @ _split_heads(v, num_heads, transpose=True)
+            gw = matmul(_split_heads(g, num_heads), _split_heads(v, num_heads, transpose=True))
         if needs[1]:
             # dv_h^T = g_h^T @ weights_h, with the transposed g as a contiguous copy.
-            gv = _merge_heads(_split_heads(g, num_heads, transpose=True) @ weights, transposed=True)
+            gv = _merge_heads(matmul(_split_heads(g, num_heads, transpose=True), weights), transposed=True)
         return gw, gv
 
     return out, vjp

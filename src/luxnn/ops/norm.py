@@ -12,8 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from numpy.lib.array_utils import normalize_axis_tuple
 
 from ..ad.tape import primitive
+from ..backend import module_of
+from ..parallel import for_blocks
 
 __all__ = ["moments", "normalize", "rms_normalize"]
 
@@ -43,15 +46,37 @@ def normalize(x, *, axis, epsilon, stats=None):
     >>> y.tolist()
     [[-1.0, 1.0]]
     """
-    mean, var = moments(x, axis) if stats is None else stats
-    rstd = 1.0 / np.sqrt(var + epsilon)
-    xhat = x - mean
-    xhat *= rstd
+    xp = module_of(x)
+    x = xp.ascontiguousarray(x)
+    axes = normalize_axis_tuple(axis, x.ndim)
+    xhat = xp.empty_like(x)
+    rstd = xp.empty(tuple(1 if i in axes else n for i, n in enumerate(x.shape)), x.dtype)
+
+    def forward(lo, hi):
+        xb, r, xh = x[lo:hi], rstd[lo:hi], xhat[lo:hi]
+        mean, var = moments(xb, axes) if stats is None else stats
+        np.add(var, epsilon, out=r)
+        np.sqrt(r, out=r)
+        np.divide(1, r, out=r)
+        np.subtract(xb, mean, out=xh)
+        xh *= r
+
+    # Blocks of the leading axis are independent unless it is normalised over (BatchNorm,
+    # which also passes whole-array stats).
+    run = (lambda kernel, like: kernel(0, len(like))) if 0 in axes or stats is not None else for_blocks
+    run(forward, x)
 
     def vjp(g, needs):
-        gx = g - np.mean(g, axis=axis, keepdims=True)
-        gx -= xhat * np.mean(g * xhat, axis=axis, keepdims=True)
-        gx *= rstd
+        g = module_of(g).ascontiguousarray(g)
+        gx = module_of(g).empty_like(g)
+
+        def backward(lo, hi):
+            gb, xh, out = g[lo:hi], xhat[lo:hi], gx[lo:hi]
+            np.subtract(gb, np.mean(gb, axis=axes, keepdims=True), out=out)
+            out -= xh * np.mean(gb * xh, axis=axes, keepdims=True)
+            out *= rstd[lo:hi]
+
+        run(backward, gx)
         return (gx,)
 
     return xhat, vjp

@@ -26,6 +26,7 @@ import numpy as np
 from ..ad.tape import primitive
 from ..backend import module_of
 from .conv import Pairs, conv_output_size, crop_spatial, pad_spatial, per_axis, per_side, window_slices
+from ..parallel import for_blocks
 
 __all__ = ["max_pool", "avg_pool"]
 
@@ -62,19 +63,26 @@ def _max_pool(x, *, window, stride, padding):
     xpad = pad_spatial(x, padding, -np.inf)
     out, slices = _windows(xpad, window, stride)
     xp = module_of(x)
-    y = xpad[slices[0]].copy()
+    y = xp.empty((x.shape[0], *out, x.shape[-1]), x.dtype)
     # arg: which offset holds each window's first maximum (strict > keeps the earliest on
     # ties). Offsets come in increasing order, so ``arg = max(arg, k * better)`` records the
     # latest improvement; unlike masked copies, every operation here is branch-free.
-    arg = xp.zeros(y.shape, np.uint8 if len(slices) < 256 else np.int32)
-    better = xp.empty(y.shape, bool)
-    mark = xp.empty_like(arg)
-    for k, sl in enumerate(slices[1:], 1):
-        v = xpad[sl]
-        np.greater(v, y, out=better)
-        np.maximum(y, v, out=y)
-        np.multiply(better, k, out=mark, dtype=arg.dtype)
-        np.maximum(arg, mark, out=arg)
+    arg = xp.empty(y.shape, np.uint8 if len(slices) < 256 else np.int32)
+
+    def forward(lo, hi):
+        xb, yb, argb = xpad[lo:hi], y[lo:hi], arg[lo:hi]
+        np.copyto(yb, xb[slices[0]])
+        argb.fill(0)
+        better = xp.empty(yb.shape, bool)
+        mark = xp.empty_like(argb)
+        for k, sl in enumerate(slices[1:], 1):
+            v = xb[sl]
+            np.greater(v, yb, out=better)
+            np.maximum(yb, v, out=yb)
+            np.multiply(better, k, out=mark, dtype=arg.dtype)
+            np.maximum(argb, mark, out=argb)
+
+    for_blocks(forward, y)
     padded_shape, in_sizes = xpad.shape, x.shape[1:-1]
     # Windows that tile the padded input exactly write each input gradient element once.
     tiling = all(s == k and o * s == n for s, k, o, n in zip(stride, window, out, padded_shape[1:-1]))
@@ -82,14 +90,19 @@ def _max_pool(x, *, window, stride, padding):
 
     def vjp(g, needs):
         dxpad = (xp.empty if tiling else xp.zeros)(padded_shape, g.dtype)
-        hit = xp.empty(g.shape, bool)
-        for k, sl in enumerate(slices):
-            np.equal(arg, k, out=hit)
-            dst = dxpad[sl]
-            if disjoint:
-                np.multiply(g, hit, out=dst)
-            else:
-                dst += g * hit
+
+        def backward(lo, hi):
+            gb, argb, dxb = g[lo:hi], arg[lo:hi], dxpad[lo:hi]
+            hit = xp.empty(gb.shape, bool)
+            for k, sl in enumerate(slices):
+                np.equal(argb, k, out=hit)
+                dst = dxb[sl]
+                if disjoint:
+                    np.multiply(gb, hit, out=dst)
+                else:
+                    dst += gb * hit
+
+        for_blocks(backward, g)
         return (crop_spatial(dxpad, in_sizes, padding),)
 
     return y, vjp
@@ -113,18 +126,30 @@ def _divisor(x: Any, window: tuple[int, ...], stride: tuple[int, ...], padding: 
 def _avg_pool(x, *, window, stride, padding, count_include_pad):
     xpad = pad_spatial(x, padding)
     out, slices = _windows(xpad, window, stride)
-    y = xpad[slices[0]].copy()
-    for sl in slices[1:]:
-        y += xpad[sl]
+    xp = module_of(x)
+    y = xp.empty((x.shape[0], *out, x.shape[-1]), x.dtype)
     divisor = _divisor(x, window, stride, padding, out, count_include_pad)
-    y /= divisor
+
+    def forward(lo, hi):
+        xb, yb = xpad[lo:hi], y[lo:hi]
+        np.copyto(yb, xb[slices[0]])
+        for sl in slices[1:]:
+            yb += xb[sl]
+        yb /= divisor
+
+    for_blocks(forward, y)
     padded_shape, in_sizes = xpad.shape, x.shape[1:-1]
 
     def vjp(g, needs):
         share = g / divisor
         dxpad = module_of(g).zeros(padded_shape, share.dtype)
-        for sl in slices:
-            dxpad[sl] += share
+
+        def backward(lo, hi):
+            dxb, sb = dxpad[lo:hi], share[lo:hi]
+            for sl in slices:
+                dxb[sl] += sb
+
+        for_blocks(backward, share)
         return (crop_spatial(dxpad, in_sizes, padding),)
 
     return y, vjp

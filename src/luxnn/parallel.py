@@ -1,0 +1,217 @@
+"""The CPU's cores for NumPy kernels: blocks of a kernel, and matrix products, on threads.
+
+NumPy runs each operation on one thread, and a kernel that makes several passes over a
+large array (GELU's eight, softmax's five) is bound by that one core and by memory traffic.
+`for_blocks` cuts the leading axis into blocks of about a megabyte and runs the kernel on
+them from a few threads (NumPy releases the GIL inside its loops, so they run at once);
+a block's passes find it in the cache. PyTorch's CPU kernels do the same (``at::parallel_for``).
+
+The BLAS threads its own products, but its idle threads spin for a while after each one
+(OpenBLAS: about 0.1 s), taking the cores from whatever runs next: measured on 2 cores, a
+softmax threaded by `for_blocks` ran no faster right after a product than on one thread.
+So `matmul` cuts large products itself, across the same threads, with the BLAS on one
+thread in each; no BLAS thread is left spinning.
+
+Kernels write into arrays made beforehand; arrays a kernel makes for itself come from the
+allocator of the caller's context (the luxnn cache inside ``cached``), because each block
+runs in a copy of the caller's context. Kernels on CuPy arrays run once, whole: the GPU
+is parallel already.
+
+>>> import numpy as np
+>>> x = np.arange(6.0).reshape(3, 2); y = np.empty_like(x)
+>>> def square(lo, hi):
+...     np.multiply(x[lo:hi], x[lo:hi], out=y[lo:hi])
+>>> for_blocks(square, x)
+>>> y.tolist()
+[[0.0, 1.0], [4.0, 9.0], [16.0, 25.0]]
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+__all__ = ["for_blocks", "matmul", "num_threads", "set_num_threads"]
+
+Kernel = Callable[[int, int], None]
+
+# A block's bytes of the array the blocks are cut from: large enough that the Python between
+# NumPy calls is noise, small enough that a kernel's temporaries for it stay in L2. Arrays
+# of one block run on the calling thread: handing work to a thread costs ~20-50 us.
+_BLOCK_BYTES = 1 << 20
+# Products of fewer multiply-adds are left to the BLAS: cutting one costs ~50 us, 5 % of a
+# product this size on one core.
+_CUT_MADDS = 1 << 26
+
+_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_in_worker = threading.local()
+
+
+def num_threads() -> int:
+    """The threads kernels run on, the caller's included (default: the usable CPUs)."""
+    return _threads
+
+
+def set_num_threads(n: int) -> None:
+    """Run kernels and cut products on `n` threads from now on (1: on the calling thread,
+    products threaded by the BLAS as it is set), as ``torch.set_num_threads``.
+
+    >>> set_num_threads(num_threads())  # unchanged
+    """
+    global _threads, _pool
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"set_num_threads: expected a positive int, got {n!r}")
+    with _pool_lock:
+        if _pool is not None and int(n) != _threads:
+            _pool.shutdown(wait=True)
+            _pool = None
+        _threads = int(n)
+
+
+def for_blocks(kernel: Kernel, like: Any) -> None:
+    """Call ``kernel(lo, hi)`` for blocks ``[lo, hi)`` that cover ``range(len(like))``, on up
+    to `num_threads` threads at once; returns when every block is done, raising the first
+    exception a block raised. `like` ``(n, ...)`` is the array whose leading axis is cut
+    (its size sets the blocks); blocks must not write to the same elements.
+    """
+    n = like.shape[0]
+    if type(like) is not np.ndarray or like.nbytes <= _BLOCK_BYTES:
+        kernel(0, n)
+        return
+    step = max(1, _BLOCK_BYTES * n // like.nbytes)
+    _share_out(kernel, [(lo, min(n, lo + step)) for lo in range(0, n, step)])
+
+
+def matmul(a: Any, b: Any, out: Any = None) -> Any:
+    """``a @ b`` (as ``np.matmul``, into `out` if given), a large product cut into one part
+    per thread, each a single-threaded BLAS call: by the leading axis of stacked products
+    when every thread gets some of it, else by rows of `a`. Anything else (small products,
+    broadcast stacks, vectors, CuPy arrays, a BLAS whose threads cannot be set) is
+    ``np.matmul`` itself.
+
+    >>> matmul(np.ones((2, 3)), np.ones((3, 4))).tolist()
+    [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
+    """
+    if a.size * b.shape[-1] < _CUT_MADDS or not _cuttable(a, b):
+        return np.matmul(a, b, out=out)
+    if out is None:
+        out = np.empty((*a.shape[:-1], b.shape[-1]), np.result_type(a, b))
+    axis = 0 if out.ndim > 2 and out.shape[0] >= _threads else out.ndim - 2
+    lead = (slice(None),) * axis
+
+    def part(lo, hi):
+        rows = (*lead, slice(lo, hi))
+        np.matmul(a[rows], b[rows] if axis == 0 and b.ndim > 2 else b, out=out[rows])
+
+    n, parts = out.shape[axis], min(_threads, out.shape[axis])
+    with _single_threaded_blas():
+        _share_out(part, [(n * i // parts, n * (i + 1) // parts) for i in range(parts)])
+    return out
+
+
+def _cuttable(a: Any, b: Any) -> bool:
+    """Whether `matmul` can cut ``a @ b``: NumPy matrices or equal stacks of them (`b` may
+    be one matrix), threads to cut for, and a BLAS whose threads it can set."""
+    if type(a) is not np.ndarray or type(b) is not np.ndarray or a.ndim < 2 or b.ndim < 2:
+        return False
+    if b.ndim > 2 and a.shape[:-2] != b.shape[:-2]:
+        return False
+    return _threads > 1 and _set_blas_threads is not None and not getattr(_in_worker, "active", False)
+
+
+# ---- threads --------------------------------------------------------------------------
+
+
+def _workers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_threads - 1, thread_name_prefix="luxnn-kernel")
+        return _pool
+
+
+def _run_blocks(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
+    for lo, hi in blocks:
+        kernel(lo, hi)
+
+
+def _run_in_worker(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
+    _in_worker.active = True  # a kernel that cuts work again runs it here, serially
+    try:
+        _run_blocks(kernel, blocks)
+    finally:
+        _in_worker.active = False
+
+
+def _share_out(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
+    """Run `blocks` as one contiguous share per thread, the caller running the first."""
+    threads = min(_threads, len(blocks))
+    if threads == 1 or getattr(_in_worker, "active", False):  # no waiting on the pool from it
+        _run_blocks(kernel, blocks)
+        return
+    context = contextvars.copy_context()
+    shares = [blocks[len(blocks) * i // threads : len(blocks) * (i + 1) // threads] for i in range(threads)]
+    futures = [_workers().submit(context.copy().run, _run_in_worker, kernel, share) for share in shares[1:]]
+    try:
+        _run_blocks(kernel, shares[0])
+    finally:
+        errors = [f.exception() for f in futures]  # waits for every block
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+# ---- the BLAS's threads -----------------------------------------------------------------
+
+
+def _find_blas_threads_setter() -> Callable[[int], int] | None:
+    """OpenBLAS's ``openblas_set_num_threads_local(n) -> previous``, if NumPy's BLAS is an
+    OpenBLAS (0.3.27 or later) loaded in this process."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.rsplit("/", 1)[-1]}
+    except OSError:  # not Linux
+        return None
+    for path in sorted(paths):
+        try:
+            setter = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        setter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
+        return setter
+    return None
+
+
+_set_blas_threads = _find_blas_threads_setter()
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_threads_before = 0
+
+
+class _single_threaded_blas:
+    """The BLAS on one thread while any cut product runs. OpenBLAS built with pthreads
+    keeps the count per process, so the first product in sets it and the last one out
+    restores it, under a lock: products cut in two threads at once cannot leave it at 1."""
+
+    def __enter__(self) -> None:
+        global _blas_users, _blas_threads_before
+        with _blas_lock:
+            if _blas_users == 0:
+                _blas_threads_before = _set_blas_threads(1)
+            _blas_users += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _blas_users
+        with _blas_lock:
+            _blas_users -= 1
+            if _blas_users == 0:
+                _set_blas_threads(_blas_threads_before)

@@ -1,0 +1,218 @@
+"""Blocked, multi-threaded NumPy kernels (luxnn.parallel) and the kernels that use them."""
+
+import threading
+
+import numpy as np
+import pytest
+import threadpoolctl
+
+import luxnn as lx
+from luxnn import memory, ops
+from luxnn import parallel
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def threads():
+    """Run a test at a chosen thread count; restore the previous count afterwards."""
+    before = parallel.num_threads()
+    yield parallel.set_num_threads
+    parallel.set_num_threads(before)
+
+
+def test_blocks_cover_the_leading_axis_once_and_run_on_several_threads(threads):
+    threads(3)
+    like = np.empty((1000, 1024), np.float32)  # 4 MiB: four blocks of 1 MiB
+    seen, names = [], set()
+    lock = threading.Lock()
+
+    def kernel(lo, hi):
+        with lock:
+            seen.append((lo, hi))
+            names.add(threading.current_thread().name)
+
+    parallel.for_blocks(kernel, like)
+    covered = sorted(seen)
+    assert covered[0][0] == 0 and covered[-1][1] == 1000
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # no gap, no overlap
+    assert len(covered) > 1
+    assert len(names) > 1
+
+
+def test_small_arrays_and_a_single_thread_run_on_the_caller(threads):
+    caller = {threading.current_thread().name}
+    for count, like in ((4, np.empty((100, 10))), (1, np.empty((4 * MiB // 8, 1)))):
+        threads(count)
+        names = set()
+        parallel.for_blocks(lambda lo, hi: names.add(threading.current_thread().name), like)
+        assert names == caller
+
+
+def test_non_numpy_arrays_get_one_call_over_the_whole_leading_axis(threads):
+    threads(4)
+
+    class DeviceArray:  # stands for a CuPy array, which the GPU runs in parallel already
+        shape = (10_000_000, 4)
+
+    calls = []
+    parallel.for_blocks(lambda lo, hi: calls.append((lo, hi)), DeviceArray())
+    assert calls == [(0, 10_000_000)]
+
+
+def test_an_exception_in_any_block_is_raised_after_every_block_finished(threads):
+    threads(2)
+    like = np.empty((8, MiB // 4), np.float32)  # 8 blocks of 1 MiB
+    done = []
+
+    def kernel(lo, hi):
+        if lo == 7:
+            raise ValueError("block 7")
+        done.append(lo)
+
+    with pytest.raises(ValueError, match="block 7"):
+        parallel.for_blocks(kernel, like)
+    assert sorted(done) == list(range(7))
+
+
+def test_a_kernel_inside_a_kernel_runs_serially_instead_of_waiting_on_the_pool(threads):
+    threads(2)
+    outer, inner = np.empty((8, MiB // 4), np.float32), np.empty((4, MiB // 4), np.float32)
+    count = []
+    parallel.for_blocks(lambda lo, hi: parallel.for_blocks(lambda a, b: count.append(1), inner), outer)
+    assert len(count) == 8 * 4
+
+
+def test_blocks_allocate_from_the_callers_cache(threads):
+    threads(2)
+    cache = memory.AllocCache()
+    like = np.empty((8, MiB // 4), np.float32)
+    handlers = []
+    lock = threading.Lock()
+
+    def kernel(lo, hi):
+        np.ones(1000)
+        with lock:
+            handlers.append(np._core.multiarray.get_handler_name())
+
+    with memory.cached(cache):
+        parallel.for_blocks(kernel, like)
+    assert handlers == ["luxnn_cache"] * 8
+    parallel.for_blocks(kernel, like)
+    assert handlers[8:] == ["default_allocator"] * 8
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_set_num_threads_rejects_anything_but_a_positive_int(bad, threads):
+    before = parallel.num_threads()
+    with pytest.raises(ValueError, match="positive int"):
+        parallel.set_num_threads(bad)
+    assert parallel.num_threads() == before
+
+
+# ---- matmul cut across threads ------------------------------------------------------------
+
+def blas_threads() -> list[int]:
+    return [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
+
+
+MATMUL_SHAPES = [
+    ((512, 300), (300, 200)),  # rows of a
+    ((300, 4096), (4096, 64)),  # a weight gradient: few rows, a long reduction
+    ((32, 8, 128, 32), (32, 8, 32, 128)),  # stacked: the leading axis
+    ((1, 4096, 288), (1, 288, 64)),  # a stack of one: rows again
+    ((64, 96, 80), (80, 70)),  # a stack times one matrix
+]
+
+
+@pytest.mark.parametrize("shapes", MATMUL_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matmul_agrees_with_numpy_and_leaves_blas_threads_as_they_were(shapes, dtype, threads, monkeypatch):
+    threads(3)
+    monkeypatch.setattr(parallel, "_CUT_MADDS", 1)  # cut these small products too
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype(dtype) for s in shapes)
+    assert parallel._cuttable(a, b) or parallel._set_blas_threads is None  # the threaded path
+    before = blas_threads()
+    got = parallel.matmul(a, b)
+    assert blas_threads() == before
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got, np.matmul(a, b), rtol=tol, atol=tol * a.shape[-1])
+
+
+def test_matmul_writes_into_a_strided_out_and_falls_back_for_what_it_cannot_cut(threads, monkeypatch):
+    threads(2)
+    monkeypatch.setattr(parallel, "_CUT_MADDS", 1)
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((1, 2048, 300)), rng.standard_normal((1, 300, 40))
+    whole = np.zeros((2048, 80))
+    out = whole[None, :, 20:60]
+    assert parallel.matmul(a, b, out=out) is out
+    np.testing.assert_allclose(whole[:, 20:60], (a @ b)[0], rtol=1e-12)
+    assert not whole[:, :20].any() and not whole[:, 60:].any()
+    # Broadcast stacks, vectors and small products: np.matmul itself.
+    broadcast = rng.standard_normal((4, 1, 600, 300)), rng.standard_normal((3, 300, 300))
+    vector = rng.standard_normal(300), rng.standard_normal((300, 3))
+    for x, y in (broadcast, vector):
+        np.testing.assert_allclose(parallel.matmul(x, y), np.matmul(x, y), rtol=1e-12)
+
+
+def test_products_cut_in_several_threads_at_once_restore_the_blas_threads(threads, monkeypatch):
+    threads(2)
+    monkeypatch.setattr(parallel, "_CUT_MADDS", 1)
+    before = blas_threads()
+    a, b = np.ones((256, 64)), np.ones((64, 64))
+    errors = []
+
+    def products():
+        try:
+            for _ in range(200):
+                assert parallel.matmul(a, b)[0, 0] == 64
+        except AssertionError as e:
+            errors.append(e)
+
+    workers = [threading.Thread(target=products) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors
+    assert blas_threads() == before
+
+
+# ---- the blocked kernels give the same bits on one thread and on several ---------------
+
+
+WEIGHT = np.random.default_rng(1).standard_normal(4 * MiB).astype(np.float32)
+
+
+def value_and_grad(f, x):
+    def objective(x):
+        y = f(x)
+        return (y * WEIGHT[: y.size].reshape(y.shape)).sum()
+
+    return lx.value_and_grad(objective)(x)
+
+
+KERNELS = {
+    "gelu": (lambda x: ops.gelu(x), (64, 128, 512)),
+    "softmax": (lambda s: ops.masked_softmax(s, scale=0.5), (16, 4, 64, 128)),
+    "causal softmax": (lambda s: ops.masked_softmax(s, is_causal=True), (32, 4, 64, 64)),
+    "layernorm": (lambda x: ops.normalize(x, axis=-1, epsilon=1e-5), (64, 64, 256)),
+    "max pool": (lambda x: ops.max_pool(x, 2), (64, 28, 28, 32)),
+    "overlapping max pool": (lambda x: ops.max_pool(x, 3, 2, 1), (32, 28, 28, 32)),
+    "avg pool": (lambda x: ops.avg_pool(x, 3, 2, 1), (32, 28, 28, 32)),
+}
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernels_give_the_same_bits_on_one_thread_and_on_several(name, threads):
+    f, shape = KERNELS[name]
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    assert x.nbytes >= 2 * MiB  # large enough to be cut into blocks and shared out
+    threads(1)
+    value_one, grad_one = value_and_grad(f, x)
+    threads(3)
+    value_several, grad_several = value_and_grad(f, x)
+    assert value_one == value_several
+    np.testing.assert_array_equal(grad_one, grad_several)
