@@ -8,7 +8,7 @@ caching allocator.
 58
 """
 
-from . import ad, data, init, losses, memory, nn, ops, optim, tree
+from . import ad, data, init, losses, memory, nn, ops, optim, parallel, tree
 from .checkpoint import load, save
 from .data import DataLoader
 from .ad import AutoTape, array_namespace, grad, stop_gradient, value_and_grad
@@ -17,6 +17,7 @@ from .devices import CPUDevice, CUDADevice, cpu_device, get_device, gpu_device
 from .memory import get_allocator_cache
 from .nn import *  # noqa: F403 - the layers are the package's vocabulary
 from .nn import __all__ as _layers
+from .parallel import num_threads, set_num_threads
 from .training import (
     TrainState, apply_gradients, apply_gradients_, compute_gradients, single_train_step,
     single_train_step_,
@@ -25,7 +26,8 @@ from .training import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ad", "data", "init", "losses", "memory", "nn", "ops", "optim", "tree", "load", "save",
+    "ad", "data", "init", "losses", "memory", "nn", "ops", "optim", "parallel", "tree", "load", "save",
+    "num_threads", "set_num_threads",
     "DataLoader", "get_allocator_cache", "TrainState", "apply_gradients", "apply_gradients_",
     "compute_gradients", "single_train_step", "single_train_step_", "AutoTape", "array_namespace", "grad", "stop_gradient",
     "value_and_grad", "Layer", "LayerError", "apply", "parameter_count", "setup", "testmode",

@@ -119,7 +119,7 @@ def header_lines(runs: Sequence[tuple[str, dict[str, Any]]], markdown: bool) -> 
         env_text = (", " + ", ".join(f"{k}={val}" for k, val in env.items())) if env else ""
         text = (
             f"{role}: {doc.get('label', '?')} ({doc['suite']} suite, {doc.get('created', '?')}) on {m.get('cpu', '?')}, "
-            f"{m.get('cpus_usable', '?')} CPUs{loads}; numpy {v.get('numpy', '?')}, "
+            f"{m.get('cpus_usable', '?')} CPUs{loads}; luxnn threads {v.get('luxnn_threads', '?')}, numpy {v.get('numpy', '?')}, "
             f"BLAS {blas_summary(doc.get('blas') or [])}{torch}{env_text}"
         )
         out.append(f"- {text}" if markdown else text)

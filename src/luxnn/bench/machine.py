@@ -84,6 +84,8 @@ def versions() -> dict[str, Any]:
     import luxnn
 
     out = {"luxnn": luxnn.__version__, "luxnn_path": os.path.dirname(luxnn.__file__), "numpy": np.__version__}
+    if hasattr(luxnn, "num_threads"):  # revisions before luxnn.parallel have no threads of their own
+        out["luxnn_threads"] = luxnn.num_threads()
     torch = sys.modules.get("torch")
     if torch is not None:
         out["torch"] = torch.__version__
