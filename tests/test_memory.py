@@ -250,13 +250,15 @@ def test_evict_after_releases_bins_unused_for_that_many_scopes():
 def test_trim_releases_least_recently_used_first():
     cache = memory.AllocCache()
     with memory.cached(cache):
-        for mib in (1, 2, 3):  # freed in this order: 1 MiB is the least recently used
+        # Freed in this order: 1 MiB is the least recently used. (Each is larger than the
+        # free ones before it together, so no miss consolidates them: see splitting.)
+        for mib in (1, 2, 4):
             _ = np.empty(mib * MiB, np.uint8)
             del _
-    assert cache.stats().bytes_cached == 6 * MiB
-    assert cache.trim(5 * MiB) == 1 * MiB
-    assert cache.trim(3 * MiB) == 2 * MiB
-    assert cache.trim() == 3 * MiB
+    assert cache.stats().bytes_cached == 7 * MiB
+    assert cache.trim(6 * MiB) == 1 * MiB
+    assert cache.trim(4 * MiB) == 2 * MiB
+    assert cache.trim() == 4 * MiB
     assert cache.stats().bytes_reserved == 0
 
 
@@ -358,6 +360,23 @@ def test_requests_up_to_the_split_threshold_keep_exact_bins():
         assert cache.stats().upstream_allocs == 2
     assert memory.bin_size(small) == small and memory.bin_size(small + 1) > small
     del a, b
+
+
+def test_a_miss_consolidates_the_whole_free_segments_that_add_up_to_it():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        a, b = np.empty(MiB, np.uint8), np.empty(2 * MiB, np.uint8)  # two segments
+        del a, b
+        c = np.empty(3 * MiB, np.uint8)  # fits in neither: both go back, one segment takes all
+    s = cache.stats()
+    assert (s.upstream_allocs, s.upstream_frees, s.bytes_live, s.bytes_cached) == (3, 2, 3 * MiB, 3 * MiB)
+    assert segments(cache) == {(c.ctypes.data, 6 * MiB): [(0, 3 * MiB, True), (3 * MiB, 3 * MiB, False)]}
+    with memory.cached(cache):
+        d = np.empty(3 * MiB, np.uint8)  # the rest serves the next one
+    assert cache.stats().upstream_allocs == 3
+    del c, d
+    assert segments(cache) == {(min(segments(cache))[0], 6 * MiB): [(0, 6 * MiB, False)]}
+    cache._core.audit()
 
 
 def test_trim_releases_only_whole_segments():
@@ -488,13 +507,13 @@ def test_request_above_the_limit_is_a_memory_error_naming_both_and_leaks_nothing
 def test_over_the_limit_trims_then_allocates():
     cache = memory.AllocCache(limit=10 * MiB)
     with memory.cached(cache):
-        for mib in (1, 2, 3):
+        for mib in (1, 2, 4):
             _ = np.empty(mib * MiB, np.uint8)
             del _
-        assert cache.stats().bytes_cached == 6 * MiB
-        x = np.empty(6 * MiB, np.uint8)  # 6 + 6 > 10: trims the 1 and 2 MiB blocks (LRU)
+        assert cache.stats().bytes_cached == 7 * MiB
+        x = np.empty(5 * MiB, np.uint8)  # 5 + 7 > 10: trims the 1 and 2 MiB blocks (LRU)
     s = cache.stats()
-    assert (s.bytes_live, s.bytes_cached, s.upstream_frees) == (6 * MiB, 3 * MiB, 2)
+    assert (s.bytes_live, s.bytes_cached, s.upstream_frees) == (5 * MiB, 4 * MiB, 2)
     assert s.bytes_reserved <= 10 * MiB
     del x
 

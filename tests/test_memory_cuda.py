@@ -171,6 +171,19 @@ def test_split_above_sets_which_requests_split():
         del kept
 
 
+def test_a_consolidation_the_device_cannot_hold_asks_for_the_request_alone():
+    driver = FakeDriver(capacity=5 << 20)
+    core = cuda_core(driver)
+    a, b = core.block(1 << 20), core.block(2 << 20)
+    del a, b  # 3 MiB in two whole free segments
+    c = core.block(3 << 20)  # both go back; 6 MiB does not fit, 3 MiB does
+    assert (driver.allocs, driver.frees, c.size) == (3, 2, 3 << 20)
+    assert core.stats()[4:7] == (3 << 20, 0, 3 << 20)  # live, cached, reserved
+    core.audit()
+    del c
+    assert driver.errors == []
+
+
 def test_out_of_device_memory_trims_then_retries():
     driver = FakeDriver(capacity=3 << 20)
     core = cuda_core(driver)

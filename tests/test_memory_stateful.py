@@ -42,7 +42,10 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(size=st.sampled_from(SIZES))
     def allocate(self, size):
         value = self.next_key % 251
+        frees = [c.stats().upstream_frees for c in self.caches]
         a = np.empty(size, np.uint8)
+        if [c.stats().upstream_frees for c in self.caches] != frees:  # no limit here: only this
+            event("a miss consolidated whole free segments")
         a.fill(value)
         self.arrays[self.next_key] = (a, self.routing(), value)
         self.next_key += 1
@@ -63,6 +66,16 @@ class CacheMachine(RuleBasedStateMachine):
         del self.arrays[self.next_key - 1]
         for size in smaller:
             self.allocate(size)
+
+    @rule(sizes=st.lists(st.sampled_from(LARGE[:-1]), min_size=2, max_size=3), then=st.sampled_from(LARGE))
+    def consolidate(self, sizes, then):
+        # Blocks die in separate segments, then a request larger than each comes: a miss
+        # that gives them back and takes their bytes in one segment (where a cache routes it).
+        for size in sizes:
+            self.allocate(size)
+        for _ in sizes:
+            del self.arrays[max(self.arrays)]
+        self.allocate(then)
 
     @precondition(lambda self: self.arrays)
     @rule(data=st.data())

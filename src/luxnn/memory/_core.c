@@ -123,6 +123,11 @@ floor_bin(size_t s)
  * - A freed piece coalesces at once with free neighbours: no two adjacent
  *   free pieces ever exist, and a segment whose arrays all died is one free
  *   piece again.
+ * - Separate segments never coalesce, so a miss consolidates: when the whole
+ *   free segments (each smaller than the request, or it would have hit) add
+ *   up to the request, they go back upstream and the new segment takes their
+ *   bytes as well as the request's. Reserved grows by the request, as on any
+ *   miss, but the free bytes become one piece that later requests can split.
  * - Only whole free segments go upstream: trim, the limit, out-of-memory
  *   retries and eviction release those (eviction: a segment that served no
  *   request during evict_after scopes). free() releases the whole free
@@ -366,14 +371,18 @@ map_put(lx_map *m, lx_block *b)
     m->count++;
 }
 
-/* Make room for one more record; -1 when the bookkeeping itself is out of memory. */
+/* Make room for n more records; -1 when the bookkeeping itself is out of memory. */
 static int
-map_reserve_one(lx_map *m)
+map_reserve(lx_map *m, size_t n)
 {
-    if (2 * (m->count + 1) <= m->cap) {
+    size_t cap = m->cap;
+    while (2 * (m->count + n) > cap) {
+        cap *= 2;
+    }
+    if (cap == m->cap) {
         return 0;
     }
-    lx_map bigger = {calloc(2 * m->cap, sizeof(lx_block *)), 2 * m->cap, 0};
+    lx_map bigger = {calloc(cap, sizeof(lx_block *)), cap, 0};
     if (bigger.slots == NULL) {
         return -1;
     }
@@ -462,6 +471,7 @@ typedef struct {
     lx_bin split[LX_NBINS];     /* the split pool's free pieces by floor_bin (no last_used) */
     uint64_t split_mask[LX_MASK_WORDS]; /* bit i: split[i] holds a free piece */
     uint32_t split_bin;         /* the first bin served by the split pool; constant */
+    size_t split_whole;         /* bytes of the split pool's whole free segments */
     lx_block lru;               /* ring sentinel: lru.newer is the oldest free block */
     lx_map map;
     lx_watcher *watchers;
@@ -548,6 +558,9 @@ unlink_free_locked(lx_core *c, lx_block *b)
     if (--bin->nfree == 0 && b->seg != NULL) {
         c->split_mask[b->bin / 64] &= ~((uint64_t)1 << (b->bin % 64));
     }
+    if (b->seg != NULL && b->left == NULL && b->right == NULL) {
+        c->split_whole -= b->size;
+    }
     b->older->newer = b->newer;
     b->newer->older = b->older;
 }
@@ -565,6 +578,9 @@ link_free_locked(lx_core *c, lx_block *b)
     bin->top = b;
     if (bin->nfree++ == 0 && b->seg != NULL) {
         c->split_mask[b->bin / 64] |= (uint64_t)1 << (b->bin % 64);
+    }
+    if (b->seg != NULL && b->left == NULL && b->right == NULL) {
+        c->split_whole += b->size; /* a listed piece keeps its neighbours while listed */
     }
     b->newer = &c->lru;
     b->older = c->lru.older;
@@ -627,7 +643,7 @@ take_piece_locked(lx_core *c, uint32_t bin, size_t size, int *no_record)
     }
     lx_block *rest = NULL;
     if (best->size > size) {
-        if ((rest = malloc(sizeof(lx_block))) == NULL || map_reserve_one(&c->map) != 0) {
+        if ((rest = malloc(sizeof(lx_block))) == NULL || map_reserve(&c->map, 1) != 0) {
             free(rest);
             *no_record = 1;
             return NULL;
@@ -710,6 +726,23 @@ trim_locked(lx_core *c, size_t max_cached)
     while (b != &c->lru && c->fig.bytes_cached > max_cached) {
         lx_block *newer = b->newer;
         if (whole_locked(b)) {
+            unlink_free_locked(c, b);
+            released += b->size;
+            release_locked(c, b);
+        }
+        b = newer;
+    }
+    return released;
+}
+
+/* Release every whole free segment of the split pool; returns their bytes. */
+static size_t
+release_split_wholes_locked(lx_core *c)
+{
+    size_t released = 0;
+    for (lx_block *b = c->lru.newer; c->split_whole > 0 && b != &c->lru;) {
+        lx_block *newer = b->newer;
+        if (b->seg != NULL && whole_locked(b)) {
             unlink_free_locked(c, b);
             released += b->size;
             release_locked(c, b);
@@ -834,6 +867,8 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     else {
         c->fig.misses++;
         void *ptr = NULL;
+        lx_block *rest = NULL; /* a consolidated segment's bytes beyond the request */
+        size_t got = size;     /* bytes taken from upstream */
         if (c->limit && (size == 0 || size > c->limit)) {
             *status = LX_OVER_LIMIT; /* no trim can make room for it */
         }
@@ -842,7 +877,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         }
         else if (no_record ||
                  (b = malloc(split ? sizeof(lx_head) : sizeof(lx_block))) == NULL ||
-                 map_reserve_one(&c->map) != 0) {
+                 map_reserve(&c->map, 2) != 0) {
             *status = LX_FALLBACK;
         }
         else {
@@ -851,7 +886,19 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
                 trim_locked(c, room > c->fig.bytes_live ? room - c->fig.bytes_live : 0);
             }
             tl_upstream_error = 0;
-            ptr = c->up.alloc(c->up.ctx, size, zeroed);
+            /* Consolidation (section 1b): the split pool's whole free segments,
+             * each smaller than the request, add up to it: they go back and the
+             * new segment takes their bytes too (reserved grows by size, as on
+             * any miss). Should that fail, the request alone is asked for. */
+            if (split && c->split_whole >= size && c->split_whole <= LX_MAX_REQUEST - size &&
+                (rest = malloc(sizeof(lx_block))) != NULL) {
+                got = size + release_split_wholes_locked(c);
+                ptr = c->up.alloc(c->up.ctx, got, zeroed);
+            }
+            if (ptr == NULL) {
+                got = size;
+                ptr = c->up.alloc(c->up.ctx, size, zeroed);
+            }
             if (ptr == NULL && c->fig.bytes_cached > 0) { /* out of memory: trim, retry */
                 trim_locked(c, 0);
                 ptr = c->up.alloc(c->up.ctx, size, zeroed);
@@ -860,6 +907,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         }
         if (ptr == NULL) {
             free(b);
+            free(rest);
             if (*status != LX_FALLBACK) {
                 note_failure_locked(c, *status, n);
             }
@@ -867,13 +915,25 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
             return NULL;
         }
         *b = (lx_block){.ptr = ptr, .size = size, .bin = bin};
-        if (split) { /* a new segment, this block its only piece */
+        if (split) { /* a new segment, this block its first piece */
             lx_head *head = (lx_head *)b;
-            head->seg = (lx_segment){.base = ptr, .size = size, .live = 1,
+            head->seg = (lx_segment){.base = ptr, .size = got, .live = 1,
                                      .last_used = c->fig.scopes};
             b->seg = &head->seg;
         }
         map_put(&c->map, b);
+        if (got > size) {
+            *rest = (lx_block){.ptr = (char *)ptr + size, .size = got - size, .left = b,
+                               .seg = b->seg};
+            rest->bin = floor_bin(rest->size);
+            b->right = rest;
+            map_put(&c->map, rest);
+            c->fig.bytes_cached += rest->size;
+            link_free_locked(c, rest);
+        }
+        else {
+            free(rest);
+        }
         c->fig.upstream_allocs++;
         *zero_filled = zeroed;
         kind = LX_EV_UPSTREAM;
@@ -1028,11 +1088,7 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
             release_locked(c, b);
         }
     }
-    uint64_t split_free = 0; /* any free piece in the split pool: else no walk */
-    for (size_t w = 0; w < LX_MASK_WORDS; w++) {
-        split_free |= c->split_mask[w];
-    }
-    for (lx_block *b = c->lru.newer; c->evict_after && split_free && b != &c->lru;) {
+    for (lx_block *b = c->lru.newer; c->evict_after && c->split_whole > 0 && b != &c->lru;) {
         lx_block *newer = b->newer;
         if (b->seg != NULL && whole_locked(b) && now - b->seg->last_used >= c->evict_after) {
             unlink_free_locked(c, b);
@@ -1150,12 +1206,16 @@ audit_locked(lx_core *c)
             listed += n;
         }
     }
-    size_t in_lru = 0;
+    size_t in_lru = 0, split_whole = 0;
     for (lx_block *b = c->lru.newer; b != &c->lru; b = b->newer) {
         if (b->live || b->newer->older != b) {
             return "the LRU ring holds a live block or is broken";
         }
         in_lru++;
+        split_whole += b->seg != NULL && whole_locked(b) ? b->size : 0;
+    }
+    if (split_whole != c->split_whole) {
+        return "the bytes of the split pool's whole free segments are miscounted";
     }
     for (size_t i = 0; i < c->map.cap; i++) {
         lx_block *b = c->map.slots[i];
