@@ -431,6 +431,26 @@ def test_eviction_releases_whole_segments_that_served_no_request():
     assert cache.stats().bytes_cached == 2 * MiB
 
 
+def test_variable_lengths_share_segments_across_sizes():
+    # The attention-like loop of `benchmarks/allocator.py --sweep` (sequence length drawn
+    # from 32..512 every step): with exact bins only, 1460 upstream allocations and a peak
+    # reserved 8.5x the largest step's requests at the default eviction.
+    rng = np.random.default_rng(0)
+    cache = memory.AllocCache()
+    requested = 0
+    for i in range(300):
+        batch, length = (5 if i % 25 == 24 else 16), int(rng.integers(32, 513))
+        act, scores = batch * length * 256 * 4, batch * 8 * length * length * 4
+        sizes = [act, act, scores, scores, act, act, batch * length * 4]
+        with memory.cached(cache):
+            held = [np.empty(n, np.uint8) for n in sizes]
+            del held
+        requested = max(requested, sum(sizes))
+    s = cache.stats()
+    assert s.peak_reserved < 2 * requested and s.upstream_allocs < 300
+    cache._core.audit()
+
+
 def test_threads_splitting_one_cache_free_each_others_pieces():
     cache = memory.AllocCache()
     handed_over: queue.Queue = queue.Queue()

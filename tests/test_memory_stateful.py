@@ -102,7 +102,7 @@ class CacheMachine(RuleBasedStateMachine):
     def resize(self, data, size):
         # Through the handler the array was made with (np_realloc), whatever the scope.
         key = data.draw(st.sampled_from(sorted(self.arrays)))
-        a, which, value = self.arrays[key]
+        a, _, value = self.arrays[key]
         a.resize(size, refcheck=False)
         assert a[0] == value  # the contents moved with the block
         a.fill(value)
@@ -190,6 +190,6 @@ def whole(block) -> bool:
 
 # Under valgrind (scripts/memcheck.sh) an example is ~50x slower: fewer of them there.
 # LUXNN_EXAMPLES=3000 for a long local hunt (about 90 s).
-EXAMPLES = int(os.environ.get("LUXNN_EXAMPLES", 0)) or (12 if os.environ.get("LUXNN_MEMCHECK") else 60)
+EXAMPLES = int(os.environ.get("LUXNN_EXAMPLES", "0")) or (12 if os.environ.get("LUXNN_MEMCHECK") else 60)
 CacheMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None)
 TestCache = CacheMachine.TestCase

@@ -9,6 +9,7 @@
  *
  * Sections:
  *   1. size bins          which byte sizes share a free list
+ *   1b. split pool        large blocks cut from free segments, coalesced back
  *   2. upstream           where blocks come from and go back to
  *   2b. CUDA upstream     device memory through the CUDA driver, bound at run time
  *   3. ownership map      pointer -> block record, for every block the core owns
@@ -41,7 +42,8 @@
 /* ---- 1. Size bins -------------------------------------------------------
  *
  * A request of n bytes is served by a block of bin_bytes(bin_of(n)) >= n
- * bytes, and a free block is reused only for requests of the same bin.
+ * bytes. Up to LX_SPLIT_ABOVE a free block is reused only for requests of
+ * the same bin; above, blocks are pieces cut from free segments (1b).
  *
  *   n <= 8 KiB:       multiples of 512 B (16 classes)
  *   2^k < n <= 2^(k+1): LX_DIV classes per power of two, a step of 2^k / LX_DIV

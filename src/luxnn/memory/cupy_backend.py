@@ -27,7 +27,7 @@ Binding. Constructing the cache touches nothing: the driver functions are looked
 runtime and CuPy use; it stays retained for the life of the process, as the runtime's
 does) on the first scope.
 
-Out of device memory: the core releases its free blocks and retries; then the front end
+Out of device memory: the core releases its whole free blocks and retries; then the front end
 releases the free blocks of CuPy's default pool and retries once more; then it raises
 CuPy's ``OutOfMemoryError`` (also a `CacheMemoryError`) with the cache's figures.
 """

@@ -10,7 +10,7 @@ keeps that hook per thread, not per asyncio task.
 
 Out of memory. A NEP 49 handler can only return NULL, and NumPy then raises its own
 `MemoryError` ("Unable to allocate ..."). The core records why a request failed (over the
-limit, or the system out of memory even after the cache released its free blocks), per
+limit, or the system out of memory even after the cache released its whole free blocks), per
 thread; when such a `MemoryError` leaves a scope, the scope raises `CacheMemoryError`
 instead, which names the request, the limit and the cache's figures, chained to NumPy's
 error. Code that catches the `MemoryError` inside the scope sees NumPy's message; the
@@ -53,7 +53,7 @@ def _failure_message(failure: tuple) -> str:
     else:
         head = (
             f"AllocCache is out of memory allocating {asked}, even after releasing its "
-            "free blocks"
+            "whole free blocks"
         )
     return (
         f"{head}. Cache figures: live {format_bytes(live)}, cached {format_bytes(cached)}, "
