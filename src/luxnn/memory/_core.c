@@ -138,9 +138,10 @@ floor_bin(size_t s)
  *   upstream when its last live piece dies.
  *
  * Offsets within a segment are multiples of 512 B (block sizes are), so every
- * piece keeps the upstream's alignment up to 512 B: 64 B for posix_memalign,
- * 512 B for huge host blocks (2 MiB at the segment's front) and for
- * cuMemAlloc (256 B or more at the segment's front: 512 B then too).
+ * piece keeps its segment's alignment up to 512 B: 64 B for posix_memalign,
+ * 512 B for huge host blocks (2 MiB aligned segments), and for cuMemAlloc
+ * what its pointer has up to 512 B (documented 256 B; in practice 512 B or
+ * more, which CuPy's pool also assumes).
  *
  * Small requests keep the exact-bin fast path and pool of their own, so that
  * long-lived small arrays never pin a large segment, and alloc+free of a small
