@@ -113,7 +113,8 @@ def test_set_num_threads_rejects_anything_but_a_positive_int(bad, threads):
 # ---- matmul cut across threads ------------------------------------------------------------
 
 def blas_threads() -> list[int]:
-    return [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
+    """NumPy's BLAS threads (PyTorch, once imported, brings a BLAS of its own)."""
+    return [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas" and "numpy" in p["filepath"]]
 
 
 MATMUL_SHAPES = [
@@ -178,6 +179,32 @@ def test_products_cut_in_several_threads_at_once_restore_the_blas_threads(thread
         w.join()
     assert not errors
     assert blas_threads() == before
+
+
+def test_a_step_holds_the_blas_to_one_thread_from_its_first_threaded_kernel_to_its_end(threads):
+    if parallel._set_blas_threads is None:
+        pytest.skip("NumPy's BLAS is not an OpenBLAS whose threads luxnn can set")
+    threads(2)
+    before = blas_threads()
+    like = np.empty((4, MiB // 4), np.float32)  # 4 blocks
+    with parallel.step():
+        assert blas_threads() == before  # nothing threaded yet: the BLAS as it was
+        parallel.for_blocks(lambda lo, hi: None, like)
+        assert blas_threads() == [1] * len(before)
+        parallel.for_blocks(lambda lo, hi: None, like)
+    assert blas_threads() == before
+    with parallel.step():
+        parallel.for_blocks(lambda lo, hi: None, np.empty(10))  # one block, on the caller
+        assert blas_threads() == before
+
+
+def test_a_kernel_that_calls_the_blas_runs_its_blocks_in_order_when_the_blas_cannot_be_held(threads, monkeypatch):
+    threads(2)
+    monkeypatch.setattr(parallel, "_set_blas_threads", None)
+    order = []
+    parallel.for_blocks(lambda lo, hi: order.append((lo, threading.current_thread().name)), np.empty((8, 4)), rows=2, blas=True)
+    assert [lo for lo, _ in order] == [0, 2, 4, 6]
+    assert {name for _, name in order} == {threading.current_thread().name}
 
 
 # ---- the blocked kernels give the same bits on one thread and on several ---------------

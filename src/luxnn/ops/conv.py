@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from typing import Any
 
 import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
+from ..parallel import for_blocks, num_threads
 
 __all__ = [
     "conv", "conv_transpose", "conv_output_size", "window_slices", "pad_spatial", "crop_spatial", "per_axis",
@@ -141,6 +143,19 @@ _BLOCK_BYTES = 4 << 20
 def _blocks(n: int, bytes_per_image: int) -> list[tuple[int, int]]:
     step = max(1, _BLOCK_BYTES // max(1, bytes_per_image))
     return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
+
+
+def _block_images(bytes_per_image: int) -> int:
+    """Images per block when the blocks run on all threads at once: the blocks in flight
+    hold about `_BLOCK_BYTES` of im2col matrix together, as one block does on one thread."""
+    return max(1, _BLOCK_BYTES // num_threads() // max(1, bytes_per_image))
+
+
+def _accumulate(sums: dict, key: Any, value: Any) -> None:
+    if key in sums:
+        sums[key] += value
+    else:
+        sums[key] = value
 
 
 def _matmul_into(out: Any, a: Any, b: Any, accumulate: bool) -> None:
@@ -299,13 +314,16 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
     bias_row = None if b is None else xp.tile(b.astype(y.dtype, copy=False), per_image)
     zero_row = xp.zeros(per_image * o, y.dtype) if relu else None
     image_bytes = per_image * max(math.prod(kernel) * c, o) * y.itemsize
-    for n0, n1 in _blocks(n, image_bytes):
+
+    def forward(n0, n1):
         _correlate(x[n0:n1], padding, wg, y[n0:n1], kernel, stride, dilation, groups)
         per_row = y[n0:n1].reshape(n1 - n0, per_image * o)
         if b is not None:
             per_row += bias_row
         if relu:
             np.maximum(per_row, zero_row, out=per_row)
+
+    for_blocks(forward, y, rows=_block_images(image_bytes), blas=True)
 
     def vjp(g, needs):
         # One pass over the blocks does everything a block of images needs: its relu mask
@@ -328,21 +346,31 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
         elif needs[0]:
             dxpad = xp.zeros((n, *(s + lo + hi for s, (lo, hi) in zip(in_sizes, padding)), c), g.dtype)
             dx = crop_spatial(dxpad, in_sizes, padding)
-        dw = xp.empty(w.shape, g.dtype) if needs[1] else None
-        db = xp.zeros(o, g.dtype) if needs[2] else None
-        for i, (n0, n1) in enumerate(_blocks(n, block_bytes)):
+        # The weight and bias gradients sum over every block: each thread sums its own blocks.
+        dw_sums, db_sums = {}, {}
+
+        def backward(n0, n1):
             gb = g[n0:n1] * (y[n0:n1] > 0) if relu else g[n0:n1]
             ggb = _by_group(gb, groups)
             if dxpad is not None:
                 _col2im_add(dxpad[n0:n1], np.matmul(ggb, wg.transpose(0, 2, 1)), kernel, stride, dilation, out, groups)
             elif dx is not None:
                 _correlate(gb, g_padding, wf, dx[n0:n1], kernel, stride, dilation, groups)
+            thread = threading.get_ident()
             if needs[1]:
                 cols = _im2col(_pad_or_crop(x[n0:n1], padding), kernel, stride, dilation, out, groups)
-                _matmul_into(_by_group(dw, groups), cols.transpose(0, 2, 1), ggb, accumulate=i > 0)
+                _accumulate(dw_sums, thread, np.matmul(cols.transpose(0, 2, 1), ggb))
                 del cols
             if needs[2]:
-                db += _channel_sum(gb, o)
+                _accumulate(db_sums, thread, _channel_sum(gb, o))
+
+        for_blocks(backward, g, rows=_block_images(block_bytes), blas=True)
+        dw = xp.zeros(w.shape, g.dtype) if needs[1] else None
+        db = xp.zeros(o, g.dtype) if needs[2] else None
+        for part in dw_sums.values():
+            _by_group(dw, groups)[...] += part
+        for part in db_sums.values():
+            db += part
         return dx, dw, db
 
     return y, vjp
