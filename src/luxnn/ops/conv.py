@@ -7,17 +7,17 @@ Flux/Lux's ConvTranspose, and PyTorch's ``(C, O/groups, *k)`` transposed). The p
 take their static configuration normalised (`stride` and `dilation` one entry per spatial
 axis, `padding` one ``(low, high)`` pair per axis); `conv` and `conv_transpose` normalise it.
 
-How a call spends its time and memory: a block of images at a time (about 4 MB), the block
-padded (only when padding is nonzero), its im2col matrix ``(groups, rows, prod(k)*C/groups)``,
-built from a strided window view by a single copy, one GEMM per group against the kernel, and
-the bias and the optional fused relu on the block's output rows while they are in cache. A
-call holds one im2col block at a time, never the matrix of the whole batch, nor a padded copy
-of the whole input. The backward pass makes one pass over blocks of images: the relu mask, the
-bias gradient, the input gradient (skipped when the input is not differentiated) and the
-weight gradient, a GEMM against the block's im2col matrix, rebuilt rather than kept from the
-forward pass. Measured on the issue's CNN (batch 64), against one im2col buffer and one GEMM
-for the whole batch, kept for the backward pass: as fast on one thread, faster on two, and a
-step's peak memory 20 MB instead of 32 MB.
+How a call spends its time and memory: blocks of images, each padded (only when padding is
+nonzero), its im2col matrix ``(groups, rows, prod(k)*C/groups)`` built from a strided window
+view by a single copy, one GEMM per group against the kernel, and the bias and the optional
+fused relu on the block's output rows while they are in cache. The blocks run on all of
+`luxnn.num_threads` at once, the BLAS single-threaded in each (`luxnn.parallel.for_blocks`),
+and are sized so that the im2col blocks in flight hold about 4 MB together: a call never
+holds the matrix of the whole batch, nor a padded copy of the whole input. The backward pass
+makes one pass over blocks of images: the relu mask, the bias gradient, the input gradient
+(skipped when the input is not differentiated) and the weight gradient, a GEMM against the
+block's im2col matrix, rebuilt rather than kept from the forward pass; each thread sums the
+weight and bias gradients of its own blocks, and the sums are added at the end.
 At stride 1 the input gradient is itself a correlation: of the output gradient, padded by the
 dilated kernel's extent less the forward's padding (cropped where that is negative), with the
 flipped kernel; it runs as the forward does. At other strides it is a GEMM, then a col2im
