@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import tree
+from .. import parallel, tree
 
 __all__ = ["Traced", "Tape", "primitive", "value_and_grad", "grad", "stop_gradient"]
 
@@ -264,6 +264,10 @@ def value_and_grad(
     nums = (argnums,) if single else tuple(argnums)
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        with parallel.step():  # the BLAS's idle threads kept from spinning against luxnn's
+            return evaluate(*args, **kwargs)
+
+    def evaluate(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         for n in nums:
             if not -len(args) <= n < len(args):
                 raise ValueError(f"value_and_grad: argnums {n} out of range for {len(args)} arguments")
