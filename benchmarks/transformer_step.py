@@ -31,6 +31,10 @@ def time_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[floa
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
+            # As benchmarks/cnn_step.py: the previous framework's threads stop spinning,
+            # then one untimed step, as in a training loop, before the timed ones.
+            time.sleep(0.3)
+            step()
             t0 = time.perf_counter()
             for _ in range(per_round):
                 step()
