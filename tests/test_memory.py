@@ -21,6 +21,27 @@ def handler_name() -> str:
     return np._core.multiarray.get_handler_name()
 
 
+def run_threads(work, count: int, handed_over: queue.Queue) -> None:
+    """`work(i)` for i in range(count), each on a thread of its own; fails with the errors
+    the threads raised, and empties `handed_over` (arrays they pass to one another)."""
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    while not handed_over.empty():
+        handed_over.get()
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -454,33 +475,22 @@ def test_variable_lengths_share_segments_across_sizes():
 def test_threads_splitting_one_cache_free_each_others_pieces():
     cache = memory.AllocCache()
     handed_over: queue.Queue = queue.Queue()
-    errors: list = []
     barrier = threading.Barrier(4)
     sizes = [70_000, 300_000, MiB, 3 * MiB + 5, 5 * MiB]
 
     def work(i: int) -> None:
-        try:
-            rng = np.random.default_rng(i)
-            barrier.wait()
-            for step in range(100):
-                with memory.cached(cache):
-                    a = np.full(int(rng.choice(sizes)) // 8, float(i))
-                    handed_over.put(a)  # dies in whichever thread takes it
-                    if step % 2:
-                        handed_over.get()
-                    assert (a == i).all()
-                del a
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        rng = np.random.default_rng(i)
+        barrier.wait()
+        for step in range(100):
+            with memory.cached(cache):
+                a = np.full(int(rng.choice(sizes)) // 8, float(i))
+                handed_over.put(a)  # dies in whichever thread takes it
+                if step % 2:
+                    handed_over.get()
+                assert (a == i).all()
+            del a
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    while not handed_over.empty():
-        handed_over.get()
+    run_threads(work, 4, handed_over)
     cache._core.audit()
     s = cache.stats()
     assert s.bytes_live == 0 and s.bytes_cached == s.bytes_reserved > 0
@@ -568,34 +578,23 @@ def test_threads_with_own_caches_and_a_shared_one_do_not_cross_talk():
     own = [memory.AllocCache() for _ in range(4)]
     shared = memory.AllocCache()
     handed_over: queue.Queue = queue.Queue()
-    errors: list = []
     barrier = threading.Barrier(4)
 
     def work(i: int) -> None:
-        try:
-            barrier.wait()
-            for step in range(30):
-                cache = own[i] if step % 2 else shared
-                with memory.cached(cache):
-                    assert _core.get_handler() is cache._numpy_handler
-                    a = np.full(5000 + 1000 * i, float(i))
-                    b = a * 2
-                    assert (b == 2 * i).all()
-                    handed_over.put(b)  # dies in another thread
-                    if step % 3 == 0:
-                        handed_over.get()
-                assert handler_name() == "default_allocator"
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        barrier.wait()
+        for step in range(30):
+            cache = own[i] if step % 2 else shared
+            with memory.cached(cache):
+                assert _core.get_handler() is cache._numpy_handler
+                a = np.full(5000 + 1000 * i, float(i))
+                b = a * 2
+                assert (b == 2 * i).all()
+                handed_over.put(b)  # dies in another thread
+                if step % 3 == 0:
+                    handed_over.get()
+            assert handler_name() == "default_allocator"
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    while not handed_over.empty():
-        handed_over.get()
+    run_threads(work, 4, handed_over)
     for cache in [*own, shared]:
         s = cache.stats()
         assert s.bytes_live == 0 and s.bytes_reserved == s.bytes_cached

@@ -10,7 +10,10 @@ The BLAS threads its own products, but its idle threads spin for a while after e
 (OpenBLAS: about 0.1 s), taking the cores from whatever runs next: measured on 2 cores, a
 softmax threaded by `for_blocks` ran no faster right after a product than on one thread.
 So `matmul` cuts large products itself, across the same threads, with the BLAS on one
-thread in each; no BLAS thread is left spinning.
+thread in each; no BLAS thread is left spinning. luxnn's own idle threads poll for 2 ms
+before they sleep, which bridges the gaps between a step's kernels (waking a sleeping
+thread costs tens of microseconds, far more on a virtual machine after a pause) and gives
+the cores back as soon as the step is over.
 
 Kernels write into arrays made beforehand; arrays a kernel makes for itself come from the
 allocator of the caller's context (the luxnn cache inside ``cached``), because each block
@@ -28,12 +31,14 @@ is parallel already.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import ctypes
+import functools
 import os
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -51,7 +56,7 @@ _BLOCK_BYTES = 1 << 20
 _CUT_MADDS = 1 << 26
 
 _threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-_pool: ThreadPoolExecutor | None = None
+_pool: _Workers | None = None
 _pool_lock = threading.Lock()
 _in_worker = threading.local()
 
@@ -72,7 +77,7 @@ def set_num_threads(n: int) -> None:
         raise ValueError(f"set_num_threads: expected a positive int, got {n!r}")
     with _pool_lock:
         if _pool is not None and int(n) != _threads:
-            _pool.shutdown(wait=True)
+            _pool.shutdown()
             _pool = None
         _threads = int(n)
 
@@ -145,12 +150,84 @@ def _cuttable(a: Any, b: Any) -> bool:
 # ---- threads --------------------------------------------------------------------------
 
 
-def _workers() -> ThreadPoolExecutor:
+def _workers() -> _Workers:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_threads - 1, thread_name_prefix="luxnn-kernel")
+            _pool = _Workers(_threads - 1)
         return _pool
+
+
+class _Task:
+    __slots__ = ("run", "finished", "error")
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run, self.finished, self.error = run, threading.Event(), None
+
+    def wait(self) -> BaseException | None:
+        _poll(self.finished.is_set)
+        self.finished.wait()
+        return self.error
+
+
+class _Workers:
+    """Threads that take tasks from a queue. An idle thread, and a caller waiting for a
+    task, poll for `_POLL_S` before they sleep: waking a sleeping thread takes tens of
+    microseconds, and on a virtual machine an idle core's first wake-ups after a pause
+    take far longer (see benchmarks/cnn_step.py), many times in every step."""
+
+    def __init__(self, count: int) -> None:
+        self._tasks: collections.deque[_Task] = collections.deque()
+        self._wakeup = threading.Condition()
+        self._closed = False
+        for i in range(count):
+            threading.Thread(target=self._serve, name=f"luxnn-kernel-{i}", daemon=True).start()
+
+    def submit(self, run: Callable[[], None]) -> _Task:
+        task = _Task(run)
+        self._tasks.append(task)
+        with self._wakeup:
+            self._wakeup.notify()
+        return task
+
+    def shutdown(self) -> None:
+        with self._wakeup:
+            self._closed = True
+            self._wakeup.notify_all()
+
+    def _serve(self) -> None:
+        while (task := self._next()) is not None:
+            try:
+                task.run()
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                task.error = error
+            task.finished.set()
+
+    def _next(self) -> _Task | None:
+        if _poll(lambda: bool(self._tasks) or self._closed) and self._tasks:
+            try:
+                return self._tasks.popleft()
+            except IndexError:  # another thread took it
+                pass
+        with self._wakeup:
+            while not self._tasks and not self._closed:
+                self._wakeup.wait()
+            return None if self._closed else self._tasks.popleft()
+
+
+# How long a thread polls before it sleeps: long enough to bridge the gaps between the
+# kernels of a step, short enough that an idle process gives its cores back at once.
+_POLL_S = 2e-3
+
+
+def _poll(ready: Callable[[], bool]) -> bool:
+    """Whether `ready()` came true within `_POLL_S`, asked between yields of the GIL."""
+    deadline = time.perf_counter() + _POLL_S
+    while not ready():
+        if time.perf_counter() > deadline:
+            return False
+        time.sleep(0)
+    return True
 
 
 def _run_blocks(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
@@ -175,11 +252,11 @@ def _share_out(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
     _hold_blas_for_step()
     context = contextvars.copy_context()
     shares = [blocks[len(blocks) * i // threads : len(blocks) * (i + 1) // threads] for i in range(threads)]
-    futures = [_workers().submit(context.copy().run, _run_in_worker, kernel, share) for share in shares[1:]]
+    tasks = [_workers().submit(functools.partial(context.copy().run, _run_in_worker, kernel, share)) for share in shares[1:]]
     try:
         _run_blocks(kernel, shares[0])
     finally:
-        errors = [f.exception() for f in futures]  # waits for every block
+        errors = [task.wait() for task in tasks]  # waits for every block
     for error in errors:
         if error is not None:
             raise error
