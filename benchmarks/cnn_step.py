@@ -58,8 +58,8 @@ def time_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[floa
             # Let the previous framework's worker threads (OpenBLAS, OpenMP) stop spinning:
             # otherwise they compete for the cores with the next framework's first steps.
             # Then one untimed step, as a training loop's steps follow one another: after a
-            # pause, threads that sleep rather than spin (luxnn's) wake slowly at first on a
-            # virtual machine (measured here: 24 ms a step after 0.3 s asleep, 18 ms without).
+            # pause, sleeping threads (luxnn's, after 2 ms idle) wake slowly at first, on a
+            # virtual machine especially.
             time.sleep(0.3)
             step()
             t0 = time.perf_counter()
