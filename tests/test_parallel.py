@@ -1,6 +1,7 @@
 """Blocked, multi-threaded NumPy kernels (luxnn.parallel) and the kernels that use them."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -100,6 +101,23 @@ def test_blocks_allocate_from_the_callers_cache(threads):
     assert handlers == ["luxnn_cache"] * 8
     parallel.for_blocks(kernel, like)
     assert handlers[8:] == ["default_allocator"] * 8
+
+
+def test_changing_the_thread_count_retires_the_old_threads(threads):
+    like = np.empty((8, MiB // 4), np.float32)
+    for count in (4, 2, 3):
+        threads(count)
+        parallel.for_blocks(lambda lo, hi: None, like)
+    threads(2)
+    parallel.for_blocks(lambda lo, hi: None, like)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(kernel_threads()) != 1:
+        time.sleep(0.01)
+    assert len(kernel_threads()) == 1  # the caller and one worker: two threads
+
+
+def kernel_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("luxnn-kernel")]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

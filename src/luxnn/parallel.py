@@ -204,15 +204,18 @@ class _Workers:
             task.finished.set()
 
     def _next(self) -> _Task | None:
-        if _poll(lambda: bool(self._tasks) or self._closed) and self._tasks:
+        """The next task, or None once the pool is closed and every task is taken."""
+        while True:
+            _poll(lambda: bool(self._tasks) or self._closed)
             try:
                 return self._tasks.popleft()
-            except IndexError:  # another thread took it
+            except IndexError:  # none yet, or another thread took it
                 pass
-        with self._wakeup:
-            while not self._tasks and not self._closed:
-                self._wakeup.wait()
-            return None if self._closed else self._tasks.popleft()
+            with self._wakeup:  # submit appends, then notifies under this lock: no lost wake-up
+                if not self._tasks:
+                    if self._closed:
+                        return None
+                    self._wakeup.wait()
 
 
 # How long a thread polls before it sleeps: long enough to bridge the gaps between the
