@@ -13,8 +13,10 @@
 3. A chain of 20 elementwise ops on 32 MiB arrays whose temporaries die at once: our peak
    reserved vs the sum of the allocations, which is what a pinning cache (GPUArrays'
    AllocCache) holds.
-4. (--sweep) A model of the core's bin and eviction policy on a fixed-shape and a
-   variable-length workload, checked against the real core where it can be.
+4. (--sweep) A model of exact-bin reuse (the core's bins and eviction policy, without the
+   splitting of blocks above 64 KiB) on a fixed-shape and a variable-length workload; its
+   "real core misses" column is the real core, splitting included, so the two columns
+   differ by what splitting saves.
 
 Times are medians over rounds; lower is better.
 """
