@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import numpy as np
 
 import luxnn as lx
 from luxnn.bench import models
 from luxnn.bench.machine import blas, blas_summary
+from luxnn.bench.runner import interleaved_rounds
 
 CNN = models.CNN()
 BATCH = CNN.batch
@@ -46,27 +46,6 @@ def torch_forward_backward():
         loss_fn(model(tx), ty).backward()
 
     return step
-
-
-def time_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[float]]:
-    for step in steps.values():  # warm-up
-        for _ in range(5):
-            step()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            # Let the previous framework's worker threads (OpenBLAS, OpenMP) stop spinning:
-            # otherwise they compete for the cores with the next framework's first steps.
-            # Then one untimed step, as a training loop's steps follow one another: after a
-            # pause, sleeping threads (luxnn's, after 2 ms idle) wake slowly at first, on a
-            # virtual machine especially.
-            time.sleep(0.3)
-            step()
-            t0 = time.perf_counter()
-            for _ in range(per_round):
-                step()
-            samples[name].append((time.perf_counter() - t0) / per_round)
-    return samples
 
 
 def profile(step, n: int = 30) -> None:
@@ -111,7 +90,7 @@ def main() -> None:
     print(f"CNN 28x28x1, batch {BATCH}, conv3x3 32 + pool, conv3x3 64 + pool, dense 10; float32, Adam")
     print(f"BLAS: {blas_summary(blas())}; torch {torch.__version__} threads={torch.get_num_threads()}; "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}")
-    samples = time_rounds(steps, args.rounds, args.per_round)
+    samples = interleaved_rounds(steps, args.rounds, args.per_round)
     medians = {name: statistics.median(s) for name, s in samples.items()}
     print(f"{'step':<30} {'median':>9} {'IQR':>8}")
     for name, s in samples.items():

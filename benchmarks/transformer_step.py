@@ -15,31 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 from luxnn.bench import models
 from luxnn.bench.machine import blas, blas_summary
+from luxnn.bench.runner import interleaved_rounds
 
 BLOCK = models.Transformer()
 BATCH, LENGTH, DIM, HEADS = BLOCK.batch, BLOCK.length, BLOCK.dim, BLOCK.heads
-
-
-def time_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[float]]:
-    for step in steps.values():  # warm-up (caches, allocator, BLAS buffers)
-        for _ in range(3):
-            step()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            # As benchmarks/cnn_step.py: the previous framework's threads stop spinning,
-            # then one untimed step, as in a training loop, before the timed ones.
-            time.sleep(0.3)
-            step()
-            t0 = time.perf_counter()
-            for _ in range(per_round):
-                step()
-            samples[name].append((time.perf_counter() - t0) / per_round)
-    return samples
 
 
 def main() -> None:
@@ -57,7 +39,7 @@ def main() -> None:
         pass
     print(f"transformer block: batch {BATCH}, length {LENGTH}, dim {DIM}, {HEADS} heads, float32, Adam")
     print(f"kernels: {blas_summary(blas())}; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset')}")
-    samples = time_rounds(steps, args.rounds, args.per_round)
+    samples = interleaved_rounds(steps, args.rounds, args.per_round, warmup=3)
     base = statistics.median(samples["luxnn"])
     # The last column is luxnn's step time over this row's: the target is <= 1.0x PyTorch.
     print(f"{'step':<30} {'median':>9} {'IQR':>8} {'luxnn time / this':>18}")

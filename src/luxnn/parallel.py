@@ -7,9 +7,8 @@ them from a few threads (NumPy releases the GIL inside its loops, so they run at
 a block's passes find it in the cache. PyTorch's CPU kernels do the same (``at::parallel_for``).
 
 The BLAS threads its own products, but its idle threads spin for a while after each one
-(OpenBLAS: about 0.1 s), taking the cores from whatever runs next: measured on 2 cores, a
-softmax threaded by `for_blocks` ran no faster right after a product than on one thread.
-So `matmul` cuts large products itself, across the same threads, with the BLAS on one
+(OpenBLAS: about 0.1 s), taking the cores from whatever runs next, so that a kernel
+threaded by `for_blocks` right after a product ran no faster than on one thread. So `matmul` cuts large products itself, across the same threads, with the BLAS on one
 thread in each; no BLAS thread is left spinning. luxnn's own idle threads poll for 2 ms
 before they sleep, which bridges the gaps between a step's kernels (waking a sleeping
 thread costs tens of microseconds, far more on a virtual machine after a pause) and gives
@@ -49,10 +48,10 @@ Kernel = Callable[[int, int], None]
 
 # A block's bytes of the array the blocks are cut from: large enough that the Python between
 # NumPy calls is noise, small enough that a kernel's temporaries for it stay in L2. Arrays
-# of one block run on the calling thread: handing work to a thread costs ~20-50 us.
+# of one block run on the calling thread: handing work to another one costs tens of us.
 _BLOCK_BYTES = 1 << 20
-# Products of fewer multiply-adds are left to the BLAS: cutting one costs ~50 us, 5 % of a
-# product this size on one core.
+# Products of fewer multiply-adds are left to the BLAS, for which cutting them into parts
+# costs more than it saves (the MLP benchmark's products are smaller than this).
 _CUT_MADDS = 1 << 26
 
 _threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -101,7 +100,7 @@ def for_blocks(kernel: Kernel, like: Any, *, rows: int | None = None, blas: bool
             return
         rows = max(1, _BLOCK_BYTES * n // like.nbytes)
     blocks = [(lo, min(n, lo + rows)) for lo in range(0, n, rows)]
-    if not on_numpy or (blas and (_set_blas_threads is None or _threads == 1)):
+    if not on_numpy or len(blocks) == 1 or (blas and (_set_blas_threads is None or _threads == 1)):
         _run_blocks(kernel, blocks)
     elif blas:
         with _single_threaded_blas():
@@ -318,12 +317,11 @@ _step: contextvars.ContextVar[step | None] = contextvars.ContextVar("luxnn_paral
 
 
 class step:
-    """The scope of a training step (every training verb runs in one): from the first
-    kernel or product that runs on several threads until the scope ends, the BLAS stays on
-    one thread, so that no BLAS thread woken by a small product in between (a dense head,
-    a bias gradient) spins on a core the next kernel's threads need. Measured on the CNN
-    step, 2 cores: 28 ms with the BLAS's threads left spinning, 20 ms with them held. A
-    step with no such kernel (a small MLP) keeps the BLAS's own threading throughout.
+    """The scope of a forward and backward pass (`value_and_grad` runs in one, and so every
+    training verb): from the first kernel or product that runs on several threads until the
+    scope ends, the BLAS stays on one thread, so that no BLAS thread woken by a small
+    product in between (a dense head, a bias gradient) spins on a core the next kernel's
+    threads need. A pass with no such kernel (a small MLP's) keeps the BLAS's own threading.
 
     >>> with step():
     ...     pass

@@ -1,7 +1,6 @@
 """The training API: a `TrainState` and four verbs, as in Lux.jl.
 
-Every verb runs inside ``memory.cached(ts.allocator_cache)`` (a no-op for ``None``) and a
-``parallel.step()`` (which keeps BLAS threads from spinning against luxnn's own), so a
+Every verb runs inside ``memory.cached(ts.allocator_cache)`` (a no-op for ``None``), so a
 step's temporaries come from the cache; escaping results (gradients, new parameters) are
 safe because a block is reused only after its last array dies.
 
@@ -20,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from . import optim, parallel
+from . import optim
 from .ad import AutoTape, value_and_grad
 from .core import Layer
 from .devices import check_same_device
@@ -149,27 +148,27 @@ def compute_gradients(ad: AutoTape, objective: Objective, data: Any, ts: TrainSt
     Parameters and `data` must be on one device (`ValueError` naming both otherwise).
     """
     _check_ad(ad)
-    with cached(ts.allocator_cache), parallel.step():
+    with cached(ts.allocator_cache):
         return _compute_gradients(objective, data, ts)
 
 
 def apply_gradients(ts: TrainState, grads: Any) -> TrainState:
     """One optimizer update with `grads`; returns a new `TrainState` with new parameter
     arrays (the old ones are left untouched)."""
-    with cached(ts.allocator_cache), parallel.step():
+    with cached(ts.allocator_cache):
         return _apply_gradients(ts, grads, optim.apply_updates)
 
 
 def apply_gradients_(ts: TrainState, grads: Any) -> TrainState:
     """One optimizer update with `grads`, written into the parameter arrays in place."""
-    with cached(ts.allocator_cache), parallel.step():
+    with cached(ts.allocator_cache):
         return _apply_gradients(ts, grads, optim.apply_updates_)
 
 
 def single_train_step(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
     """`compute_gradients` then `apply_gradients`: ``(grads, loss, stats, ts)``."""
     _check_ad(ad)
-    with cached(ts.allocator_cache), parallel.step():
+    with cached(ts.allocator_cache):
         grads, loss, stats, ts = _compute_gradients(objective, data, ts)
         return grads, loss, stats, _apply_gradients(ts, grads, optim.apply_updates)
 
@@ -177,6 +176,6 @@ def single_train_step(ad: AutoTape, objective: Objective, data: Any, ts: TrainSt
 def single_train_step_(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
     """`compute_gradients` then `apply_gradients_` (parameters updated in place)."""
     _check_ad(ad)
-    with cached(ts.allocator_cache), parallel.step():
+    with cached(ts.allocator_cache):
         grads, loss, stats, ts = _compute_gradients(objective, data, ts)
         return grads, loss, stats, _apply_gradients(ts, grads, optim.apply_updates_)

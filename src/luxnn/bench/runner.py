@@ -94,6 +94,25 @@ def sample(step: Callable[[], Any], inner: int, samples: int) -> list[float]:
     return out
 
 
+def interleaved_rounds(steps: dict[str, Callable[[], Any]], rounds: int, per_round: int, warmup: int = 5) -> dict[str, list[float]]:
+    """Seconds per call of each of `steps`, one sample per round, the steps taking turns
+    within a round (the per-issue scripts in benchmarks/). Before each sample, a pause lets
+    the previous step's worker threads (OpenBLAS, OpenMP) stop spinning, so that they do
+    not compete with the next one; then one untimed call, as a training loop's steps follow
+    one another: after a pause, sleeping threads (luxnn's, after 2 ms idle) wake slowly at
+    first, on a virtual machine especially."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            time.sleep(0.3)
+            step()
+            samples[name] += sample(step, per_round, 1)
+    return samples
+
+
 # ---- counting memory ------------------------------------------------------------------
 
 
