@@ -120,7 +120,7 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
     if a.size * b.shape[-1] < _CUT_MADDS or not _cuttable(a, b):
-        return np.matmul(a, b, out=out)
+        return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)  # the first: faster
     if out is None:
         out = np.empty((*a.shape[:-1], b.shape[-1]), np.result_type(a, b))
     axis = 0 if out.ndim > 2 and out.shape[0] >= _threads else out.ndim - 2

@@ -256,10 +256,11 @@ def rows_times_matrix(x, w, b=None, relu=False):
     y = parallel.matmul(rows, w)
 
     def finish(lo, hi):
+        block = y[lo:hi]  # one view (``y[lo:hi] += b`` would also assign it back)
         if b is not None:
-            y[lo:hi] += b
+            block += b
         if relu:
-            np.maximum(y[lo:hi], 0, out=y[lo:hi])
+            np.maximum(block, 0, out=block)
 
     if b is not None or relu:
         parallel.for_blocks(finish, y)
