@@ -173,7 +173,7 @@ class _Workers:
     """Threads that take tasks from a queue. An idle thread, and a caller waiting for a
     task, poll for `_POLL_S` before they sleep: waking a sleeping thread takes tens of
     microseconds, and on a virtual machine an idle core's first wake-ups after a pause
-    take far longer (see benchmarks/cnn_step.py), many times in every step."""
+    take far longer (see luxnn.bench.runner.interleaved_rounds), many times in every step."""
 
     def __init__(self, count: int) -> None:
         self._tasks: collections.deque[_Task] = collections.deque()
