@@ -252,9 +252,15 @@ SOFTMAX = [
            ref=lambda x, a=a: scipy.special.log_softmax(x, axis=a)) for a in [-1, 0]],
 ]
 
+NORM = [
+    case(f"scale_shift-{shape}-{affine}", ops.scale_shift, normal(*shape), normal(*affine), normal(*affine),
+         ref=lambda y, s, b: y * s + b)
+    for shape, affine in [((3, 4), (4,)), ((2, 3, 4), (3, 4)), ((3, 4), (3, 4))]
+]
+
 
 @pytest.mark.parametrize("f, args, check_kw",
-                         BINARY + UNARY + POWER + WHERE + MATMUL + REDUCTIONS + SHAPES + INDEXING + SOFTMAX)
+                         BINARY + UNARY + POWER + WHERE + MATMUL + REDUCTIONS + SHAPES + INDEXING + SOFTMAX + NORM)
 def test_vjp_matches_finite_differences(f, args, check_kw):
     check_grad(f, *args, **check_kw)
 

@@ -206,16 +206,18 @@ def test_bad_inputs():
 
 @pytest.mark.parametrize("heads", [1, 3])
 def test_head_products_match_finite_differences_and_leave_inputs_alone(heads):
-    from luxnn.ops.attention import attention_combine, attention_scores
+    from luxnn.ops.attention import attention_combine, attention_weights
 
     rng = np.random.default_rng(heads)
     q, k = rng.normal(size=(2, 4, 3 * heads)), rng.normal(size=(2, 5, 3 * heads))
     w, v = rng.random((2, heads, 4, 5)), rng.normal(size=(2, 5, 3 * heads))
     q0, k0 = q.copy(), k.copy()
     r1, r2 = rng.normal(size=(2, heads, 4, 5)), rng.normal(size=(2, 4, 3 * heads))
+    mask = rng.random((1, 1, 4, 5)) < 0.7
 
     def f(q, k, w, v):
-        return (attention_scores(q, k, num_heads=heads, scale=0.3) * r1).sum() + (attention_combine(w, v, num_heads=heads) * r2).sum()
+        weights = attention_weights(q, k, num_heads=heads, scale=0.3, mask=mask, is_causal=True)
+        return (weights * r1).sum() + (attention_combine(w, v, num_heads=heads) * r2).sum()
 
     grads = lx.grad(f, argnums=(0, 1, 2, 3))(q, k, w, v)
     np.testing.assert_array_equal(q, q0)  # the scaled copy of q is never q itself

@@ -22,7 +22,7 @@ import pytest
 import luxnn as lx
 from luxnn import devices, memory, ops
 from luxnn.ad import primitives as P
-from luxnn.ops.attention import attention_combine, attention_scores
+from luxnn.ops.attention import attention_combine, attention_weights
 
 
 def _no_gpu_reason() -> str | None:
@@ -149,8 +149,8 @@ PRIMITIVE_CASES = {
     "normalize": lambda a, b, i: (ops.normalize(a, axis=-1, epsilon=1e-5) * b).sum(),
     "embedding": lambda a, b, i: (ops.lookup_rows(a, i(0, 3, 3, 3).reshape(2, 2)) ** 2).sum() + b.sum(),
     "attention": lambda a, b, i: attention_combine(
-        ops.masked_softmax(attention_scores(a[None], b[None], num_heads=5), is_causal=True), a[None], num_heads=5
-    ).sum(),
+        attention_weights(a[None], b[None], num_heads=5, is_causal=True), a[None], num_heads=5
+    ).sum() + ops.masked_softmax(a * b, mask=a > 0).sum(),
 }  # fmt: skip
 
 

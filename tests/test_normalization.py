@@ -211,3 +211,11 @@ def test_bad_input_names_layer_and_shapes():
     ps, st = lx.setup(rng, rms)
     with pytest.raises(lx.LayerError, match="expected parameter 'scale' of shape"):
         rms(np.ones((2, 4), np.float32), {"scale": np.ones(3, np.float32)}, st)
+
+
+def test_scale_shift_rejects_an_affine_map_not_of_the_trailing_shape():
+    y = np.ones((3, 4))
+    with pytest.raises(ValueError, match=r"trailing shape of y \(3, 4\), got \(3,\) and \(3,\)"):
+        lx.ops.scale_shift(y, np.ones(3), np.ones(3))
+    with pytest.raises(ValueError, match=r"got \(4,\) and \(1,\)"):
+        lx.ops.scale_shift(y, np.ones(4), np.ones(1))

@@ -10,6 +10,7 @@ import threadpoolctl
 import luxnn as lx
 from luxnn import memory, ops
 from luxnn import parallel
+from luxnn.ops.attention import attention_combine, attention_weights
 
 MiB = 1 << 20
 
@@ -243,7 +244,12 @@ KERNELS = {
     "gelu": (lambda x: ops.gelu(x), (64, 128, 512)),
     "softmax": (lambda s: ops.masked_softmax(s, scale=0.5), (16, 4, 64, 128)),
     "causal softmax": (lambda s: ops.masked_softmax(s, is_causal=True), (32, 4, 64, 64)),
+    "attention": (
+        lambda x: attention_combine(attention_weights(x, x, num_heads=4, scale=0.1, is_causal=True), x, num_heads=4),
+        (16, 128, 256),
+    ),
     "layernorm": (lambda x: ops.normalize(x, axis=-1, epsilon=1e-5), (64, 64, 256)),
+    "scale and shift": (lambda x: ops.scale_shift(x, x[0, 0] + 1, x[1, 1]), (64, 64, 256)),
     "max pool": (lambda x: ops.max_pool(x, 2), (64, 28, 28, 32)),
     "overlapping max pool": (lambda x: ops.max_pool(x, 3, 2, 1), (32, 28, 28, 32)),
     "avg pool": (lambda x: ops.avg_pool(x, 3, 2, 1), (32, 28, 28, 32)),

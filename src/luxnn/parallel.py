@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["for_blocks", "matmul", "num_threads", "set_num_threads", "step"]
+__all__ = ["for_blocks", "matmul", "num_threads", "set_num_threads", "single_threaded_blas", "step"]
 
 Kernel = Callable[[int, int], None]
 
@@ -103,7 +103,7 @@ def for_blocks(kernel: Kernel, like: Any, *, rows: int | None = None, blas: bool
     if not on_numpy or len(blocks) == 1 or (blas and (_set_blas_threads is None or _threads == 1)):
         _run_blocks(kernel, blocks)
     elif blas:
-        with _single_threaded_blas():
+        with single_threaded_blas():
             _share_out(kernel, blocks)
     else:
         _share_out(kernel, blocks)
@@ -131,7 +131,7 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
         np.matmul(a[rows], b[rows] if axis == 0 and b.ndim > 2 else b, out=out[rows])
 
     n, parts = out.shape[axis], min(_threads, out.shape[axis])
-    with _single_threaded_blas():
+    with single_threaded_blas():
         _share_out(part, [(n * i // parts, n * (i + 1) // parts) for i in range(parts)])
     return out
 
@@ -291,13 +291,21 @@ _blas_users = 0
 _blas_threads_before = 0
 
 
-class _single_threaded_blas:
-    """The BLAS on one thread while any cut product runs. OpenBLAS built with pthreads
-    keeps the count per process, so the first product in sets it and the last one out
-    restores it, under a lock: products cut in two threads at once cannot leave it at 1."""
+class single_threaded_blas:
+    """NumPy's BLAS on one thread while any user of this context runs (nothing where its
+    threads cannot be set): for cut products and for stacks of small products, which the
+    BLAS's threads only slow down. OpenBLAS built with pthreads keeps the count per process,
+    so the first user in sets it and the last one out restores it, under a lock: users in
+    two threads at once cannot leave it at 1.
+
+    >>> with single_threaded_blas():
+    ...     pass
+    """
 
     def __enter__(self) -> None:
         global _blas_users, _blas_threads_before
+        if _set_blas_threads is None:
+            return
         with _blas_lock:
             if _blas_users == 0:
                 _blas_threads_before = _set_blas_threads(1)
@@ -305,6 +313,8 @@ class _single_threaded_blas:
 
     def __exit__(self, *exc: object) -> None:
         global _blas_users
+        if _set_blas_threads is None:
+            return
         with _blas_lock:
             _blas_users -= 1
             if _blas_users == 0:
@@ -328,7 +338,7 @@ class step:
     """
 
     def __enter__(self) -> step:
-        self._held: _single_threaded_blas | None = None
+        self._held: single_threaded_blas | None = None
         self._token = _step.set(self)
         return self
 
@@ -341,5 +351,5 @@ class step:
 def _hold_blas_for_step() -> None:
     current = _step.get()
     if current is not None and current._held is None and _set_blas_threads is not None:
-        current._held = _single_threaded_blas()
+        current._held = single_threaded_blas()
         current._held.__enter__()

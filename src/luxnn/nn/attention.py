@@ -11,7 +11,7 @@ from .. import init as initializers
 from ..ad.tape import Traced
 from ..backend import module_of
 from ..core import Layer, LayerError
-from ..ops.attention import attention_combine, attention_scores, masked_softmax
+from ..ops.attention import attention_combine, attention_weights
 from .dense import Dense
 from .dropout import child_generator, dropout_mask, fork_generator
 
@@ -94,13 +94,14 @@ class MultiHeadAttention(Layer):
         heads = self.num_heads
         if mask is not None:
             self._check_mask(mask, (batch, heads, q_len, kv_len))
-        scores = attention_scores(
+        weights = attention_weights(
             self._project("q_proj", q, ps),
             self._project("k_proj", k, ps),
             num_heads=heads,
             scale=1.0 / math.sqrt(self.dim // heads),
+            mask=mask,
+            is_causal=self.is_causal,
         )
-        weights = masked_softmax(scores, mask=mask, is_causal=self.is_causal)
         attended = weights
         if self.dropout > 0 and st["training"]:
             rng = fork_generator(st["rng"])

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..ad import stop_gradient
 from ..core import Layer, LayerError, check_params
-from ..ops.norm import moments, normalize, rms_normalize
+from ..ops.norm import moments, normalize, rms_normalize, scale_shift
 
 __all__ = ["BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm"]
 
@@ -64,8 +64,7 @@ class _Norm(Layer):
     def _scale_and_shift(self, y: Any, ps: dict[str, Any]) -> Any:
         if not self.affine:
             return y
-        y = y * ps["scale"]
-        return y + ps["bias"] if self.with_bias else y
+        return scale_shift(y, ps["scale"], ps["bias"]) if self.with_bias else y * ps["scale"]
 
     def _flags(self) -> dict[str, Any]:
         """The repr's keyword options that differ from their defaults."""

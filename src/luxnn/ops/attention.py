@@ -1,4 +1,5 @@
-"""Attention's fused kernels: per-head scores, scale -> mask -> softmax, per-head weighted sum."""
+"""Attention's fused kernels: the weights (per-head scores, scale, mask and softmax in one
+pass over each block), the per-head weighted sum, and the masked softmax on its own."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from ..parallel import for_blocks, matmul
+from ..parallel import for_blocks, single_threaded_blas
 
-__all__ = ["masked_softmax", "attention_scores", "attention_combine"]
+__all__ = ["masked_softmax", "attention_weights", "attention_combine"]
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -16,6 +17,54 @@ def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
         return np.broadcast_shapes(shape, target) == target
     except ValueError:
         return False
+
+
+def _allowed(mask, is_causal, shape, xp, who):
+    """The keys each query may attend to, as a boolean view broadcast to the scores'
+    `shape` (cut into blocks with them), or None when every key is allowed."""
+    allowed = mask
+    if is_causal:
+        past = xp.tril(xp.ones(shape[-2:], bool))
+        allowed = past if allowed is None else np.logical_and(allowed, past)
+    if allowed is None:
+        return None
+    if not _broadcasts_to(allowed.shape, shape):
+        raise ValueError(f"{who}: mask of shape {allowed.shape} does not broadcast to the scores' {shape}")
+    return xp.broadcast_to(allowed, shape)
+
+
+def _softmax_rows(scores, w, allowed, scale):
+    """``w = softmax(scale * scores)`` over the last axis of a contiguous block, among the
+    `allowed` keys (a block of booleans, or None); `scores` may be `w` itself."""
+    # softmax(scale * s) = exp(scale * (s - max s)) / sum(...) for scale > 0.
+    if allowed is None:
+        np.subtract(scores, np.max(scores, axis=-1, keepdims=True), out=w)
+    else:
+        if scores is not w:
+            np.copyto(w, scores)
+        np.copyto(w, -np.inf, where=~allowed)
+        row_max = np.max(w, axis=-1, keepdims=True)
+        np.copyto(row_max, 0, where=np.isinf(row_max))  # fully masked rows: exp(-inf - 0) = 0
+        w -= row_max
+    if scale != 1.0:
+        w *= scale
+    np.exp(w, out=w)
+    # The row sums as one matrix-vector product: a BLAS call is several times faster than
+    # NumPy's reduction along short rows.
+    keys = w.shape[-1]
+    total = (w.reshape(-1, keys) @ module_of(w).ones(keys, w.dtype)).reshape(*w.shape[:-1], 1)
+    if allowed is not None:
+        np.copyto(total, 1, where=total == 0)
+    w *= 1.0 / total
+
+
+def _softmax_grad_rows(g, w, out, scale):
+    """``out = scale * w * (g - sum(g * w))`` over the last axis: softmax's VJP."""
+    # einsum forms sum(g * w) per row without a full-size temporary.
+    np.subtract(g, np.einsum("...k,...k->...", g, w)[..., None], out=out)
+    out *= w
+    if scale != 1.0:
+        out *= scale
 
 
 @primitive
@@ -35,103 +84,87 @@ def masked_softmax(scores, *, scale=1.0, mask=None, is_causal=False):
     if not scale > 0:
         raise ValueError(f"masked_softmax: scale must be positive, got {scale!r}")
     xp = module_of(scores)
-    allowed = mask
-    if is_causal:
-        past = xp.tril(xp.ones(scores.shape[-2:], bool))
-        allowed = past if allowed is None else np.logical_and(allowed, past)
-    if allowed is not None:
-        if not _broadcasts_to(allowed.shape, scores.shape):
-            raise ValueError(f"masked_softmax: mask of shape {allowed.shape} does not broadcast to the scores' {scores.shape}")
-        allowed = xp.broadcast_to(allowed, scores.shape)  # a view, cut into blocks with the scores
+    allowed = _allowed(mask, is_causal, scores.shape, xp, "masked_softmax")
     scores = xp.ascontiguousarray(scores)
     w = xp.empty_like(scores)
-
-    def forward(lo, hi):
-        # softmax(scale * s) = exp(scale * (s - max s)) / sum(...) for scale > 0.
-        wb = w[lo:hi]
-        if allowed is None:
-            np.subtract(scores[lo:hi], np.max(scores[lo:hi], axis=-1, keepdims=True), out=wb)
-        else:
-            np.copyto(wb, scores[lo:hi])
-            np.copyto(wb, -np.inf, where=~allowed[lo:hi])
-            row_max = np.max(wb, axis=-1, keepdims=True)
-            np.copyto(row_max, 0, where=np.isinf(row_max))  # fully masked rows: exp(-inf - 0) = 0
-            wb -= row_max
-        if scale != 1.0:
-            wb *= scale
-        np.exp(wb, out=wb)
-        total = np.sum(wb, axis=-1, keepdims=True)
-        if allowed is not None:
-            np.copyto(total, 1, where=total == 0)
-        wb *= 1.0 / total
-
-    for_blocks(forward, w)
+    for_blocks(lambda lo, hi: _softmax_rows(scores[lo:hi], w[lo:hi], None if allowed is None else allowed[lo:hi], scale), w)
 
     def vjp(g, needs):
         g = module_of(g).ascontiguousarray(g)
         gs = module_of(g).empty_like(g)
-
-        def backward(lo, hi):
-            # einsum forms sum(g * w) per row without a full-size temporary.
-            gb, wb, out = g[lo:hi], w[lo:hi], gs[lo:hi]
-            np.subtract(gb, np.einsum("...k,...k->...", gb, wb)[..., None], out=out)
-            out *= wb
-            if scale != 1.0:
-                out *= scale
-
-        for_blocks(backward, gs)
+        for_blocks(lambda lo, hi: _softmax_grad_rows(g[lo:hi], w[lo:hi], gs[lo:hi], scale), gs)
         return (gs,)
 
     return w, vjp
 
 
-# The two products of attention work on heads split out of (batch, seq, heads * head_dim)
-# arrays. Every batched GEMM below multiplies C-contiguous operands without transposition:
-# measured on OpenBLAS 0.3.31 with 2 threads, (256 x 128 x 32) @ (256 x 32 x 128) took
-# 10-18 ms that way and 125-700 ms with either operand a transposed view. The transposed
-# copies this needs are of the (seq, head_dim) operands, 4x smaller than the scores here.
+# The products below multiply per-head matrices that are views into (batch, seq, heads * d)
+# arrays (rows of d elements, `heads * d` apart), which the BLAS takes as they are, one
+# batch block per thread. They run with the BLAS on one thread even when there is a single
+# block: its threads slow stacks of small products down, several times over with strided
+# operands.
 
 
-def _split_heads(x, num_heads, transpose=False, scale=1.0):
-    """(batch, seq, heads * d) -> a new contiguous (batch, heads, seq, d), or (batch, heads,
-    d, seq) with `transpose`, times `scale`."""
+def _heads(x, num_heads):
+    """(batch, seq, heads * d) -> a (batch, heads, seq, d) view of a contiguous `x`."""
     batch, seq, dim = x.shape
-    split = x.reshape(batch, seq, num_heads, dim // num_heads).transpose((0, 2, 3, 1) if transpose else (0, 2, 1, 3))
-    if scale == 1.0:
-        return np.ascontiguousarray(split)
-    # A new array in any case: with one head, ascontiguousarray would return x itself.
-    out = module_of(x).empty(split.shape, x.dtype)
-    np.multiply(split, scale, out=out)
-    return out
+    return x.reshape(batch, seq, num_heads, dim // num_heads).transpose(0, 2, 1, 3)
 
 
-def _merge_heads(x, transposed=False):
-    """(batch, heads, seq, d), or (batch, heads, d, seq) if `transposed`, -> contiguous
-    (batch, seq, heads * d)."""
-    merged = x.transpose((0, 3, 1, 2) if transposed else (0, 2, 1, 3))
-    return merged.reshape(*merged.shape[:2], -1)
+def _per_batch_block(kernel, like):
+    with single_threaded_blas():
+        for_blocks(kernel, like, blas=True)
 
 
 @primitive
-def attention_scores(q, k, *, num_heads, scale=1.0):
-    """``scale * q_h @ k_h^T`` for each head h: q ``(batch, q_len, heads * d)`` and k
-    ``(batch, kv_len, heads * d)`` -> scores ``(batch, heads, q_len, kv_len)``.
+def attention_weights(q, k, *, num_heads, scale=1.0, mask=None, is_causal=False):
+    """``softmax(scale * q_h @ k_h^T)`` for each head h, over the keys that `mask` and
+    `is_causal` allow (as `masked_softmax`): q ``(batch, q_len, heads * d)`` and k
+    ``(batch, kv_len, heads * d)`` -> weights ``(batch, heads, q_len, kv_len)``.
 
-    >>> attention_scores(np.ones((1, 2, 4)), np.ones((1, 3, 4)), num_heads=2).shape
-    (1, 2, 2, 3)
+    Each block of the batch is multiplied and normalised while it is in the cache; the
+    scores are never a separate array. Gradient: the softmax's, then two products per head.
+
+    >>> w = attention_weights(np.ones((1, 2, 4)), np.ones((1, 3, 4)), num_heads=2)
+    >>> w.shape, w.sum(-1).tolist()
+    ((1, 2, 2, 3), [[[1.0, 1.0], [1.0, 1.0]]])
     """
-    scores = matmul(_split_heads(q, num_heads, scale=scale), _split_heads(k, num_heads, transpose=True))
+    if not scale > 0:
+        raise ValueError(f"attention_weights: scale must be positive, got {scale!r}")
+    xp = module_of(q)
+    q, k = xp.ascontiguousarray(q), xp.ascontiguousarray(k)
+    (batch, q_len, _), kv_len = q.shape, k.shape[1]
+    shape = (batch, num_heads, q_len, kv_len)
+    allowed = _allowed(mask, is_causal, shape, xp, "attention_weights")
+    qh, kh = _heads(q, num_heads), _heads(k, num_heads)
+    w = xp.empty(shape, np.result_type(q, k))
+
+    def forward(lo, hi):
+        wb = w[lo:hi]
+        # Scaling q, not the scores: q_len * d numbers instead of q_len * kv_len per head.
+        np.matmul(qh[lo:hi] * scale, kh[lo:hi].swapaxes(-1, -2), out=wb)
+        _softmax_rows(wb, wb, None if allowed is None else allowed[lo:hi], 1.0)
+
+    _per_batch_block(forward, w)
 
     def vjp(g, needs):
-        gq = gk = None
-        if needs[0]:
-            gq = _merge_heads(matmul(g, _split_heads(k, num_heads, scale=scale)))
-        if needs[1]:
-            # dk_h^T = (scale q_h)^T @ g, with the transposed q as a contiguous copy.
-            gk = _merge_heads(matmul(_split_heads(q, num_heads, transpose=True, scale=scale), g), transposed=True)
+        xp = module_of(g)
+        g = xp.ascontiguousarray(g)
+        gq = xp.empty_like(q) if needs[0] else None
+        gk = xp.empty_like(k) if needs[1] else None
+
+        def backward(lo, hi):
+            gs = xp.empty_like(g[lo:hi])  # d(scale * scores), one block
+            _softmax_grad_rows(g[lo:hi], w[lo:hi], gs, scale)
+            if gq is not None:
+                np.matmul(gs, kh[lo:hi], out=_heads(gq, num_heads)[lo:hi])
+            if gk is not None:
+                np.matmul(gs.swapaxes(-1, -2), qh[lo:hi], out=_heads(gk, num_heads)[lo:hi])
+
+        _per_batch_block(backward, g)
         return gq, gk
 
-    return scores, vjp
+    return w, vjp
 
 
 @primitive
@@ -142,15 +175,27 @@ def attention_combine(weights, v, *, num_heads):
     >>> attention_combine(np.full((1, 2, 3, 5), 0.2), np.ones((1, 5, 4)), num_heads=2).shape
     (1, 3, 4)
     """
-    out = _merge_heads(matmul(weights, _split_heads(v, num_heads)))
+    xp = module_of(v)
+    weights, v = xp.ascontiguousarray(weights), xp.ascontiguousarray(v)
+    vh = _heads(v, num_heads)
+    out = xp.empty((weights.shape[0], weights.shape[2], v.shape[2]), np.result_type(weights, v))
+    outh = _heads(out, num_heads)
+    _per_batch_block(lambda lo, hi: np.matmul(weights[lo:hi], vh[lo:hi], out=outh[lo:hi]), weights)
 
     def vjp(g, needs):
-        gw = gv = None
-        if needs[0]:
-            gw = matmul(_split_heads(g, num_heads), _split_heads(v, num_heads, transpose=True))
-        if needs[1]:
-            # dv_h^T = g_h^T @ weights_h, with the transposed g as a contiguous copy.
-            gv = _merge_heads(matmul(_split_heads(g, num_heads, transpose=True), weights), transposed=True)
+        xp = module_of(g)
+        gh = _heads(xp.ascontiguousarray(g), num_heads)
+        gw = xp.empty_like(weights) if needs[0] else None
+        gv = xp.empty_like(v) if needs[1] else None
+        gvh = None if gv is None else _heads(gv, num_heads)
+
+        def backward(lo, hi):
+            if gw is not None:
+                np.matmul(gh[lo:hi], vh[lo:hi].swapaxes(-1, -2), out=gw[lo:hi])
+            if gv is not None:
+                np.matmul(weights[lo:hi].swapaxes(-1, -2), gh[lo:hi], out=gvh[lo:hi])
+
+        _per_batch_block(backward, weights)
         return gw, gv
 
     return out, vjp

@@ -1,10 +1,10 @@
 """Fused normalisation: one primitive for zero-mean/unit-variance normalisation over any
-axes (BatchNorm, LayerNorm, GroupNorm) and one for root-mean-square normalisation (RMSNorm).
+axes (BatchNorm, LayerNorm, GroupNorm), one for root-mean-square normalisation (RMSNorm),
+and one for the layers' affine map ``y * scale + bias``.
 
-Both return the normalised value only; the layers apply their affine scale and bias as array
-operations. The VJPs are the closed forms, which need only the normalised output and the
-reciprocal standard deviation, instead of the half-dozen nodes that the composition of
-mean, subtract, var, sqrt and divide would record.
+The VJPs are the closed forms, which need only the normalised output and the reciprocal
+standard deviation, instead of the half-dozen nodes that the composition of mean,
+subtract, var, sqrt and divide would record.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..ad.tape import primitive
 from ..backend import module_of
 from ..parallel import for_blocks
 
-__all__ = ["moments", "normalize", "rms_normalize"]
+__all__ = ["moments", "normalize", "rms_normalize", "scale_shift"]
 
 
 def moments(x: Any, axis: int | tuple[int, ...]) -> tuple[Any, Any]:
@@ -99,3 +99,54 @@ def rms_normalize(x, *, axis=-1, epsilon):
         return (gx,)
 
     return y, vjp
+
+
+@primitive
+def scale_shift(y, scale, bias):
+    """``y * scale + bias``, with `scale` and `bias` of the shape of y's trailing axes (a
+    normalisation layer's affine map), in one pass over each block of y. Gradients:
+    ``g * scale``, and the sums of ``g * y`` and of ``g`` over y's leading axes.
+
+    >>> scale_shift(np.ones((2, 3)), np.full(3, 2.0), np.arange(3.0)).tolist()
+    [[2.0, 3.0, 4.0], [2.0, 3.0, 4.0]]
+    """
+    if scale.shape != bias.shape or scale.shape != y.shape[y.ndim - scale.ndim :]:
+        raise ValueError(
+            f"scale_shift: expected scale and bias of the trailing shape of y {y.shape}, got {scale.shape} and {bias.shape}"
+        )
+    xp = module_of(y)
+    y = xp.ascontiguousarray(y)
+    out = xp.empty(y.shape, np.result_type(y, scale, bias))
+    # Blocks of y's leading axis, unless scale and bias cover it too.
+    run = for_blocks if scale.ndim < y.ndim else (lambda kernel, like: kernel(0, len(like)))
+
+    def forward(lo, hi):
+        np.multiply(y[lo:hi], scale, out=out[lo:hi])
+        out[lo:hi] += bias
+
+    run(forward, y)
+
+    def vjp(g, needs):
+        xp = module_of(g)
+        g = xp.ascontiguousarray(g)
+        gy = xp.empty(y.shape, np.result_type(g, scale)) if needs[0] else None
+        # One partial sum per block, added in the blocks' order: the same bits on any threads.
+        scale_sums, bias_sums = {}, {}
+
+        def backward(lo, hi):
+            gb = g[lo:hi]
+            if gy is not None:
+                np.multiply(gb, scale, out=gy[lo:hi])
+            if needs[1]:
+                scale_sums[lo] = np.sum((gb * y[lo:hi]).reshape(-1, scale.size), axis=0)
+            if needs[2]:
+                bias_sums[lo] = np.sum(gb.reshape(-1, scale.size), axis=0)
+
+        run(backward, g)
+
+        def total(sums, like):
+            return None if not sums else sum(sums[lo] for lo in sorted(sums)).reshape(like.shape).astype(like.dtype, copy=False)
+
+        return gy, total(scale_sums, scale), total(bias_sums, bias)
+
+    return out, vjp
