@@ -40,6 +40,9 @@ def test_blocks_cover_the_leading_axis_once_and_run_on_several_threads(threads):
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # no gap, no overlap
     assert len(covered) > 1
     assert len(names) > 1
+    seen.clear()
+    parallel.for_blocks(kernel, like, rows=300)  # four blocks of 250 rows, not 300, 300, 300 and 100
+    assert sorted(seen) == [(0, 250), (250, 500), (500, 750), (750, 1000)]
 
 
 def test_small_arrays_and_a_single_thread_run_on_the_caller(threads):

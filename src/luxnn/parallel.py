@@ -87,8 +87,8 @@ def for_blocks(kernel: Kernel, like: Any, *, rows: int | None = None, blas: bool
     exception a block raised. `like` ``(n, ...)`` is the array whose leading axis is cut;
     blocks must not write to the same elements.
 
-    `rows`: the rows of a block (default: about a megabyte of `like`, and one block for
-    a smaller or a CuPy array). ``blas=True``, for a kernel that calls the BLAS: the blocks
+    `rows`: the most rows of a block (default: about a megabyte of `like`, and one block
+    for a smaller or a CuPy array); the blocks are as many as that needs, of equal size. ``blas=True``, for a kernel that calls the BLAS: the blocks
     share the threads only while the BLAS can be held to one thread in each, and run one
     after another otherwise.
     """
@@ -99,7 +99,9 @@ def for_blocks(kernel: Kernel, like: Any, *, rows: int | None = None, blas: bool
             kernel(0, n)
             return
         rows = max(1, _BLOCK_BYTES * n // like.nbytes)
-    blocks = [(lo, min(n, lo + rows)) for lo in range(0, n, rows)]
+    # Blocks of equal size (within a row), so that the threads' shares are alike.
+    count = -(-n // rows)
+    blocks = [(n * i // count, n * (i + 1) // count) for i in range(count)]
     if not on_numpy or len(blocks) == 1 or (blas and (_set_blas_threads is None or _threads == 1)):
         _run_blocks(kernel, blocks)
     elif blas:
