@@ -102,7 +102,9 @@ def masked_softmax(scores, *, scale=1.0, mask=None, is_causal=False):
 # arrays (rows of d elements, `heads * d` apart), which the BLAS takes as they are, one
 # batch block per thread. They run with the BLAS on one thread even when there is a single
 # block: its threads slow stacks of small products down, several times over with strided
-# operands.
+# operands. OpenBLAS threads a product from 2^18 multiply-adds (its SMP threshold); below
+# that, holding it would only cost the calls that set its threads.
+_BLAS_THREADS_FROM = 1 << 18
 
 
 def _heads(x, num_heads):
@@ -111,9 +113,13 @@ def _heads(x, num_heads):
     return x.reshape(batch, seq, num_heads, dim // num_heads).transpose(0, 2, 1, 3)
 
 
-def _per_batch_block(kernel, like):
+def _per_batch_block(kernel, weights_like, head_dim):
+    """Run `kernel` over blocks of the batch of a ``(batch, heads, q_len, kv_len)`` array."""
+    if weights_like.shape[-2] * weights_like.shape[-1] * head_dim < _BLAS_THREADS_FROM:
+        for_blocks(kernel, weights_like, blas=True)
+        return
     with single_threaded_blas():
-        for_blocks(kernel, like, blas=True)
+        for_blocks(kernel, weights_like, blas=True)
 
 
 @primitive
@@ -145,7 +151,7 @@ def attention_weights(q, k, *, num_heads, scale=1.0, mask=None, is_causal=False)
         np.matmul(qh[lo:hi] * scale, kh[lo:hi].swapaxes(-1, -2), out=wb)
         _softmax_rows(wb, wb, None if allowed is None else allowed[lo:hi], 1.0)
 
-    _per_batch_block(forward, w)
+    _per_batch_block(forward, w, qh.shape[-1])
 
     def vjp(g, needs):
         xp = module_of(g)
@@ -161,7 +167,7 @@ def attention_weights(q, k, *, num_heads, scale=1.0, mask=None, is_causal=False)
             if gk is not None:
                 np.matmul(gs.swapaxes(-1, -2), qh[lo:hi], out=_heads(gk, num_heads)[lo:hi])
 
-        _per_batch_block(backward, g)
+        _per_batch_block(backward, g, qh.shape[-1])
         return gq, gk
 
     return w, vjp
@@ -180,7 +186,7 @@ def attention_combine(weights, v, *, num_heads):
     vh = _heads(v, num_heads)
     out = xp.empty((weights.shape[0], weights.shape[2], v.shape[2]), np.result_type(weights, v))
     outh = _heads(out, num_heads)
-    _per_batch_block(lambda lo, hi: np.matmul(weights[lo:hi], vh[lo:hi], out=outh[lo:hi]), weights)
+    _per_batch_block(lambda lo, hi: np.matmul(weights[lo:hi], vh[lo:hi], out=outh[lo:hi]), weights, vh.shape[-1])
 
     def vjp(g, needs):
         xp = module_of(g)
@@ -195,7 +201,7 @@ def attention_combine(weights, v, *, num_heads):
             if gv is not None:
                 np.matmul(weights[lo:hi].swapaxes(-1, -2), gh[lo:hi], out=gvh[lo:hi])
 
-        _per_batch_block(backward, weights)
+        _per_batch_block(backward, weights, vh.shape[-1])
         return gw, gv
 
     return out, vjp
