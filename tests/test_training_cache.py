@@ -54,9 +54,10 @@ def test_fixed_shape_steps_reach_upstream_only_while_warming_up(verb):
 
 def test_steps_whose_kernels_run_on_several_threads_stop_reaching_upstream_after_warming_up():
     # Blocks of the convolutions and the pooling run on two threads, each making its own
-    # temporaries, so which blocks are in use together varies from step to step, and now
-    # and then (in runs here, at most twice in 60 steps) a step reaches upstream after the
-    # first ones. Memory stays at the working set all the same.
+    # temporaries, so which blocks are in use together varies from step to step: now and
+    # then a later step holds more at once than the first ones did (peak live up by about
+    # a block's temporaries, in runs here) and reaches upstream (at most twice in 60 steps).
+    # The reserved memory stays at the working set all the same.
     before = lx.num_threads()
     lx.set_num_threads(2)
     try:
@@ -70,18 +71,20 @@ def test_steps_whose_kernels_run_on_several_threads_stop_reaching_upstream_after
         rng = np.random.default_rng(1)
         data = rng.standard_normal((64, 28, 28, 1)).astype(np.float32), rng.integers(0, 10, 64)
         assert 64 * 28 * 28 * 16 * 4 > 2 * lx.parallel._BLOCK_BYTES  # large enough to be cut
-        upstream, reserved = [], []
+        upstream, reserved, live = [], [], []
         for _ in range(60):
             before_step = cache.stats().upstream_allocs
             _, _, _, ts = lx.single_train_step_(AD, lx.losses.CrossEntropyLoss(), data, ts)
-            upstream.append(cache.stats().upstream_allocs - before_step)
-            reserved.append(cache.stats().peak_reserved)
+            stats = cache.stats()
+            upstream.append(stats.upstream_allocs - before_step)
+            reserved.append(stats.peak_reserved)
+            live.append(stats.peak_live)
     finally:
         lx.set_num_threads(before)
-    # A late upstream allocation is a small block two threads first needed at once, or
-    # free segments merged into one: the peak reserved stays within 1 % of the first steps'.
     assert upstream[0] > 0 and sum(upstream[3:]) <= 5, str(upstream)
-    assert reserved[-1] <= 1.01 * reserved[3], str(reserved)
+    # What a late step adds is what it needed: reserved grows with the peak live, no faster.
+    assert reserved[-1] - reserved[3] <= 1.05 * (live[-1] - live[3]) + 64 * 1024, (reserved, live)
+    assert reserved[-1] <= 1.3 * live[-1], (reserved, live)
 
 
 def test_a_step_runs_inside_the_train_states_cache_only():

@@ -10,7 +10,9 @@ axis, `padding` one ``(low, high)`` pair per axis); `conv` and `conv_transpose` 
 How a call spends its time and memory: blocks of images, each padded (only when padding is
 nonzero), its im2col matrix ``(groups, rows, prod(k)*C/groups)`` built from a strided window
 view by a single copy, one GEMM per group against the kernel, and the bias and the optional
-fused relu on the block's output rows while they are in cache. The blocks run on all of
+fused relu on the block's output rows while they are in cache (with the relu, a boolean
+mask of where it let its input through, which the backward pass keeps instead of the
+output). The blocks run on all of
 `luxnn.num_threads` at once, the BLAS single-threaded in each (`luxnn.parallel.for_blocks`),
 and are sized so that the im2col blocks in flight hold about 4 MB together: a call never
 holds the matrix of the whole batch, nor a padded copy of the whole input. The backward pass
@@ -312,6 +314,9 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
     # loops; one image's worth of bias or zeros is a long contiguous row, 2.5-4x faster.
     bias_row = None if b is None else xp.tile(b.astype(y.dtype, copy=False), per_image)
     zero_row = xp.zeros(per_image * o, y.dtype) if relu else None
+    # Where the relu let its input through: the backward pass's mask, a quarter of y's
+    # bytes (of float32), made while each block is in cache; the VJP keeps it, not y.
+    passed = xp.empty(y.shape, bool) if relu else None
     image_bytes = per_image * max(math.prod(kernel) * c, o) * y.itemsize
 
     def forward(n0, n1):
@@ -320,6 +325,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
         if b is not None:
             per_row += bias_row
         if relu:
+            np.greater(per_row, zero_row, out=passed[n0:n1].reshape(per_row.shape))
             np.maximum(per_row, zero_row, out=per_row)
 
     for_blocks(forward, y, rows=_block_images(image_bytes), blas=True)
@@ -349,7 +355,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
         dw_sums, db_sums = {}, {}
 
         def backward(n0, n1):
-            gb = g[n0:n1] * (y[n0:n1] > 0) if relu else g[n0:n1]
+            gb = g[n0:n1] * passed[n0:n1] if relu else g[n0:n1]
             ggb = _by_group(gb, groups)
             if dxpad is not None:
                 _col2im_add(dxpad[n0:n1], np.matmul(ggb, wg.transpose(0, 2, 1)), kernel, stride, dilation, out, groups)

@@ -121,8 +121,9 @@ def scale_shift(y, scale, bias):
     run = for_blocks if scale.ndim < y.ndim else (lambda kernel, like: kernel(0, len(like)))
 
     def forward(lo, hi):
-        np.multiply(y[lo:hi], scale, out=out[lo:hi])
-        out[lo:hi] += bias
+        block = out[lo:hi]  # one view (``out[lo:hi] += bias`` would also assign it back)
+        np.multiply(y[lo:hi], scale, out=block)
+        block += bias
 
     run(forward, y)
 
