@@ -231,3 +231,13 @@ def test_head_products_match_finite_differences_and_leave_inputs_alone(heads):
             plus[i][idx] += h
             minus[i][idx] -= h
             assert abs((f(*plus) - f(*minus)) / (2 * h) - g[idx]) < 1e-6
+
+
+def test_attention_weights_rejects_a_bad_scale_or_mask():
+    from luxnn.ops.attention import attention_weights
+
+    q = np.ones((2, 3, 4))
+    with pytest.raises(ValueError, match="attention_weights: scale must be positive, got 0"):
+        attention_weights(q, q, num_heads=2, scale=0)
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 2\) does not broadcast to the scores' \(2, 2, 3, 3\)"):
+        attention_weights(q, q, num_heads=2, mask=np.ones((3, 2), bool))

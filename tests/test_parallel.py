@@ -220,6 +220,21 @@ def test_a_step_holds_the_blas_to_one_thread_from_its_first_threaded_kernel_to_i
         assert blas_threads() == before
 
 
+def test_single_threaded_blas_nests_and_is_a_no_op_where_the_threads_cannot_be_set(monkeypatch):
+    before = blas_threads()
+    with parallel.single_threaded_blas():
+        inside = blas_threads()
+        with parallel.single_threaded_blas():
+            assert blas_threads() == inside
+        assert blas_threads() == inside  # the inner exit left it to the outer one
+    assert blas_threads() == before
+    if parallel._set_blas_threads is not None:
+        assert inside == [1] * len(before)
+    monkeypatch.setattr(parallel, "_set_blas_threads", None)
+    with parallel.single_threaded_blas():
+        assert blas_threads() == before
+
+
 def test_a_kernel_that_calls_the_blas_runs_its_blocks_in_order_when_the_blas_cannot_be_held(threads, monkeypatch):
     threads(2)
     monkeypatch.setattr(parallel, "_set_blas_threads", None)
