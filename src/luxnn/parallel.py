@@ -88,9 +88,9 @@ def for_blocks(kernel: Kernel, like: Any, *, rows: int | None = None, blas: bool
     blocks must not write to the same elements.
 
     `rows`: the most rows of a block (default: about a megabyte of `like`, and one block
-    for a smaller or a CuPy array); the blocks are as many as that needs, of equal size. ``blas=True``, for a kernel that calls the BLAS: the blocks
-    share the threads only while the BLAS can be held to one thread in each, and run one
-    after another otherwise.
+    for a smaller or a CuPy array); the blocks are as many as that needs, of equal size.
+    ``blas=True``, for a kernel that calls the BLAS: the blocks share the threads only
+    while the BLAS can be held to one thread in each, and run one after another otherwise.
     """
     n = like.shape[0]
     on_numpy = type(like) is np.ndarray
