@@ -1,7 +1,9 @@
 """Blocked, multi-threaded NumPy kernels (luxnn.parallel) and the kernels that use them."""
 
+import functools
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -43,6 +45,21 @@ def test_blocks_cover_the_leading_axis_once_and_run_on_several_threads(threads):
     seen.clear()
     parallel.for_blocks(kernel, like, rows=300)  # four blocks of 250 rows, not 300, 300, 300 and 100
     assert sorted(seen) == [(0, 250), (250, 500), (500, 750), (750, 1000)]
+
+
+def test_no_thread_keeps_a_kernel_or_its_arrays_alive_once_the_blocks_are_done(threads):
+    threads(2)
+    like = np.zeros((4, MiB // 4), np.float32)  # four blocks: some run on the worker
+    alive = weakref.ref(like)
+
+    def add_one(a, lo, hi):
+        a[lo:hi] += 1
+
+    kernel = functools.partial(add_one, like)  # holds the array itself, as a closure's cell would
+    parallel.for_blocks(kernel, like)
+    assert like.min() == 1
+    del kernel, like
+    assert alive() is None  # the worker waiting for its next task holds nothing of this one
 
 
 def test_small_arrays_and_a_single_thread_run_on_the_caller(threads):

@@ -202,7 +202,11 @@ class _Workers:
                 task.run()
             except BaseException as error:  # noqa: BLE001 - handed to the caller
                 task.error = error
+            # Neither the task nor this thread may keep the kernel (and the arrays it closes
+            # over) alive while the thread waits for the next one: that could be a whole step.
+            task.run = None
             task.finished.set()
+            del task
 
     def _next(self) -> _Task | None:
         """The next task, or None once the pool is closed and every task is taken."""
