@@ -241,3 +241,20 @@ def test_attention_weights_rejects_a_bad_scale_or_mask():
         attention_weights(q, q, num_heads=2, scale=0)
     with pytest.raises(ValueError, match=r"mask of shape \(3, 2\) does not broadcast to the scores' \(2, 2, 3, 3\)"):
         attention_weights(q, q, num_heads=2, mask=np.ones((3, 2), bool))
+    with pytest.raises(ValueError, match="attention_weights: expected a boolean mask, got dtype int64"):
+        attention_weights(q, q, num_heads=2, mask=np.ones((3, 3), np.int64), is_causal=True)
+    expected = r"expected q \(batch, q_len, 2 \* d\) and k \(batch, kv_len, 2 \* d\), got shapes \(2, 3, 4\) and \(1, 3, 4\)"
+    with pytest.raises(ValueError, match=expected):
+        attention_weights(q, q[:1], num_heads=2)
+    with pytest.raises(ValueError, match=r"got shapes \(2, 3, 4\) and \(2, 3, 4\)"):
+        attention_weights(q, q, num_heads=3)
+
+
+def test_attention_combine_rejects_shapes_that_do_not_fit():
+    from luxnn.ops.attention import attention_combine
+
+    w, v = np.ones((2, 2, 3, 5)), np.ones((2, 5, 4))
+    assert attention_combine(w, v, num_heads=2).shape == (2, 3, 4)
+    for bad_w, bad_v, heads in [(w, v[:, :4], 2), (w, v, 4), (w[0], v, 2), (w, v[:1], 2)]:
+        with pytest.raises(ValueError, match="attention_combine: expected weights"):
+            attention_combine(bad_w, bad_v, num_heads=heads)

@@ -47,6 +47,14 @@ def test_blocks_cover_the_leading_axis_once_and_run_on_several_threads(threads):
     assert sorted(seen) == [(0, 250), (250, 500), (500, 750), (750, 1000)]
 
 
+def test_an_empty_leading_axis_is_one_empty_block(threads):
+    threads(3)
+    calls = []
+    parallel.for_blocks(lambda lo, hi: calls.append((lo, hi)), np.empty((0, 4)), rows=2, blas=True)
+    parallel.for_blocks(lambda lo, hi: calls.append((lo, hi)), np.empty((0, 4)))
+    assert calls == [(0, 0), (0, 0)]
+
+
 def test_no_thread_keeps_a_kernel_or_its_arrays_alive_once_the_blocks_are_done(threads):
     threads(2)
     like = np.zeros((4, MiB // 4), np.float32)  # four blocks: some run on the worker
@@ -237,6 +245,24 @@ def test_a_step_holds_the_blas_to_one_thread_from_its_first_threaded_kernel_to_i
         assert blas_threads() == before
 
 
+def test_attention_on_one_sequence_shares_its_heads_out(threads, monkeypatch):
+    from luxnn.ops import attention
+
+    threads(2)
+    names = set()
+    softmax_rows = attention._softmax_rows
+
+    def recording(*args):
+        names.add(threading.current_thread().name)
+        softmax_rows(*args)
+
+    monkeypatch.setattr(attention, "_softmax_rows", recording)
+    x = np.random.default_rng(0).standard_normal((1, 512, 256)).astype(np.float32)  # 8 MiB of weights
+    w = attention_weights(x, x, num_heads=8)
+    assert len(names) == 2
+    np.testing.assert_allclose(w.sum(-1), 1, rtol=1e-5)
+
+
 def test_single_threaded_blas_nests_and_is_a_no_op_where_the_threads_cannot_be_set(monkeypatch):
     before = blas_threads()
     with parallel.single_threaded_blas():
@@ -282,6 +308,10 @@ KERNELS = {
     "attention": (
         lambda x: attention_combine(attention_weights(x, x, num_heads=4, scale=0.1, is_causal=True), x, num_heads=4),
         (16, 128, 256),
+    ),
+    "attention, one sequence": (
+        lambda x: attention_combine(attention_weights(x, x, num_heads=8, scale=0.05), x, num_heads=8),
+        (1, 1024, 512),
     ),
     "layernorm": (lambda x: ops.normalize(x, axis=-1, epsilon=1e-5), (64, 64, 256)),
     "scale and shift": (lambda x: ops.scale_shift(x, x[0, 0] + 1, x[1, 1]), (64, 64, 256)),

@@ -100,7 +100,7 @@ def for_blocks(kernel: Kernel, like: Any, *, rows: int | None = None, blas: bool
             return
         rows = max(1, _BLOCK_BYTES * n // like.nbytes)
     # Blocks of equal size (within a row), so that the threads' shares are alike.
-    count = -(-n // rows)
+    count = max(1, -(-n // rows))  # an empty axis is one empty block
     blocks = [(n * i // count, n * (i + 1) // count) for i in range(count)]
     if not on_numpy or len(blocks) == 1 or (blas and (_set_blas_threads is None or _threads == 1)):
         _run_blocks(kernel, blocks)

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from ..parallel import for_blocks, single_threaded_blas
+from ..parallel import for_blocks, num_threads, single_threaded_blas
 
 __all__ = ["masked_softmax", "attention_weights", "attention_combine"]
 
@@ -22,6 +22,8 @@ def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
 def _allowed(mask, is_causal, shape, xp, who):
     """The keys each query may attend to, as a boolean view broadcast to the scores'
     `shape` (cut into blocks with them), or None when every key is allowed."""
+    if mask is not None and mask.dtype != bool:
+        raise ValueError(f"{who}: expected a boolean mask, got dtype {mask.dtype}")
     allowed = mask
     if is_causal:
         past = xp.tril(xp.ones(shape[-2:], bool))
@@ -87,7 +89,8 @@ def masked_softmax(scores, *, scale=1.0, mask=None, is_causal=False):
     allowed = _allowed(mask, is_causal, scores.shape, xp, "masked_softmax")
     scores = xp.ascontiguousarray(scores)
     w = xp.empty_like(scores)
-    for_blocks(lambda lo, hi: _softmax_rows(scores[lo:hi], w[lo:hi], None if allowed is None else allowed[lo:hi], scale), w)
+    # blas=True: the rows' sums are BLAS products.
+    for_blocks(lambda lo, hi: _softmax_rows(scores[lo:hi], w[lo:hi], None if allowed is None else allowed[lo:hi], scale), w, blas=True)
 
     def vjp(g, needs):
         g = module_of(g).ascontiguousarray(g)
@@ -100,10 +103,11 @@ def masked_softmax(scores, *, scale=1.0, mask=None, is_causal=False):
 
 # The products below multiply per-head matrices that are views into (batch, seq, heads * d)
 # arrays (rows of d elements, `heads * d` apart), which the BLAS takes as they are, one
-# batch block per thread. They run with the BLAS on one thread even when there is a single
-# block: its threads slow stacks of small products down, several times over with strided
-# operands. OpenBLAS threads a product from 2^18 multiply-adds (its SMP threshold); below
-# that, holding it would only cost the calls that set its threads.
+# block of the batch (or of the heads, for a batch smaller than the threads) per thread.
+# They run with the BLAS on one thread even when there is a single block: its threads slow
+# stacks of small products down, several times over with strided operands. OpenBLAS
+# threads a product from 2^18 multiply-adds (its SMP threshold); below that, holding it
+# would only cost the calls that set its threads.
 _BLAS_THREADS_FROM = 1 << 18
 
 
@@ -113,13 +117,25 @@ def _heads(x, num_heads):
     return x.reshape(batch, seq, num_heads, dim // num_heads).transpose(0, 2, 1, 3)
 
 
-def _per_batch_block(kernel, weights_like, head_dim):
-    """Run `kernel` over blocks of the batch of a ``(batch, heads, q_len, kv_len)`` array."""
-    if weights_like.shape[-2] * weights_like.shape[-1] * head_dim < _BLAS_THREADS_FROM:
-        for_blocks(kernel, weights_like, blas=True)
+def _check_heads(who, q, k, num_heads):
+    if len(q.shape) != 3 or len(k.shape) != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[2] % num_heads:
+        raise ValueError(
+            f"{who}: expected q (batch, q_len, {num_heads} * d) and k (batch, kv_len, {num_heads} * d), got shapes {q.shape} and {k.shape}"
+        )
+
+
+def _head_blocks(kernel, weights, head_dim):
+    """Call ``kernel(index)`` for blocks of the (batch, heads) pairs of `weights` ``(batch,
+    heads, q_len, kv_len)``, on all threads: `index` selects a block of the batch, or of the
+    heads of every sequence when the batch is smaller than the threads (one sequence)."""
+    by_heads = weights.shape[0] < num_threads()
+    like = weights.swapaxes(0, 1) if by_heads else weights
+    block = (lambda lo, hi: kernel((slice(None), slice(lo, hi)))) if by_heads else (lambda lo, hi: kernel((slice(lo, hi),)))
+    if type(weights) is not np.ndarray or weights.shape[-2] * weights.shape[-1] * head_dim < _BLAS_THREADS_FROM:
+        for_blocks(block, like, blas=True)
         return
     with single_threaded_blas():
-        for_blocks(kernel, weights_like, blas=True)
+        for_blocks(block, like, blas=True)
 
 
 @primitive
@@ -128,8 +144,9 @@ def attention_weights(q, k, *, num_heads, scale=1.0, mask=None, is_causal=False)
     `is_causal` allow (as `masked_softmax`): q ``(batch, q_len, heads * d)`` and k
     ``(batch, kv_len, heads * d)`` -> weights ``(batch, heads, q_len, kv_len)``.
 
-    Each block of the batch is multiplied and normalised while it is in the cache; the
-    scores are never a separate array. Gradient: the softmax's, then two products per head.
+    The scores are never a separate array: each block of heads is multiplied and
+    normalised in turn, its weights still in the cache when they are a megabyte or so.
+    Gradient: the softmax's, then two products per head.
 
     >>> w = attention_weights(np.ones((1, 2, 4)), np.ones((1, 3, 4)), num_heads=2)
     >>> w.shape, w.sum(-1).tolist()
@@ -137,6 +154,7 @@ def attention_weights(q, k, *, num_heads, scale=1.0, mask=None, is_causal=False)
     """
     if not scale > 0:
         raise ValueError(f"attention_weights: scale must be positive, got {scale!r}")
+    _check_heads("attention_weights", q, k, num_heads)
     xp = module_of(q)
     q, k = xp.ascontiguousarray(q), xp.ascontiguousarray(k)
     (batch, q_len, _), kv_len = q.shape, k.shape[1]
@@ -145,29 +163,30 @@ def attention_weights(q, k, *, num_heads, scale=1.0, mask=None, is_causal=False)
     qh, kh = _heads(q, num_heads), _heads(k, num_heads)
     w = xp.empty(shape, np.result_type(q, k))
 
-    def forward(lo, hi):
-        wb = w[lo:hi]
+    def forward(i):
         # Scaling q, not the scores: q_len * d numbers instead of q_len * kv_len per head.
-        np.matmul(qh[lo:hi] * scale, kh[lo:hi].swapaxes(-1, -2), out=wb)
-        _softmax_rows(wb, wb, None if allowed is None else allowed[lo:hi], 1.0)
+        np.matmul(qh[i] * scale, kh[i].swapaxes(-1, -2), out=w[i])
+        _softmax_rows(w[i], w[i], None if allowed is None else allowed[i], 1.0)
 
-    _per_batch_block(forward, w, qh.shape[-1])
+    _head_blocks(forward, w, qh.shape[-1])
 
     def vjp(g, needs):
         xp = module_of(g)
         g = xp.ascontiguousarray(g)
         gq = xp.empty_like(q) if needs[0] else None
         gk = xp.empty_like(k) if needs[1] else None
+        gqh = None if gq is None else _heads(gq, num_heads)
+        gkh = None if gk is None else _heads(gk, num_heads)
 
-        def backward(lo, hi):
-            gs = xp.empty_like(g[lo:hi])  # d(scale * scores), one block
-            _softmax_grad_rows(g[lo:hi], w[lo:hi], gs, scale)
-            if gq is not None:
-                np.matmul(gs, kh[lo:hi], out=_heads(gq, num_heads)[lo:hi])
-            if gk is not None:
-                np.matmul(gs.swapaxes(-1, -2), qh[lo:hi], out=_heads(gk, num_heads)[lo:hi])
+        def backward(i):
+            gs = xp.empty_like(g[i])  # d(scale * scores), one block
+            _softmax_grad_rows(g[i], w[i], gs, scale)
+            if gqh is not None:
+                np.matmul(gs, kh[i], out=gqh[i])
+            if gkh is not None:
+                np.matmul(gs.swapaxes(-1, -2), qh[i], out=gkh[i])
 
-        _per_batch_block(backward, g, qh.shape[-1])
+        _head_blocks(backward, g, qh.shape[-1])
         return gq, gk
 
     return w, vjp
@@ -181,12 +200,19 @@ def attention_combine(weights, v, *, num_heads):
     >>> attention_combine(np.full((1, 2, 3, 5), 0.2), np.ones((1, 5, 4)), num_heads=2).shape
     (1, 3, 4)
     """
+    w_shape, v_shape = weights.shape, v.shape
+    fits = len(w_shape) == 4 and len(v_shape) == 3 and w_shape[1] == num_heads
+    if not fits or (w_shape[0], w_shape[3]) != v_shape[:2] or v_shape[2] % num_heads:
+        raise ValueError(
+            f"attention_combine: expected weights (batch, {num_heads}, q_len, kv_len) and v (batch, kv_len, {num_heads} * d), "
+            f"got shapes {w_shape} and {v_shape}"
+        )
     xp = module_of(v)
     weights, v = xp.ascontiguousarray(weights), xp.ascontiguousarray(v)
     vh = _heads(v, num_heads)
     out = xp.empty((weights.shape[0], weights.shape[2], v.shape[2]), np.result_type(weights, v))
     outh = _heads(out, num_heads)
-    _per_batch_block(lambda lo, hi: np.matmul(weights[lo:hi], vh[lo:hi], out=outh[lo:hi]), weights, vh.shape[-1])
+    _head_blocks(lambda i: np.matmul(weights[i], vh[i], out=outh[i]), weights, vh.shape[-1])
 
     def vjp(g, needs):
         xp = module_of(g)
@@ -195,13 +221,13 @@ def attention_combine(weights, v, *, num_heads):
         gv = xp.empty_like(v) if needs[1] else None
         gvh = None if gv is None else _heads(gv, num_heads)
 
-        def backward(lo, hi):
+        def backward(i):
             if gw is not None:
-                np.matmul(gh[lo:hi], vh[lo:hi].swapaxes(-1, -2), out=gw[lo:hi])
-            if gv is not None:
-                np.matmul(weights[lo:hi].swapaxes(-1, -2), gh[lo:hi], out=gvh[lo:hi])
+                np.matmul(gh[i], vh[i].swapaxes(-1, -2), out=gw[i])
+            if gvh is not None:
+                np.matmul(weights[i].swapaxes(-1, -2), gh[i], out=gvh[i])
 
-        _per_batch_block(backward, weights, vh.shape[-1])
+        _head_blocks(backward, weights, vh.shape[-1])
         return gw, gv
 
     return out, vjp

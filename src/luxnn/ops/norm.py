@@ -9,6 +9,7 @@ subtract, var, sqrt and divide would record.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -33,6 +34,11 @@ def moments(x: Any, axis: int | tuple[int, ...]) -> tuple[Any, Any]:
     centred = x - mean
     centred *= centred
     return mean, np.mean(centred, axis=axis, keepdims=True)
+
+
+def _at_once(kernel, like):
+    """A block kernel called once over the whole leading axis of `like`."""
+    kernel(0, len(like))
 
 
 @primitive
@@ -68,8 +74,8 @@ def normalize(x, *, axis, epsilon, stats=None):
         xh *= r
 
     # Blocks of the leading axis are independent unless it is normalised over (BatchNorm,
-    # which also passes whole-array stats).
-    run = (lambda kernel, like: kernel(0, len(like))) if 0 in axes or stats is not None else for_blocks
+    # which also passes whole-array stats). The rows' sums are BLAS products (blas=True).
+    run = _at_once if 0 in axes or stats is not None else functools.partial(for_blocks, blas=bool(row))
     run(forward, x)
 
     def vjp(g, needs):
@@ -99,7 +105,11 @@ def _normalize_rows(x, epsilon, xhat, rstd):
     """``xhat = (x - mean) * rstd`` and ``rstd = 1 / sqrt(var + epsilon)`` over the rows of
     the matrix `x` (into `xhat` and the column `rstd`); the variance from the centred rows."""
     n = x.shape[1]
-    np.subtract(x, (x @ module_of(x).ones(n, x.dtype))[:, None] / n, out=xhat)
+    ones = module_of(x).ones(n, x.dtype)
+    np.subtract(x, (x @ ones)[:, None] / n, out=xhat)
+    # What the first mean's rounding left, taken out: a row's mean can be far larger than
+    # its spread, and the products sum without NumPy's pairwise summation.
+    xhat -= (xhat @ ones)[:, None] / n
     np.divide(np.einsum("ij,ij->i", xhat, xhat)[:, None], n, out=rstd)
     rstd += epsilon
     np.sqrt(rstd, out=rstd)
@@ -151,7 +161,7 @@ def scale_shift(y, scale, bias):
     y = xp.ascontiguousarray(y)
     out = xp.empty(y.shape, np.result_type(y, scale, bias))
     # Blocks of y's leading axis, unless scale and bias cover it too.
-    run = for_blocks if scale.ndim < y.ndim else (lambda kernel, like: kernel(0, len(like)))
+    run = for_blocks if scale.ndim < y.ndim else _at_once
 
     def forward(lo, hi):
         block = out[lo:hi]  # one view (``out[lo:hi] += bias`` would also assign it back)
