@@ -67,7 +67,8 @@ def num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Run kernels and cut products on `n` threads from now on (1: on the calling thread,
-    products threaded by the BLAS as it is set), as ``torch.set_num_threads``.
+    products threaded by the BLAS as it is set, but for attention's stacks of per-head
+    products, which its threads only slow down), as ``torch.set_num_threads``.
 
     >>> set_num_threads(num_threads())  # unchanged
     """
