@@ -56,9 +56,9 @@ def test_steps_whose_kernels_run_on_several_threads_stop_reaching_upstream_after
     # Blocks of the convolutions and the pooling run on two threads, each making its own
     # temporaries, so which blocks are in use together, and where they lie in the cache's
     # segments, varies from step to step: now and then a later step finds no free piece
-    # that fits and reaches upstream (in runs here: twice in 60 steps, one block of the
-    # step's largest size and one small one, taking reserved from 1.28x to 1.47x the peak
-    # live bytes). It stays bounded all the same.
+    # that fits and reaches upstream (in runs here: at most once in 60 steps, a small
+    # block; the im2col buffers, the largest temporaries, are made before the threads
+    # start, see luxnn.ops.conv). Memory stays at the working set all the same.
     before = lx.num_threads()
     lx.set_num_threads(2)
     try:
@@ -82,9 +82,9 @@ def test_steps_whose_kernels_run_on_several_threads_stop_reaching_upstream_after
             live.append(stats.peak_live)
     finally:
         lx.set_num_threads(before)
-    assert upstream[0] > 0 and sum(upstream[1:]) <= 5, str(upstream)
-    assert reserved[-1] <= 1.2 * reserved[0], (reserved, live)
-    assert reserved[-1] <= 1.6 * live[-1], (reserved, live)
+    assert upstream[0] > 0 and sum(upstream[3:]) <= 5, str(upstream)
+    assert reserved[-1] <= 1.01 * reserved[3], (reserved, live)
+    assert reserved[-1] <= 1.35 * live[-1], (reserved, live)
 
 
 def test_a_step_runs_inside_the_train_states_cache_only():

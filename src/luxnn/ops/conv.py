@@ -15,7 +15,9 @@ mask of where it let its input through, which the backward pass keeps instead of
 output). The blocks run on all of
 `luxnn.num_threads` at once, the BLAS single-threaded in each (`luxnn.parallel.for_blocks`),
 and are sized so that the im2col blocks in flight hold about 4 MB together: a call never
-holds the matrix of the whole batch, nor a padded copy of the whole input. The backward pass
+holds the matrix of the whole batch, nor a padded copy of the whole input. The im2col
+blocks are built in buffers the call makes before its blocks start, one per thread, so that
+the cache sees the same requests in the same order every step. The backward pass
 makes one pass over blocks of images: the relu mask, the bias gradient, the input gradient
 (skipped when the input is not differentiated) and the weight gradient, a GEMM against the
 block's im2col matrix, rebuilt rather than kept from the forward pass; each thread sums the
@@ -36,9 +38,11 @@ col2im, its backward the im2col GEMMs of the output gradient.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -99,32 +103,70 @@ def window_slices(offset: tuple[int, ...], stride: tuple[int, ...], dilation: tu
     )
 
 
-def _im2col(xpad: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int) -> Any:
+def _im2col(
+    xpad: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int,
+    into: Any = None,
+) -> Any:  # fmt: skip
     """The im2col matrix ``(groups, N*prod(out), prod(kernel)*C/groups)`` of `xpad`: a strided
-    window view ``(N, *out, *kernel, C)`` of the input, copied once by the reshape (no copy at
-    all for a 1x1 kernel at stride 1, where the view already is the matrix)."""
+    window view ``(N, *out, *kernel, C)`` of the input, copied once, into the front of the
+    flat buffer `into` if given (no copy at all for a 1x1 kernel at stride 1 without groups,
+    where the view already is the matrix)."""
     xp = module_of(xpad)
     n, c = xpad.shape[0], xpad.shape[-1]
     sn, *ss, sc = xpad.strides
     cg = c // groups
     rows, width = n * math.prod(out), math.prod(kernel) * cg
+    cols = None if into is None else into[: groups * rows * width]
     if cg == 1 and out[-1] > kernel[-1]:
         # One channel per group (a first layer on grey images, a depthwise conv): the view's
         # contiguous runs would be one kernel row, a few elements long, so fill the buffer one
         # kernel offset at a time instead, whose runs are whole output rows. 3x faster.
-        cols = xp.empty((groups, n, *out, *kernel), xpad.dtype)
+        cols = xp.empty(groups * rows * width, xpad.dtype) if cols is None else cols
+        grid = cols.reshape(groups, n, *out, *kernel)
         lead = (slice(None),) * (2 + len(out))
         for offset in itertools.product(*map(range, kernel)):
-            cols[lead + offset] = np.moveaxis(xpad[window_slices(offset, stride, dilation, out)], -1, 0)
+            grid[lead + offset] = np.moveaxis(xpad[window_slices(offset, stride, dilation, out)], -1, 0)
         return cols.reshape(groups, rows, width)
     view = xp.lib.stride_tricks.as_strided(
         xpad,
         (n, *out, *kernel, groups, cg),
         (sn, *(a * s for a, s in zip(ss, stride)), *(a * d for a, d in zip(ss, dilation)), cg * sc, sc),
     )
-    if groups > 1:
-        view = np.moveaxis(view, -2, 0)
-    return view.reshape(groups, rows, width)
+    if groups == 1 and all(k == 1 for k in kernel) and all(s == 1 for s in stride) and xpad.flags.c_contiguous:
+        return view.reshape(1, rows, width)
+    cols = xp.empty(groups * rows * width, xpad.dtype) if cols is None else cols
+    np.copyto(cols.reshape(groups, n, *out, *kernel, cg), np.moveaxis(view, -2, 0))
+    return cols.reshape(groups, rows, width)
+
+
+class _ColumnBuffers:
+    """A call's im2col buffers, one per thread its blocks run on, made by the caller before
+    the blocks start. A block's largest temporary then lies where it lay in the step before,
+    whichever thread runs the block when: made by the blocks themselves, in an order that
+    varied with the threads' timing, it now and then found no free piece of the cache that
+    fitted, and the cache took a new segment from the system late in training."""
+
+    def __init__(self, xp: Any, count: int, size: int, dtype: Any) -> None:
+        self._free = [xp.empty(size, dtype) for _ in range(count)]
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[Any]:
+        with self._lock:
+            buffer = self._free.pop()
+        try:
+            yield buffer
+        finally:
+            with self._lock:
+                self._free.append(buffer)
+
+
+def _column_buffers(xp: Any, n: int, rows: int, per_image: int, dtype: Any) -> _ColumnBuffers:
+    """Buffers for blocks of at most `rows` of `n` images, `per_image` elements each, as
+    `luxnn.parallel.for_blocks` cuts them (equal blocks, as many as the limit needs)."""
+    blocks = max(1, -(-n // rows))
+    threads = num_threads() if xp is np else 1  # blocks of CuPy arrays run one after another
+    return _ColumnBuffers(xp, min(blocks, threads), -(-n // blocks) * per_image, dtype)
 
 
 def _channel_sum(g: Any, channels: int) -> Any:
@@ -201,12 +243,15 @@ def _pad_or_crop(x: Any, padding: Pairs) -> Any:
     return pad_spatial(x[crop], tuple((max(lo, 0), max(hi, 0)) for lo, hi in padding))
 
 
-def _correlate(x: Any, padding: Pairs, wg: Any, y: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], groups: int) -> None:
+def _correlate(
+    x: Any, padding: Pairs, wg: Any, y: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], groups: int,
+    into: Any = None,
+) -> None:  # fmt: skip
     """The cross-correlation of `x` ``(n, *spatial, C)``, padded by `padding` (see
     `_pad_or_crop`), with the grouped kernel `wg` ``(groups, prod(kernel)*C/groups, O/groups)``,
     written into `y` ``(n, *out, O)``: one im2col matrix, one GEMM per group. Called with a
     block of images, so that the matrix, about ``prod(kernel)`` times `x`, stays small."""
-    cols = _im2col(_pad_or_crop(x, padding), kernel, stride, dilation, y.shape[1:-1], groups)
+    cols = _im2col(_pad_or_crop(x, padding), kernel, stride, dilation, y.shape[1:-1], groups, into)
     np.matmul(cols, wg, out=_by_group(y, groups))
 
 
@@ -318,9 +363,12 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
     # bytes (of float32), made while each block is in cache; the VJP keeps it, not y.
     passed = xp.empty(y.shape, bool) if relu else None
     image_bytes = per_image * max(math.prod(kernel) * c, o) * y.itemsize
+    rows = _block_images(image_bytes)
+    buffers = _column_buffers(xp, n, rows, per_image * math.prod(kernel) * c, x.dtype)
 
     def forward(n0, n1):
-        _correlate(x[n0:n1], padding, wg, y[n0:n1], kernel, stride, dilation, groups)
+        with buffers.take() as cols:
+            _correlate(x[n0:n1], padding, wg, y[n0:n1], kernel, stride, dilation, groups, cols)
         per_row = y[n0:n1].reshape(n1 - n0, per_image * o)
         if b is not None:
             per_row += bias_row
@@ -328,7 +376,8 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
             np.greater(per_row, zero_row, out=passed[n0:n1].reshape(per_row.shape))
             np.maximum(per_row, zero_row, out=per_row)
 
-    for_blocks(forward, y, rows=_block_images(image_bytes), blas=True)
+    for_blocks(forward, y, rows=rows, blas=True)
+    del buffers
 
     def vjp(g, needs):
         # One pass over the blocks does everything a block of images needs: its relu mask
@@ -339,6 +388,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
         g = xp.ascontiguousarray(g)
         dx = dxpad = None
         block_bytes = image_bytes
+        cols_per_image = per_image * math.prod(kernel) * c if needs[1] else 0
         if needs[0] and all(s == 1 for s in stride):
             # dx[i] = sum_k g[i - k*dilation + low]·w[k]: the correlation of g, padded by the
             # dilated kernel's extent less the forward's padding, with the flipped kernel,
@@ -348,28 +398,33 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
             wf = _grouped_kernel(_flipped_kernel(w, groups), groups)
             dx = xp.empty(x.shape, g.dtype)
             block_bytes = max(block_bytes, math.prod(in_sizes) * math.prod(kernel) * o * g.itemsize)
+            cols_per_image = max(cols_per_image, math.prod(in_sizes) * math.prod(kernel) * o)
         elif needs[0]:
             dxpad = xp.zeros((n, *(s + lo + hi for s, (lo, hi) in zip(in_sizes, padding)), c), g.dtype)
             dx = crop_spatial(dxpad, in_sizes, padding)
         # The weight and bias gradients sum over every block: each thread sums its own blocks.
         dw_sums, db_sums = {}, {}
 
+        rows = _block_images(block_bytes)
+        buffers = _column_buffers(xp, n, rows, cols_per_image, np.result_type(x.dtype, g.dtype))
+
         def backward(n0, n1):
             gb = g[n0:n1] * passed[n0:n1] if relu else g[n0:n1]
             ggb = _by_group(gb, groups)
-            if dxpad is not None:
-                _col2im_add(dxpad[n0:n1], np.matmul(ggb, wg.transpose(0, 2, 1)), kernel, stride, dilation, out, groups)
-            elif dx is not None:
-                _correlate(gb, g_padding, wf, dx[n0:n1], kernel, stride, dilation, groups)
             thread = threading.get_ident()
-            if needs[1]:
-                cols = _im2col(_pad_or_crop(x[n0:n1], padding), kernel, stride, dilation, out, groups)
-                _accumulate(dw_sums, thread, np.matmul(cols.transpose(0, 2, 1), ggb))
-                del cols
+            with buffers.take() as cols:
+                if dxpad is not None:
+                    _col2im_add(dxpad[n0:n1], np.matmul(ggb, wg.transpose(0, 2, 1)), kernel, stride, dilation, out, groups)
+                elif dx is not None:
+                    _correlate(gb, g_padding, wf, dx[n0:n1], kernel, stride, dilation, groups, cols)
+                if needs[1]:
+                    xcols = _im2col(_pad_or_crop(x[n0:n1], padding), kernel, stride, dilation, out, groups, cols)
+                    _accumulate(dw_sums, thread, np.matmul(xcols.transpose(0, 2, 1), ggb))
             if needs[2]:
                 _accumulate(db_sums, thread, _channel_sum(gb, o))
 
-        for_blocks(backward, g, rows=_block_images(block_bytes), blas=True)
+        for_blocks(backward, g, rows=rows, blas=True)
+        del buffers
         dw = xp.zeros(w.shape, g.dtype) if needs[1] else None
         db = xp.zeros(o, g.dtype) if needs[2] else None
         for part in dw_sums.values():
