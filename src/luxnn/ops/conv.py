@@ -377,7 +377,6 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
             np.maximum(per_row, zero_row, out=per_row)
 
     for_blocks(forward, y, rows=rows, blas=True)
-    del buffers
 
     def vjp(g, needs):
         # One pass over the blocks does everything a block of images needs: its relu mask
@@ -424,7 +423,6 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
                 _accumulate(db_sums, thread, _channel_sum(gb, o))
 
         for_blocks(backward, g, rows=rows, blas=True)
-        del buffers
         dw = xp.zeros(w.shape, g.dtype) if needs[1] else None
         db = xp.zeros(o, g.dtype) if needs[2] else None
         for part in dw_sums.values():
