@@ -132,26 +132,37 @@ def _im2col(
         (n, *out, *kernel, groups, cg),
         (sn, *(a * s for a, s in zip(ss, stride)), *(a * d for a, d in zip(ss, dilation)), cg * sc, sc),
     )
-    if groups == 1 and all(k == 1 for k in kernel) and all(s == 1 for s in stride) and xpad.flags.c_contiguous:
-        return view.reshape(1, rows, width)
-    cols = xp.empty(groups * rows * width, xpad.dtype) if cols is None else cols
-    np.copyto(cols.reshape(groups, n, *out, *kernel, cg), np.moveaxis(view, -2, 0))
+    if groups > 1:
+        view = np.moveaxis(view, -2, 0)
+    if cols is None or (groups == 1 and all(k == 1 for k in kernel) and all(s == 1 for s in stride) and xpad.flags.c_contiguous):
+        return view.reshape(groups, rows, width)  # a copy where the window view is not the matrix already
+    np.copyto(cols.reshape(groups, n, *out, *kernel, cg), view.reshape(groups, n, *out, *kernel, cg))
     return cols.reshape(groups, rows, width)
 
 
 class _ColumnBuffers:
-    """A call's im2col buffers, one per thread its blocks run on, made by the caller before
-    the blocks start. A block's largest temporary then lies where it lay in the step before,
-    whichever thread runs the block when: made by the blocks themselves, in an order that
-    varied with the threads' timing, it now and then found no free piece of the cache that
-    fitted, and the cache took a new segment from the system late in training."""
+    """A call's im2col buffers, one per thread its blocks are shared out to, made by the
+    caller before the blocks start. A block's largest temporary then lies where it lay in
+    the step before, whichever thread runs the block when: made by the blocks themselves, in
+    an order that varied with the threads' timing, it now and then found no free piece of
+    the cache that fitted, and the cache took a new segment from the system late in
+    training. Blocks that run one after another on the caller (a single block, one thread,
+    CuPy arrays) make their own, in the same order every time: ``take()`` gives None."""
 
-    def __init__(self, xp: Any, count: int, size: int, dtype: Any) -> None:
-        self._free = [xp.empty(size, dtype) for _ in range(count)]
+    def __init__(self, xp: Any, n: int, rows: int, per_image: int, dtype: Any) -> None:
+        """For blocks of at most `rows` of `n` images, `per_image` elements each, as
+        `luxnn.parallel.for_blocks` cuts them (equal blocks, as many as the limit needs)."""
+        blocks, threads = max(1, -(-n // rows)), num_threads()
+        shared = xp is np and blocks > 1 and threads > 1
+        size = -(-n // blocks) * per_image
+        self._free = [xp.empty(size, dtype) for _ in range(min(blocks, threads))] if shared else None
         self._lock = threading.Lock()
 
+    def take(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if self._free is None else self._take()
+
     @contextlib.contextmanager
-    def take(self) -> Iterator[Any]:
+    def _take(self) -> Iterator[Any]:
         with self._lock:
             buffer = self._free.pop()
         try:
@@ -159,14 +170,6 @@ class _ColumnBuffers:
         finally:
             with self._lock:
                 self._free.append(buffer)
-
-
-def _column_buffers(xp: Any, n: int, rows: int, per_image: int, dtype: Any) -> _ColumnBuffers:
-    """Buffers for blocks of at most `rows` of `n` images, `per_image` elements each, as
-    `luxnn.parallel.for_blocks` cuts them (equal blocks, as many as the limit needs)."""
-    blocks = max(1, -(-n // rows))
-    threads = num_threads() if xp is np else 1  # blocks of CuPy arrays run one after another
-    return _ColumnBuffers(xp, min(blocks, threads), -(-n // blocks) * per_image, dtype)
 
 
 def _channel_sum(g: Any, channels: int) -> Any:
@@ -364,7 +367,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
     passed = xp.empty(y.shape, bool) if relu else None
     image_bytes = per_image * max(math.prod(kernel) * c, o) * y.itemsize
     rows = _block_images(image_bytes)
-    buffers = _column_buffers(xp, n, rows, per_image * math.prod(kernel) * c, x.dtype)
+    buffers = _ColumnBuffers(xp, n, rows, per_image * math.prod(kernel) * c, x.dtype)
 
     def forward(n0, n1):
         with buffers.take() as cols:
@@ -405,7 +408,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
         dw_sums, db_sums = {}, {}
 
         rows = _block_images(block_bytes)
-        buffers = _column_buffers(xp, n, rows, cols_per_image, np.result_type(x.dtype, g.dtype))
+        buffers = _ColumnBuffers(xp, n, rows, cols_per_image, np.result_type(x.dtype, g.dtype))
 
         def backward(n0, n1):
             gb = g[n0:n1] * passed[n0:n1] if relu else g[n0:n1]
