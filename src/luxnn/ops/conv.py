@@ -15,9 +15,10 @@ mask of where it let its input through, which the backward pass keeps instead of
 output). The blocks run on all of
 `luxnn.num_threads` at once, the BLAS single-threaded in each (`luxnn.parallel.for_blocks`),
 and are sized so that the im2col blocks in flight hold about 4 MB together: a call never
-holds the matrix of the whole batch, nor a padded copy of the whole input. The im2col
-blocks are built in buffers the call makes before its blocks start, one per thread, so that
-the cache sees the same requests in the same order every step. The backward pass
+holds the matrix of the whole batch, nor a padded copy of the whole input. Blocks shared
+out to threads build their im2col matrices in buffers the call makes before they start,
+one per thread, so that the cache sees the same large requests in the same order every
+step. The backward pass
 makes one pass over blocks of images: the relu mask, the bias gradient, the input gradient
 (skipped when the input is not differentiated) and the weight gradient, a GEMM against the
 block's im2col matrix, rebuilt rather than kept from the forward pass; each thread sums the
