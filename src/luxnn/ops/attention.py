@@ -36,8 +36,8 @@ def _allowed(mask, is_causal, shape, xp, who):
 
 
 def _softmax_rows(scores, w, allowed, scale):
-    """``w = softmax(scale * scores)`` over the last axis of a contiguous block, among the
-    `allowed` keys (a block of booleans, or None); `scores` may be `w` itself."""
+    """``w = softmax(scale * scores)`` over the last axis of a block, in place in `w`, among
+    the `allowed` keys (a block of booleans, or None); `scores` may be `w` itself."""
     # softmax(scale * s) = exp(scale * (s - max s)) / sum(...) for scale > 0.
     if allowed is None:
         np.subtract(scores, np.max(scores, axis=-1, keepdims=True), out=w)
