@@ -264,18 +264,19 @@ def test_attention_on_one_sequence_shares_its_heads_out(threads, monkeypatch):
 
 
 def test_single_threaded_blas_nests_and_is_a_no_op_where_the_threads_cannot_be_set(monkeypatch):
-    before = blas_threads()
-    with parallel.single_threaded_blas():
-        inside = blas_threads()
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):  # from one thread it would prove nothing
+        before = blas_threads()
         with parallel.single_threaded_blas():
-            assert blas_threads() == inside
-        assert blas_threads() == inside  # the inner exit left it to the outer one
-    assert blas_threads() == before
-    if parallel._set_blas_threads is not None:
-        assert inside == [1] * len(before)
-    monkeypatch.setattr(parallel, "_set_blas_threads", None)
-    with parallel.single_threaded_blas():
+            inside = blas_threads()
+            with parallel.single_threaded_blas():
+                assert blas_threads() == inside
+            assert blas_threads() == inside  # the inner exit left it to the outer one
         assert blas_threads() == before
+        if parallel._set_blas_threads is not None:
+            assert before != inside == [1] * len(before)
+        monkeypatch.setattr(parallel, "_set_blas_threads", None)
+        with parallel.single_threaded_blas():
+            assert blas_threads() == before
 
 
 def test_a_kernel_that_calls_the_blas_runs_its_blocks_in_order_when_the_blas_cannot_be_held(threads, monkeypatch):

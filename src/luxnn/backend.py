@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["module_of", "is_array"]
+__all__ = ["module_of", "is_array", "row_sums"]
 
 
 def module_of(x: Any) -> ModuleType:
@@ -28,3 +28,14 @@ def module_of(x: Any) -> ModuleType:
 def is_array(x: Any) -> bool:
     """True for NumPy and CuPy arrays (not for Python numbers or traced values)."""
     return isinstance(x, np.ndarray) or type(x).__module__.startswith("cupy")
+
+
+def row_sums(m: Any) -> Any:
+    """The sums of the rows of the matrix `m` ``(rows, n)``, as a column ``(rows, 1)``: one
+    BLAS product with a vector of ones, several times faster than NumPy's reduction along
+    short rows (it sums without NumPy's pairwise summation, so its rounding grows with n).
+
+    >>> row_sums(np.array([[1.0, 2.0], [3.0, 4.0]])).tolist()
+    [[3.0], [7.0]]
+    """
+    return (m @ module_of(m).ones(m.shape[1], m.dtype))[:, None]

@@ -8,11 +8,12 @@ a block's passes find it in the cache. PyTorch's CPU kernels do the same (``at::
 
 The BLAS threads its own products, but its idle threads spin for a while after each one
 (OpenBLAS: about 0.1 s), taking the cores from whatever runs next, so that a kernel
-threaded by `for_blocks` right after a product ran no faster than on one thread. So `matmul` cuts large products itself, across the same threads, with the BLAS on one
-thread in each; no BLAS thread is left spinning. luxnn's own idle threads poll for 2 ms
-before they sleep, which bridges the gaps between a step's kernels (waking a sleeping
-thread costs tens of microseconds, far more on a virtual machine after a pause) and gives
-the cores back as soon as the step is over.
+threaded by `for_blocks` right after a product ran no faster than on one thread. So
+`matmul` cuts large products itself, across the same threads, with the BLAS on one thread
+in each; no BLAS thread is left spinning. luxnn's own idle threads poll for 2 ms before
+they sleep, which bridges the gaps between a step's kernels (waking a sleeping thread
+costs tens of microseconds, far more on a virtual machine after a pause) and gives the
+cores back as soon as the step is over.
 
 Kernels write into arrays made beforehand; arrays a kernel makes for itself come from the
 allocator of the caller's context (the luxnn cache inside ``cached``), because each block
@@ -42,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["for_blocks", "matmul", "num_threads", "set_num_threads", "single_threaded_blas", "step"]
+__all__ = ["cut", "for_blocks", "matmul", "num_threads", "set_num_threads", "single_threaded_blas", "step"]
 
 Kernel = Callable[[int, int], None]
 
@@ -100,9 +101,7 @@ def for_blocks(kernel: Kernel, like: Any, *, rows: int | None = None, blas: bool
             kernel(0, n)
             return
         rows = max(1, _BLOCK_BYTES * n // like.nbytes)
-    # Blocks of equal size (within a row), so that the threads' shares are alike.
-    count = max(1, -(-n // rows))  # an empty axis is one empty block
-    blocks = [(n * i // count, n * (i + 1) // count) for i in range(count)]
+    blocks = cut(n, rows)
     if not on_numpy or len(blocks) == 1 or (blas and (_set_blas_threads is None or _threads == 1)):
         _run_blocks(kernel, blocks)
     elif blas:
@@ -110,6 +109,18 @@ def for_blocks(kernel: Kernel, like: Any, *, rows: int | None = None, blas: bool
             _share_out(kernel, blocks)
     else:
         _share_out(kernel, blocks)
+
+
+def cut(n: int, rows: int) -> list[tuple[int, int]]:
+    """The blocks ``[lo, hi)`` that `for_blocks` cuts ``range(n)`` into for at most `rows`
+    rows each: as few as that allows, of equal size (within a row), so that the threads'
+    shares are alike; an empty range is one empty block.
+
+    >>> cut(10, 4)
+    [(0, 3), (3, 6), (6, 10)]
+    """
+    count = max(1, -(-n // rows))
+    return [(n * i // count, n * (i + 1) // count) for i in range(count)]
 
 
 def matmul(a: Any, b: Any, out: Any = None) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ad.tape import primitive
-from ..backend import module_of
+from ..backend import module_of, row_sums
 from ..parallel import for_blocks, num_threads, single_threaded_blas
 
 __all__ = ["masked_softmax", "attention_weights", "attention_combine"]
@@ -51,10 +51,7 @@ def _softmax_rows(scores, w, allowed, scale):
     if scale != 1.0:
         w *= scale
     np.exp(w, out=w)
-    # The row sums as one matrix-vector product: a BLAS call is several times faster than
-    # NumPy's reduction along short rows.
-    keys = w.shape[-1]
-    total = (w.reshape(-1, keys) @ module_of(w).ones(keys, w.dtype)).reshape(*w.shape[:-1], 1)
+    total = row_sums(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], 1)
     if allowed is not None:
         np.copyto(total, 1, where=total == 0)
     w *= 1.0 / total

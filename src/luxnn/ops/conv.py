@@ -50,7 +50,7 @@ import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from ..parallel import for_blocks, num_threads
+from ..parallel import cut, for_blocks, num_threads
 
 __all__ = [
     "conv", "conv_transpose", "conv_output_size", "window_slices", "pad_spatial", "crop_spatial", "per_axis",
@@ -152,11 +152,11 @@ class _ColumnBuffers:
 
     def __init__(self, xp: Any, n: int, rows: int, per_image: int, dtype: Any) -> None:
         """For blocks of at most `rows` of `n` images, `per_image` elements each, as
-        `luxnn.parallel.for_blocks` cuts them (equal blocks, as many as the limit needs)."""
-        blocks, threads = max(1, -(-n // rows)), num_threads()
-        shared = xp is np and blocks > 1 and threads > 1
-        size = -(-n // blocks) * per_image
-        self._free = [xp.empty(size, dtype) for _ in range(min(blocks, threads))] if shared else None
+        `luxnn.parallel.for_blocks` cuts them (`luxnn.parallel.cut`)."""
+        blocks, threads = cut(n, rows), num_threads()
+        shared = xp is np and len(blocks) > 1 and threads > 1
+        size = max(hi - lo for lo, hi in blocks) * per_image
+        self._free = [xp.empty(size, dtype) for _ in range(min(len(blocks), threads))] if shared else None
         self._lock = threading.Lock()
 
     def take(self) -> contextlib.AbstractContextManager[Any]:

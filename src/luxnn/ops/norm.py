@@ -17,7 +17,7 @@ import numpy as np
 from numpy.lib.array_utils import normalize_axis_tuple
 
 from ..ad.tape import primitive
-from ..backend import module_of
+from ..backend import module_of, row_sums
 from ..parallel import for_blocks
 
 __all__ = ["moments", "normalize", "rms_normalize", "scale_shift"]
@@ -97,19 +97,14 @@ def normalize(x, *, axis, epsilon, stats=None):
     return xhat, vjp
 
 
-# The rows' sums below are BLAS products with a vector of ones, several times faster than
-# NumPy's reductions along short rows.
-
-
 def _normalize_rows(x, epsilon, xhat, rstd):
     """``xhat = (x - mean) * rstd`` and ``rstd = 1 / sqrt(var + epsilon)`` over the rows of
     the matrix `x` (into `xhat` and the column `rstd`); the variance from the centred rows."""
     n = x.shape[1]
-    ones = module_of(x).ones(n, x.dtype)
-    np.subtract(x, (x @ ones)[:, None] / n, out=xhat)
+    np.subtract(x, row_sums(x) / n, out=xhat)
     # What the first mean's rounding left, taken out: a row's mean can be far larger than
-    # its spread, and the products sum without NumPy's pairwise summation.
-    xhat -= (xhat @ ones)[:, None] / n
+    # its spread, and `row_sums` rounds more than NumPy's pairwise summation.
+    xhat -= row_sums(xhat) / n
     np.divide(np.einsum("ij,ij->i", xhat, xhat)[:, None], n, out=rstd)
     rstd += epsilon
     np.sqrt(rstd, out=rstd)
@@ -120,7 +115,7 @@ def _normalize_rows(x, epsilon, xhat, rstd):
 def _normalize_rows_grad(g, xhat, rstd, out):
     """``out = rstd * (g - mean(g) - xhat * mean(g * xhat))`` over the rows of the matrix `g`."""
     n = g.shape[1]
-    np.subtract(g, (g @ module_of(g).ones(n, g.dtype))[:, None] / n, out=out)
+    np.subtract(g, row_sums(g) / n, out=out)
     out -= xhat * (np.einsum("ij,ij->i", g, xhat)[:, None] / n)
     out *= rstd
 
