@@ -52,13 +52,14 @@ def test_fixed_shape_steps_reach_upstream_only_while_warming_up(verb):
     assert upstream[0] > 0 and upstream[warm:] == [0] * (12 - warm)
 
 
-def test_steps_whose_kernels_run_on_several_threads_stop_reaching_upstream_after_warming_up():
+def test_steps_whose_kernels_run_on_several_threads_settle_on_a_step_plan():
     # Blocks of the convolutions and the pooling run on two threads, each making its own
-    # temporaries, so which blocks are in use together, and where they lie in the cache's
-    # segments, varies from step to step: now and then a later step finds no free piece
-    # that fits and reaches upstream (in runs here: at most once in 60 steps, a small
-    # block; the im2col buffers, the largest temporaries, are made before the threads
-    # start, see luxnn.ops.conv). Memory stays at the working set all the same.
+    # temporaries, so which blocks are alive together varies from step to step. The
+    # cache's step plan (luxnn.memory.plan) is made from two steps; a later step whose
+    # threads interleave in a way not seen yet finds a block's place still in use, takes a
+    # block from the split pool (a plan miss, now and then one from upstream) and widens
+    # the plan. In runs here: 1 to 8 upstream allocations after the third step of 60, most
+    # of them in the first 30, and 1.07x to 1.15x the peak live bytes reserved at the end.
     before = lx.num_threads()
     lx.set_num_threads(2)
     try:
@@ -72,19 +73,20 @@ def test_steps_whose_kernels_run_on_several_threads_stop_reaching_upstream_after
         rng = np.random.default_rng(1)
         data = rng.standard_normal((64, 28, 28, 1)).astype(np.float32), rng.integers(0, 10, 64)
         assert 64 * 28 * 28 * 16 * 4 > 2 * lx.parallel._BLOCK_BYTES  # large enough to be cut
-        upstream, reserved, live = [], [], []
+        upstream, reserved = [], []
         for _ in range(60):
             before_step = cache.stats().upstream_allocs
             _, _, _, ts = lx.single_train_step_(AD, lx.losses.CrossEntropyLoss(), data, ts)
             stats = cache.stats()
             upstream.append(stats.upstream_allocs - before_step)
             reserved.append(stats.peak_reserved)
-            live.append(stats.peak_live)
     finally:
         lx.set_num_threads(before)
-    assert upstream[0] > 0 and sum(upstream[3:]) <= 5, str(upstream)
-    assert reserved[-1] <= 1.01 * reserved[3], (reserved, live)
-    assert reserved[-1] <= 1.35 * live[-1], (reserved, live)
+    assert upstream[0] > 0 and sum(upstream[3:]) <= 12, str(upstream)
+    assert stats.plans >= 1 and stats.plan_hits > 20 * stats.plan_misses, stats
+    assert reserved[-1] <= 1.01 * reserved[3], reserved  # the plan never needs more than the first steps
+    assert stats.bytes_reserved <= 1.2 * stats.peak_live, stats
+    cache._core.audit()
 
 
 def test_a_step_runs_inside_the_train_states_cache_only():

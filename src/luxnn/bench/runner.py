@@ -8,8 +8,9 @@ timed in rounds, round r starting with variant r mod n, with a garbage collectio
 each variant's round; ``luxnn bench --against`` also alternates which side goes first.
 
 Memory, in a separate pass after the rounds so that counting never perturbs a timed
-sample: after two warm-up calls, `memory_calls` calls run under an `AllocCache` with a
-timeline. For a luxnn step with its cache on that is the TrainState's cache itself (a new
+sample: after four warm-up calls (a cache's step plan, `luxnn.memory.plan`, is made from
+the first two and serves from the third; the fourth releases what it replaced),
+`memory_calls` calls run under an `AllocCache` with a timeline. For a luxnn step with its cache on that is the TrainState's cache itself (a new
 TrainState given a recording cache); for every other NumPy variant it is a counting cache
 wrapped around each call. Per call: allocations (hits + misses), bytes (the blocks handed
 out, i.e. each request rounded up to the cache's size bins: 512 B under 8 KiB, then less
@@ -116,7 +117,7 @@ def interleaved_rounds(steps: dict[str, Callable[[], Any]], rounds: int, per_rou
 # ---- counting memory ------------------------------------------------------------------
 
 
-def count_memory(step: Callable[[], Any], cache: Any, *, own: bool, calls: int, warmup: int = 2) -> dict[str, Any]:
+def count_memory(step: Callable[[], Any], cache: Any, *, own: bool, calls: int, warmup: int = 4) -> dict[str, Any]:
     """The memory figures per call of `step` (see the module's docstring). `cache` is a
     recording `AllocCache`: the step's own (`own`) or one to wrap around each call."""
     import numpy as np

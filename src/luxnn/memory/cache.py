@@ -85,6 +85,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
+from .plan import Planner
 
 __all__ = [
     "AllocCache", "CacheStats", "ScopeStats", "DEFAULT_EVICT_AFTER", "bin_size", "get_allocator_cache",
@@ -123,7 +124,9 @@ class CacheStats:
     never reused, until its last array dies);
     bytes_reserved: bytes_live + bytes_cached, all that the cache holds from the system;
     peak_live / peak_reserved: the highest bytes_live / bytes_reserved;
-    scopes: scopes entered.
+    scopes: scopes entered; plan_hits: requests served at their place in a step plan (also
+    counted in hits); plan_misses: requests above 64 KiB, made while a plan was installed,
+    that it did not serve; plans: plans installed (`luxnn.memory.plan`).
     """
 
     hits: int
@@ -136,6 +139,9 @@ class CacheStats:
     peak_live: int
     peak_reserved: int
     scopes: int
+    plan_hits: int
+    plan_misses: int
+    plans: int
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,9 @@ class AllocCache:
     evict_after: scopes a size bin (above 64 KiB: a free segment) may go unused before its
     free blocks are released (default `DEFAULT_EVICT_AFTER`).
     record: keep a timeline of events for `plot_timeline` (the last 65536 events).
+    plan: place the blocks above 64 KiB of a repeated step by a plan made from the steps
+    before it (`luxnn.memory.plan`): peak reserved close to peak live, from the third step
+    of a fixed-shape loop.
 
     `device`: None or a `CPUDevice` for NumPy arrays; a `CUDADevice` for the CuPy arrays of
     that GPU (`luxnn.memory.cupy_backend`: the device is first touched on the first scope,
@@ -246,11 +255,13 @@ class AllocCache:
         limit: int | None = None,
         evict_after: int | None = None,
         record: bool = False,
+        plan: bool = True,
     ) -> None:
         self.device = _check_device(device)
         self.limit = _check_limit(limit)
         self.evict_after = _check_evict_after(evict_after)
         self.record = bool(record)
+        self.plan = bool(plan)
         self._created_ns = time.monotonic_ns()  # the core's clock is CLOCK_MONOTONIC too
         device_id = getattr(self.device, "device_id", None)
         self._core = _core.Core(
@@ -259,6 +270,7 @@ class AllocCache:
             timeline_capacity=TIMELINE_CAPACITY if self.record else 0,
             upstream="host" if device_id is None else "cuda",
         )
+        self._planner = Planner(self._core) if self.plan else None
         if device_id is None:
             # The NEP 49 handler that `cached` installs. Each array made through it holds
             # it, and it holds the core: memory outlives this object while arrays use it.

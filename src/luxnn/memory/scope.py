@@ -42,7 +42,7 @@ class CacheMemoryError(MemoryError):
 
 def _failure_message(failure: tuple) -> str:
     _seq, over_limit, request, limit, figures, _upstream_error = failure
-    _, _, _, _, live, cached, reserved, peak_live, peak_reserved, _ = figures
+    live, cached, reserved, peak_live, peak_reserved = figures[4:9]
     asked = f"{format_bytes(request)} ({request} bytes)"
     if over_limit:
         head = (
@@ -99,6 +99,8 @@ class Scope(_Switch):
             self._open = ()
             return self
         core = self.cache._core
+        if self.cache._planner is not None:
+            _plan(self.cache)
         if self.cache._cupy is not None:
             return self._enter_cupy(core)
         failure = _core.last_failure()
@@ -143,6 +145,16 @@ class Scope(_Switch):
             latest = _core.last_failure()
             if latest is not None and (failure is None or latest[0] != failure[0]):
                 raise CacheMemoryError(_failure_message(latest)) from exc
+
+
+def _plan(cache: AllocCache) -> None:
+    # Before a scope opens: the cache's planner takes the record of the cycle that closed
+    # last, if no scope has been open since (luxnn.memory.plan). A cycle the plan served
+    # whole needs nothing; otherwise the planner's own arrays stay out of every cache.
+    record = cache._core.take_record()
+    if record is not None and (record[1] > 0 or not cache._planner.serving):
+        with uncached():
+            cache._planner.cycle_closed(*record)
 
 
 def cached(cache: AllocCache | None) -> Scope:
