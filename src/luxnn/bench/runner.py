@@ -10,9 +10,9 @@ each variant's round; ``luxnn bench --against`` also alternates which side goes 
 Memory, in a separate pass after the rounds so that counting never perturbs a timed
 sample: after four warm-up calls (a cache's step plan, `luxnn.memory.plan`, is made from
 the first two and serves from the third; the fourth releases what it replaced),
-`memory_calls` calls run under an `AllocCache` with a timeline. For a luxnn step with its cache on that is the TrainState's cache itself (a new
-TrainState given a recording cache); for every other NumPy variant it is a counting cache
-wrapped around each call. Per call: allocations (hits + misses), bytes (the blocks handed
+`memory_calls` calls run under an `AllocCache` with a timeline. For a luxnn step with
+its cache on that is the TrainState's cache itself (a new TrainState given a recording
+cache); for every other NumPy variant it is a counting cache wrapped around each call. Per call: allocations (hits + misses), bytes (the blocks handed
 out, i.e. each request rounded up to the cache's size bins: 512 B under 8 KiB, then less
 than 6.25 % over), upstream allocations (with the cache on: blocks taken from the system;
 without it every allocation reaches NumPy's default allocator), peak live bytes (the
