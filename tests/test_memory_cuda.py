@@ -158,6 +158,39 @@ def test_device_segments_are_split_and_go_back_to_the_driver_only_whole():
     assert driver.buffers == {} and driver.allocs == driver.frees and driver.errors == []
 
 
+def test_plans_take_their_arenas_from_the_driver_and_give_them_back():
+    driver = FakeDriver()
+    core = cuda_core(driver)
+    sizes = np.array([1 << 20, 2 << 20], dtype=np.int64)  # a block of the cycle, one that outlives it
+    assert core.install_plan(1 << 20, 4 << 20, sizes, np.array([0, 0]), np.array([0, 2 << 20]), np.array([0, 1]))
+    arenas = sorted((base, len(buf)) for base, buf in driver.buffers.items())
+    assert [size for _, size in arenas] == [1 << 20, 4 << 20] or [size for _, size in arenas] == [4 << 20, 1 << 20]
+    previous = None
+    for _ in range(4):
+        slot = core.scope_enter()
+        a = core.block(1 << 20)
+        result = core.block(2 << 20)  # alive through the next cycle, as a step's result
+        del a
+        core.scope_exit(slot)
+        assert any(base <= result.ptr < base + size for base, size in arenas)
+        assert previous is None or result.ptr != previous.ptr  # the other place
+        previous = result
+        core.audit()
+    assert core.stats()[10] == 8 and core.stats()[11] == 0 and driver.allocs == 2
+    del result, previous
+    core.release_all()
+    assert driver.frees == 2 and driver.buffers == {} and driver.errors == []
+
+
+def test_a_plan_the_device_cannot_hold_leaves_no_plan_and_nothing_taken():
+    driver = FakeDriver(capacity=3 << 20)
+    core = cuda_core(driver)
+    sizes = np.array([2 << 20, 2 << 20], dtype=np.int64)
+    assert not core.install_plan(4 << 20, 0, sizes, np.array([0, 2 << 20]), np.array([0, 2 << 20]), np.array([0, 0]))
+    assert core.stats()[12] == 0 and driver.buffers == {} and driver.errors == []
+    core.audit()
+
+
 def test_split_above_sets_which_requests_split():
     sizes = [(1 << 20) + 4096, 1 << 19, 4096]
     for split_above, upstream in [(_core.MAX_REQUEST, 4), (0, 1)]:  # never: exact bins; always

@@ -1,6 +1,7 @@
-"""Random sequences of allocations, drops, resizes, nested scopes over two caches, trims and
-frees, checked against a model of what the caches must hold, and against the core's own
-record of its blocks and segments (`Core.blocks`, `Core.audit`)."""
+"""Random sequences of allocations, drops, resizes, nested scopes over two caches, trims,
+frees and step plans (any plan, even one whose places overlap), checked against a model of
+what the caches must hold, and against the core's own record of its blocks, segments and
+arenas (`Core.blocks`, `Core.audit`)."""
 
 import os
 
@@ -19,6 +20,8 @@ SPLIT = _core.SPLIT_ABOVE  # blocks above this come from splitting free segments
 # can serve several of, in between.
 SIZES = [1, 100, 513, 8192, 8193, SPLIT, SPLIT + 1, 70_000, 300_000, MiB, 4 * MiB - 1, 4 * MiB, 5 * MiB + 3]
 LARGE = [MiB, 4 * MiB, 5 * MiB + 3, 12 * MiB]
+PLANNED = sorted({memory.bin_size(n) for n in (SPLIT + 1, 70_000, 300_000, MiB)})
+ARENA = 4 * MiB  # places at multiples of 256 KiB up to 1.75 MiB: every PLANNED size fits
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -117,15 +120,50 @@ class CacheMachine(RuleBasedStateMachine):
         if after > keep:  # only free pieces of segments in use are left: they cannot go back
             assert not [b for b in cache._core.blocks() if not b[2] and whole(b)]
 
+    @rule(
+        which=st.sampled_from([0, 1]),
+        slots=st.lists(
+            st.tuples(st.sampled_from(PLANNED), st.integers(0, 7), st.integers(0, 7), st.integers(0, 1)),
+            min_size=1, max_size=8,
+        ),
+    )  # fmt: skip
+    def install_a_plan(self, which, slots):
+        # Places that overlap, in one cycle or across the two parities: the core serves a
+        # place only while all its bytes are free, so live arrays still never share memory.
+        slots = sorted(slots)
+        core = self.caches[which]._core
+        columns = [np.array(column, dtype=np.int64) for column in zip(*slots)]
+        sizes, even, odd, arena = columns[0], columns[1] << 18, columns[2] << 18, columns[3]
+        before = core.stats()
+        installed = core.install_plan(ARENA, ARENA, sizes, even, odd, arena)
+        assert installed and core.stats()[12] == before[12] + 1  # no limit here
+        self.caches[which]._planner._planned = None  # the planner's own plan is gone
+
+    @precondition(lambda self: len(self.scopes) < 6)
+    @rule(which=st.sampled_from([0, 1]), sizes=st.lists(st.sampled_from(PLANNED), min_size=1, max_size=6))
+    def a_cycle(self, which, sizes):
+        # A scope of a cache none of whose scopes is open: a cycle, which its plan serves.
+        if any(index == which for _, index in self.scopes):
+            return
+        self.enter(which)
+        for size in sizes:
+            self.allocate(size)
+        del self.arrays[self.next_key - 1]
+        self.exit()
+
     @rule(which=st.sampled_from([0, 1]))
     def free(self, which):
         cache = self.caches[which]
         cache.free()
         blocks = cache._core.blocks()
-        # What is left is in use, or a free piece of an orphan segment that is: no block
-        # is free and whole, nothing left is reusable, and the figures say so.
+        # What is left is in use, or a free piece of an orphan segment (or the free bytes of
+        # a retired arena) that is: no block is free and whole, nothing left is reusable,
+        # and the figures say so.
         assert all(b[5] for b in blocks) and not [b for b in blocks if not b[2] and whole(b)]
-        assert cache.stats().bytes_cached == sum(b[1] for b in blocks if not b[2])
+        held: dict = {}  # (base, bytes) of each segment or arena -> its live bytes
+        for _, size, live, base, segment_size, _ in blocks:
+            held[base, segment_size] = held.get((base, segment_size), 0) + (size if live else 0)
+        assert cache.stats().bytes_cached == sum(total - live for (_, total), live in held.items())
 
     @invariant()
     def the_handler_is_the_innermost_scopes(self):
@@ -144,7 +182,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert s.peak_live >= s.bytes_live and s.peak_reserved >= s.bytes_reserved
             assert s.peak_reserved >= s.peak_live
             assert s.upstream_allocs >= s.upstream_frees
-            assert s.hits + s.misses >= s.upstream_allocs
+            assert s.hits + s.misses + 2 * s.plans >= s.upstream_allocs  # a plan: two arenas at most
             cache._core.audit()  # records, free lists, LRU ring and figures agree
 
     @invariant()
@@ -155,6 +193,8 @@ class CacheMachine(RuleBasedStateMachine):
                 event("a segment split in pieces")  # how often (--hypothesis-show-statistics)
             if any(b[5] and not b[2] for b in blocks):
                 event("a free piece of an orphan segment")
+            if cache.stats().plan_hits:
+                event("a block served at its planned place")
             live = sorted((b[0], b[1]) for b in blocks if b[2])
             arrays = sorted((a.ctypes.data, memory.bin_size(a.nbytes)) for a, c, _ in self.arrays.values() if c == index)
             assert live == arrays

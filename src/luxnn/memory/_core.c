@@ -1468,16 +1468,18 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
 
 /* The record of the last cycle, if it closed and no cycle is open: n rows of
  * (size, born, died) in *rows (malloc'd for the caller; NULL with n 0 when
- * there is none or it is incomplete), its plan misses in *misses. Returns
- * whether there was a record to take. */
+ * there is none or it is incomplete), its plan misses in *misses, and in
+ * *planned whether a plan serves since before it opened. Returns whether there
+ * was a record to take. */
 static int
-lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses)
+lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *planned)
 {
     pthread_mutex_lock(&c->lock);
     int pending = c->pending && c->depth == 0;
     *rows = NULL;
     *n = 0;
     *misses = c->cycle_misses;
+    *planned = c->plan != NULL && c->plan->from_cycle <= c->cycle;
     if (pending) {
         finish_record_locked(c);
         *rows = c->rec_lost ? NULL : malloc((c->nrec ? c->nrec : 1) * 3 * sizeof(int64_t));
@@ -2025,20 +2027,22 @@ Core_drop_plan(CoreObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 /* take_record() -> None, or (bytes of int64 (size, born, died) rows, plan
- * misses) of the last cycle (section 1c) when it closed, no cycle is open and
- * nobody took it yet; the bytes are empty when the record ran out of memory. */
+ * misses, planned) of the last cycle (section 1c) when it closed, no cycle is
+ * open and nobody took it yet; the bytes are empty when the record ran out of
+ * memory; planned: whether a plan served it (and serves still). */
 static PyObject *
 Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
     int64_t *rows;
     size_t n;
     uint64_t misses;
-    if (!lx_take_record(self->core, &rows, &n, &misses)) {
+    int planned;
+    if (!lx_take_record(self->core, &rows, &n, &misses, &planned)) {
         Py_RETURN_NONE;
     }
-    PyObject *record = Py_BuildValue("(y#K)", rows != NULL ? (const char *)rows : "",
+    PyObject *record = Py_BuildValue("(y#KO)", rows != NULL ? (const char *)rows : "",
                                      (Py_ssize_t)(3 * n * sizeof(int64_t)),
-                                     (unsigned long long)misses);
+                                     (unsigned long long)misses, planned ? Py_True : Py_False);
     free(rows);
     return record;
 }
@@ -2357,7 +2361,8 @@ static PyMethodDef Core_methods[] = {
     {"drop_plan", (PyCFunction)Core_drop_plan, METH_NOARGS,
      "drop_plan(): the step plan, if any, serves no more (its arenas go upstream when idle)"},
     {"take_record", (PyCFunction)Core_take_record, METH_NOARGS,
-     "take_record() -> None or the last cycle's (int64 (size, born, died) rows, plan misses)"},
+     "take_record() -> None or the last cycle's (int64 (size, born, died) rows, plan misses, "
+     "planned)"},
     {"blocks", (PyCFunction)Core_blocks, METH_NOARGS,
      "[(ptr, size, live, segment_base, segment_size, orphan)] of every block owned"},
     {"audit", (PyCFunction)Core_audit, METH_NOARGS,

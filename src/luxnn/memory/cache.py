@@ -261,7 +261,9 @@ class AllocCache:
         self.limit = _check_limit(limit)
         self.evict_after = _check_evict_after(evict_after)
         self.record = bool(record)
-        self.plan = bool(plan)
+        if not isinstance(plan, bool):
+            raise TypeError(f"plan must be True or False, got {plan!r}")
+        self.plan = plan
         self._created_ns = time.monotonic_ns()  # the core's clock is CLOCK_MONOTONIC too
         device_id = getattr(self.device, "device_id", None)
         self._core = _core.Core(

@@ -106,13 +106,19 @@ class Planner:
         self._strangers = 0  # cycles in a row unlike the plan's
         self._refused: np.ndarray | None = None
 
-    @property
-    def serving(self) -> bool:
-        """Whether a plan of this planner is installed."""
-        return self._planned is not None
+    def served(self, misses: int, planned: bool) -> bool:
+        """Whether a cycle was served whole by this planner's plan (`planned`: a plan served
+        it; `misses`: its requests the plan did not serve): then its record holds nothing
+        new, and `cycle_closed` need not see it."""
+        with self._lock:
+            if misses or not planned or self._planned is None:
+                return False
+            self._strangers = 0
+            return True
 
-    def cycle_closed(self, rows: bytes, misses: int) -> None:
-        """Take a closed cycle's record: native int64 rows of (size, born, died)."""
+    def cycle_closed(self, rows: bytes, misses: int, planned: bool) -> None:
+        """Take a closed cycle's record (the core's ``take_record``): native int64 rows of
+        (size, born, died), its plan misses, and whether a plan served it."""
         record = np.frombuffer(rows, dtype=np.int64).reshape(-1, 3)
         # By size, then by birth: the core matches a bin's requests to its slots in that
         # order, whatever order threads made requests of different sizes in.
@@ -121,6 +127,8 @@ class Planner:
         if not len(sizes):
             return  # nothing above 64 KiB: no plan serves it, none is made from it
         with self._lock:
+            if not planned:
+                self._planned = None  # none was made, or the cache dropped it (free, trim, eviction)
             if self._planned is not None and np.array_equal(sizes, self._planned[0]):
                 self._strangers = 0
                 if misses == 0:

@@ -152,7 +152,7 @@ def _plan(cache: AllocCache) -> None:
     # last, if no scope has been open since (luxnn.memory.plan). A cycle the plan served
     # whole needs nothing; otherwise the planner's own arrays stay out of every cache.
     record = cache._core.take_record()
-    if record is not None and (record[1] > 0 or not cache._planner.serving):
+    if record is not None and not cache._planner.served(*record[1:]):
         with uncached():
             cache._planner.cycle_closed(*record)
 

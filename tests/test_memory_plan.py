@@ -1,0 +1,206 @@
+"""Step plans (luxnn.memory.plan, _core.c section 1c): the planner's placement, when a cache
+plans, what a plan saves, and that no plan, however wrong, lets two live arrays overlap."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from luxnn import memory
+from luxnn.memory import _core
+from luxnn.memory.plan import layout, place
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _overlap(a0, a1, b0, b1):
+    return a0 < b1 and b0 < a1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 64), st.integers(0, 30), st.integers(1, 10)), min_size=1, max_size=40))
+def test_place_never_overlaps_blocks_alive_together_and_spans_at_least_the_peak(blocks):
+    sizes = np.array([512 * n for n, _, _ in blocks])
+    born = np.array([t for _, t, _ in blocks])
+    died = born + np.array([d for _, _, d in blocks])
+    offsets, span = place(sizes, born, died)
+    for i in range(len(blocks)):
+        assert offsets[i] % 512 == 0 and 0 <= offsets[i] and offsets[i] + sizes[i] <= span
+        for j in range(i):
+            if _overlap(born[i], died[i], born[j], died[j]):
+                assert not _overlap(offsets[i], offsets[i] + sizes[i], offsets[j], offsets[j] + sizes[j])
+    peak = max(sizes[(born <= t) & (t < died)].sum() for t in born)
+    assert peak <= span <= sizes.sum()
+
+
+def test_layout_gives_blocks_that_outlive_the_cycle_two_places_of_their_own():
+    sizes = np.array([512, 1024, 1024, 2048])
+    born, died = np.array([0, 1, 2, 3]), np.array([-1, 4, -1, 5])
+    cycle_bytes, kept_bytes, even, odd, arena = layout(sizes, born, died)
+    assert arena.tolist() == [1, 0, 1, 0] and kept_bytes == 2 * (512 + 1024)
+    kept = [(even[i], even[i] + sizes[i]) for i in (0, 2)] + [(odd[i], odd[i] + sizes[i]) for i in (0, 2)]
+    assert all(not _overlap(*a, *b) for k, a in enumerate(kept) for b in kept[:k])
+    assert all(end <= kept_bytes for _, end in kept)
+    assert even[1] == odd[1] and even[3] == odd[3] and cycle_bytes == 1024 + 2048  # [1, 4) and [3, 5) overlap
+
+
+def _step(x, keep=None):
+    # A fixed-shape step with large temporaries of several sizes, alive at different times.
+    h = np.tanh(x @ x.T)  # 256x256 float64: 512 KiB
+    g = np.repeat(h, 2, axis=0)  # 1 MiB
+    out = g[::2] * 2.0 + h  # 512 KiB
+    if keep is not None:
+        keep.append(g)
+    return float(out.sum())
+
+
+def test_a_fixed_shape_loop_is_planned_and_holds_its_working_set():
+    x = np.random.default_rng(0).standard_normal((256, 64))
+    cache = memory.AllocCache()
+    expected = _step(x)
+    for _ in range(4):  # two cycles to plan from, a third that the plan serves first
+        with memory.cached(cache):
+            assert _step(x) == expected
+    cache.reset_peaks()
+    before = cache.stats()
+    for _ in range(10):
+        with memory.cached(cache):
+            assert _step(x) == expected
+    s = cache.stats()
+    assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits - before.plan_hits == 10 * 4
+    assert s.upstream_allocs == before.upstream_allocs
+    assert s.peak_reserved <= 1.1 * s.peak_live, s
+    cache._core.audit()
+
+
+def test_results_that_outlive_each_step_alternate_between_two_places():
+    # Each step's result is alive while the next step makes its own from it.
+    cache = memory.AllocCache()
+    result, value = np.full(128 * KiB, 4.0), 4.0  # 1 MiB
+    for step in range(12):
+        previous = result
+        with memory.cached(cache):
+            result = previous * 0.5 + step
+        value = value * 0.5 + step
+        assert np.all(result == value) and np.all(previous == (value - step) * 2)
+    s = cache.stats()
+    assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits == 10  # planned from steps 0 and 1
+    in_kept_arena = [b for b in cache._core.blocks() if b[2] and b[4] == 2 * MiB]
+    assert len(in_kept_arena) == 2  # `previous` and `result`, one in each place
+    cache._core.audit()
+
+
+def test_arrays_kept_past_their_planned_lifetime_are_never_overlapped():
+    # Every few steps a temporary is kept: its place is then in use when the plan wants
+    # it again; the request misses (the split pool serves it) instead of sharing memory.
+    x = np.random.default_rng(1).standard_normal((256, 64))
+    cache = memory.AllocCache()
+    kept, values = [], []
+    for step in range(30):
+        with memory.cached(cache):
+            _step(x, keep=kept if step % 3 == 2 else None)
+        values = [k.copy() for k in kept]
+        for k, v in zip(kept, values):
+            np.testing.assert_array_equal(k, v)
+    spans = sorted((k.ctypes.data, k.ctypes.data + k.nbytes) for k in kept)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    reference = np.repeat(np.tanh(x @ x.T), 2, axis=0)
+    assert all(np.array_equal(k, reference) for k in kept)
+    assert cache.stats().plan_misses > 0
+    cache._core.audit()
+
+
+def test_a_plan_whose_requests_stop_coming_is_dropped_and_its_arena_released():
+    cache = memory.AllocCache()
+    for n in [MiB] * 4 + [2 * MiB, 3 * MiB]:
+        with memory.cached(cache):
+            np.ones(n // 8) + 1.0
+    s = cache.stats()
+    assert s.plans == 1 and s.plan_misses == 2 and s.upstream_frees >= 1  # dropped after two
+    for _ in range(3):
+        with memory.cached(cache):
+            np.ones(3 * MiB // 8) + 1.0
+    assert cache.stats().plans == 2  # the new shape repeats: a new plan
+
+
+def test_an_evaluation_step_now_and_then_keeps_the_training_plan():
+    cache = memory.AllocCache()
+    for step in range(12):
+        with memory.cached(cache):
+            np.ones((MiB if step % 4 else 2 * MiB) // 8) * 2.0
+    assert cache.stats().plans == 1
+
+
+def test_no_plan_without_plan_true_or_a_repeat():
+    cache = memory.AllocCache(plan=False)
+    for _ in range(5):
+        with memory.cached(cache):
+            np.ones(MiB // 8) + 1.0
+    assert cache.stats().plans == 0
+    with pytest.raises(TypeError, match="plan must be True or False"):
+        memory.AllocCache(plan=1)
+
+
+def test_free_trim_and_eviction_release_a_plans_arenas_once_nothing_lives_in_them():
+    cache = memory.AllocCache(evict_after=3)
+    kept = None
+    for step in range(5):
+        with memory.cached(cache):
+            a = np.ones(MiB // 8) + 1.0
+            if step == 4:
+                kept = a  # alive in the arena when the plan is dropped
+            del a
+    assert cache.stats().plans == 1
+    cache.free()
+    (row,) = cache._core.blocks()
+    assert row[2] and row[5] and cache.stats().bytes_reserved == row[4]  # its arena retired, not released
+    frees = cache.stats().upstream_frees
+    del kept
+    assert cache.stats().upstream_frees == frees + 1 and cache.stats().bytes_reserved == 0
+    cache._core.audit()
+    for _ in range(3):
+        with memory.cached(cache):
+            np.ones(MiB // 8) + 1.0
+    assert cache.stats().plans == 2
+    cache.trim()
+    assert cache.stats().bytes_reserved == 0
+    for _ in range(3):
+        with memory.cached(cache):
+            np.ones(MiB // 8) + 1.0
+    for _ in range(4):  # scopes of other caches' sizes: the plan goes unused, then evicted
+        with memory.cached(cache):
+            pass
+    assert cache.stats().bytes_reserved == 0
+
+
+def test_a_plan_over_the_limit_is_not_installed():
+    cache = memory.AllocCache(limit=3 * MiB)
+    with memory.cached(cache):
+        held = np.ones(3 * MiB // 16)  # 1.5 MiB, alive throughout
+    for _ in range(5):
+        with memory.cached(cache):
+            a = np.ones(MiB // 8)
+            b = a + 1.0  # a plan would need an arena of 2 MiB: 3.5 MiB with `held`
+            del a, b
+    assert cache.stats().plans == 0 and held[0] == 1.0
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((MiB, 0, [MiB, 65536], [0, 0], [0, 0], [0, 0]), "block sizes of split-pool bins"),
+        ((MiB, 0, [2 * MiB], [0], [0], [0]), "block sizes of split-pool bins"),
+        ((MiB, 0, [MiB // 2, MiB // 4], [0, 0], [0, 0], [0, 0]), "ascending order"),
+        ((MiB, 0, [MiB // 2], [MiB], [0], [0]), "inside its arena"),
+        ((MiB, 0, [MiB // 2], [100], [100], [0]), "multiple of 512"),
+        ((MiB, 0, [MiB // 2], [0], [0], [1]), "naming an arena of a positive size"),
+        ((MiB, 0, [MiB // 2], [0, 0], [0], [0]), "one length"),
+        ((0, 0, [MiB // 2], [0], [0], [0]), "not both 0"),
+    ],
+)
+def test_install_plan_rejects_a_plan_it_cannot_serve(args, match):
+    core = _core.Core()
+    cycle, kept, *columns = args
+    with pytest.raises(ValueError, match=match):
+        core.install_plan(cycle, kept, *(np.array(c, dtype=np.int64) for c in columns))
+    assert core.stats()[12] == 0 and core.stats()[2] == 0  # nothing installed, nothing taken
