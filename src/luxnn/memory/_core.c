@@ -158,42 +158,46 @@ floor_bin(size_t s)
 
 /* ---- 1c. Step plans -----------------------------------------------------
  *
- * Decision: a training loop repeats one step, the same requests in the same
- * order with the same lifetimes, so the large ones are placed by a plan made
- * from earlier steps rather than online. Online placement (1b) cannot know
- * which block dies when: measured with `luxnn bench --filter training`, it
- * held 1.17x (CNN) to 1.27x (MLP) the step's peak live bytes, against the
- * design's 1.1x; a plan of the same steps holds 1.00x-1.05x (the module
- * docstring of luxnn/memory/plan.py has the figures).
+ * Decision: a training loop repeats one step, the same requests with the same
+ * lifetimes, so its large blocks are placed by a plan made from earlier steps
+ * rather than online. Online placement (1b) cannot know which block dies
+ * when: it held 1.17x (CNN) to 1.27x (MLP) the peak live bytes of the
+ * benchmark suite's training steps, against the design's 1.1x. The figures
+ * with plans are in the module docstring of luxnn/memory/plan.py.
  *
  * - A cycle runs from the opening of a scope while none is open to the
- *   closing of the last one. Every cycle records its split-pool requests: the
- *   block size, and a clock (counting those allocations and deaths) at the
- *   allocation and at the death, or -1 for a block that outlived the cycle.
- *   Closing the cycle hands the record to the planner (luxnn/memory/plan.py),
- *   which may install a plan: an arena (one upstream allocation) and, for each
- *   request of the recorded cycle, its place in the arena, such that requests
- *   alive at the same time never share a byte. A block that outlived the
- *   recorded cycle (a gradient, an optimizer state the step returns) has two
- *   places, used in even and odd cycles, as the previous step's is usually
- *   still alive.
- * - Matching: a request takes the first slot of its bin, in the recorded
- *   order, that this cycle has not taken and whose bytes are free now (at
- *   most LX_PLAN_SCAN slots looked at). Otherwise it is a plan miss and goes
- *   to the split pool, as every request of a cycle without a plan does.
- * - Safety does not rest on the plan: a bitmap of the arena's 512-B granules
- *   marks the bytes of its live blocks, and a slot serves only when all of
- *   its bytes are free. A cycle unlike the recorded one (other shapes,
- *   another interleaving of threads, an array kept longer) costs misses,
- *   never an overlap.
- * - The arena's bytes not in use are cached bytes; a plan hit is a hit. While
- *   a plan serves, each cycle starts by releasing the split pool's whole free
- *   segments: what the plan does not serve is a miss, and idle segments are
- *   what the plan replaced. A replaced, freed, trimmed or evicted plan's
- *   arena goes upstream at once if no block lives in it, else when its last
- *   block dies (a retired arena).
+ *   closing of the last. Each records its split-pool requests: the block
+ *   size, and a clock (counting those allocations and deaths) at the
+ *   allocation and at the death; -1 for a block still alive when the next
+ *   cycle opens. Before the next cycle opens, the planner
+ *   (luxnn/memory/plan.py) takes the record and may install a plan: for each
+ *   request of a recorded cycle, ordered by bin and within a bin by birth, a
+ *   slot, its place in one of two arenas (each one upstream allocation), such
+ *   that requests alive at the same time never share a byte. The cycle's own
+ *   blocks share one arena; the blocks that outlive it (a step's gradients,
+ *   its new optimizer state) have two places each in the other, used in even
+ *   and odd cycles, since the previous step's are usually still alive. So
+ *   the first arena is idle between cycles, and a new plan (the planner
+ *   widens it when threads interleave beyond it) replaces it without both
+ *   being held.
+ * - Matching: the k-th request of a bin in a cycle takes the bin's k-th slot,
+ *   else the (k+1)-th or (k-1)-th (threads may swap two requests of a size),
+ *   if not taken in this cycle and all its bytes are free now. Otherwise it is
+ *   a plan miss and goes to the split pool, as every request of a cycle
+ *   without a plan does.
+ * - Safety does not rest on the plan: a bitmap of each arena's 512-B
+ *   granules marks the bytes of its live blocks, and a slot serves only when
+ *   all of its bytes are free. A cycle unlike the recorded ones (other
+ *   shapes, another interleaving of threads, an array kept longer) costs
+ *   misses, never an overlap.
+ * - An arena's bytes not in use are cached bytes; a plan hit is a hit. While
+ *   plans serve, the whole free segments of the split pool that served no
+ *   request since the first of them was installed are released when a cycle
+ *   opens or closes: they are what the plans replaced (the segments of
+ *   misses are kept, and evicted as usual). A replaced, freed, trimmed or
+ *   evicted plan's arena goes upstream at once if no block lives in it, else
+ *   when its last block dies (a retired arena).
  */
-#define LX_NONE UINT32_MAX
 
 typedef struct lx_arena {
     char *base;
@@ -223,7 +227,7 @@ typedef struct {
                                   replaced one another was installed */
     uint64_t last_used;        /* scope clock when it last served a request */
     uint64_t from_cycle;       /* the first cycle it serves */
-    uint32_t first[LX_NBINS];  /* each bin's first slot, or LX_NONE */
+    uint32_t first[LX_NBINS];  /* each bin's first slot (if it has any) */
     uint32_t count[LX_NBINS];  /* each bin's slots */
     uint32_t rank[LX_NBINS];   /* this cycle: the bin's requests so far */
 } lx_plan;
@@ -1552,7 +1556,6 @@ lx_install_plan(lx_core *c, const size_t arena_size[2], size_t n, const int64_t 
         free_plan(p);
         return LX_FALLBACK;
     }
-    memset(p->first, 0xff, sizeof(p->first)); /* LX_NONE */
     for (size_t i = 0; i < n; i++) {
         uint32_t b = bin_of((size_t)sizes[i]);
         p->slots[i] = (lx_slot){{(size_t)even[i], (size_t)odd[i]}, (uint32_t)which[i], 0};
@@ -2066,7 +2069,7 @@ Core_install_plan(CoreObject *self, PyObject *args)
     const size_t quantum = (size_t)1 << LX_QUANTUM_LOG2;
     const char *bad = NULL;
     if (buf[0].len % sizeof(int64_t) || buf[1].len != buf[0].len || buf[2].len != buf[0].len ||
-        buf[3].len != buf[0].len || n == 0 || n >= LX_NONE) {
+        buf[3].len != buf[0].len || n == 0 || n >= UINT32_MAX) {
         bad = "sizes, even, odd and which must be int64 arrays of one length, at least 1";
     }
     else if (arena[0] % quantum || arena[0] > LX_MAX_REQUEST || arena[1] % quantum ||
