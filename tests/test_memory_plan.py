@@ -185,6 +185,23 @@ def test_a_plan_over_the_limit_is_not_installed():
     assert cache.stats().plans == 0 and held[0] == 1.0
 
 
+def test_a_plan_waits_while_the_cycle_arena_it_must_replace_is_in_use():
+    cache = memory.AllocCache(plan=False)  # plans installed by hand below
+    core = cache._core
+    one = [np.array(c, dtype=np.int64) for c in ([MiB], [0], [0], [0])]
+    assert core.install_plan(MiB, 0, *one) == "installed"
+    with memory.cached(cache):
+        kept = np.empty(MiB, np.uint8)  # at its planned place, and it outlives the cycle
+    assert core.stats()[10] == 1
+    two = [np.array(c, dtype=np.int64) for c in ([MiB, MiB], [0, MiB], [0, MiB], [0, 0])]
+    assert core.install_plan(2 * MiB, 0, *two) == "busy"  # it would hold both arenas
+    assert core.stats()[12] == 1 and cache.stats().bytes_reserved == MiB
+    del kept
+    assert core.install_plan(2 * MiB, 0, *two) == "installed"
+    assert core.stats()[12] == 2 and cache.stats().bytes_reserved == 2 * MiB
+    core.audit()
+
+
 @pytest.mark.parametrize(
     "args, match",
     [

@@ -135,8 +135,8 @@ class CacheMachine(RuleBasedStateMachine):
         columns = [np.array(column, dtype=np.int64) for column in zip(*slots)]
         sizes, even, odd, arena = columns[0], columns[1] << 18, columns[2] << 18, columns[3]
         before = core.stats()
-        installed = core.install_plan(ARENA, ARENA, sizes, even, odd, arena)
-        assert installed and core.stats()[12] == before[12] + 1  # no limit here
+        status = core.install_plan(ARENA, ARENA, sizes, even, odd, arena)
+        assert status == "installed" and core.stats()[12] == before[12] + 1  # no limit; arenas of one size
         self.caches[which]._planner._planned = None  # the planner's own plan is gone
 
     @precondition(lambda self: len(self.scopes) < 6)

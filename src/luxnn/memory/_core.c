@@ -618,6 +618,7 @@ typedef enum {
     LX_FALLBACK,      /* the bookkeeping is out of memory: use the plain allocator */
     LX_OVER_LIMIT,    /* one request larger than the limit */
     LX_OUT_OF_MEMORY, /* upstream failed, even after releasing every free block */
+    LX_BUSY,          /* a plan's arena that must be replaced is in use: not now */
 } lx_status;
 
 static int64_t
@@ -952,17 +953,18 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size)
 {
     lx_plan *p = c->plan;
     uint32_t rank = p->rank[bin]++;
-    /* The slot of the request's rank in its bin, else a neighbour's: threads
-     * may have swapped two requests of one size. */
+    /* The slot of the request's rank in its bin, else a neighbour's in the same
+     * arena: threads may have swapped two requests of one size. */
     uint32_t ranks[3] = {rank, rank + 1, rank - 1};
-    for (int k = 0; k < 3 && c->cycle >= p->from_cycle; k++) {
+    lx_slot *own = rank < p->count[bin] ? &p->slots[p->first[bin] + rank] : NULL;
+    for (int k = 0; k < 3 && own != NULL && c->cycle >= p->from_cycle; k++) {
         if (ranks[k] >= p->count[bin]) { /* also rank - 1 for rank 0 */
             continue;
         }
         lx_slot *s = &p->slots[p->first[bin] + ranks[k]];
         lx_arena *a = p->arena[s->arena];
         size_t at = s->offset[c->cycle & 1];
-        if (s->taken == c->cycle ||
+        if (s->arena != own->arena || s->taken == c->cycle ||
             !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
             continue;
         }
@@ -1543,9 +1545,11 @@ new_arena_locked(lx_core *c, size_t size, lx_status *status)
  * arena_size[] (0: none). Each arena of the current plan serves again if it
  * is large enough; else it is dropped before a new one comes from upstream
  * (the split pool's whole free segments first go back: the plan replaces
- * them). The new plan serves from the next cycle to open. Returns LX_OK, or
- * why there is no plan now: LX_OVER_LIMIT, LX_OUT_OF_MEMORY, LX_FALLBACK (no
- * memory for the bookkeeping). The caller has checked every size and offset.
+ * them). The new plan serves from the next cycle to open. Returns LX_OK;
+ * LX_BUSY, nothing changed, when the cycle arena must grow while a block
+ * lives in it (a block planned to die in its cycle outlived it); or why there
+ * is no plan now: LX_OVER_LIMIT, LX_OUT_OF_MEMORY, LX_FALLBACK (no memory for
+ * the bookkeeping). The caller has checked every size and offset.
  */
 static lx_status
 lx_install_plan(lx_core *c, const size_t arena_size[2], size_t n, const int64_t *sizes,
@@ -1565,6 +1569,13 @@ lx_install_plan(lx_core *c, const size_t arena_size[2], size_t n, const int64_t 
     }
     pthread_mutex_lock(&c->lock);
     lx_plan *old = c->plan;
+    lx_arena *own = old != NULL ? old->arena[LX_CYCLE] : NULL;
+    if (own != NULL && own->live > 0 && own->size < arena_size[LX_CYCLE]) {
+        /* Held with its replacement it would double the arena: wait until it is idle. */
+        pthread_mutex_unlock(&c->lock);
+        free_plan(p);
+        return LX_BUSY;
+    }
     /* The split pool's segments unused since then are what plans replaced. */
     p->installed = old != NULL ? old->installed : c->fig.scopes;
     for (int k = 0; old != NULL && k < 2; k++) {
@@ -2052,8 +2063,9 @@ Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored))
 
 /* install_plan(cycle_size, kept_size, sizes, even, odd, which): section 1c;
  * the last four are bytes of native int64 arrays of one length (which: 0 for
- * the cycle's arena, 1 for the kept one). True: installed; False: no room
- * (the limit, or out of memory) or no memory for the bookkeeping. */
+ * the cycle's arena, 1 for the kept one). Returns "installed"; "busy" (not
+ * now: try again later); or "no room" (the limit, out of memory, or no memory
+ * for the bookkeeping). */
 static PyObject *
 Core_install_plan(CoreObject *self, PyObject *args)
 {
@@ -2106,7 +2118,7 @@ Core_install_plan(CoreObject *self, PyObject *args)
     if (bad != NULL) {
         return PyErr_Format(PyExc_ValueError, "install_plan: %s", bad);
     }
-    return PyBool_FromLong(status == LX_OK);
+    return PyUnicode_FromString(status == LX_OK ? "installed" : status == LX_BUSY ? "busy" : "no room");
 }
 
 /* blocks() -> [(ptr, size, live, segment base, segment size, orphan)] for
@@ -2358,7 +2370,8 @@ static PyMethodDef Core_methods[] = {
     {"scope_enter", (PyCFunction)Core_scope_enter, METH_NOARGS,
      "Open a scope; returns its watcher slot."},
     {"install_plan", (PyCFunction)Core_install_plan, METH_VARARGS,
-     "install_plan(cycle_size, kept_size, sizes, even, odd, which) -> whether a plan serves"},
+     "install_plan(cycle_size, kept_size, sizes, even, odd, which) -> 'installed', 'busy' "
+     "or 'no room'"},
     {"scope_exit", (PyCFunction)Core_scope_exit, METH_O,
      "scope_exit(slot) -> (peak_live, peak_reserved) of the scope; evicts unused bins"},
     {"drop_plan", (PyCFunction)Core_drop_plan, METH_NOARGS,

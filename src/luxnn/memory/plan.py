@@ -95,7 +95,8 @@ class Planner:
       alone: the split pool serves it. Two such cycles in a row drop the plan: the loop's
       shapes changed, and the next repeat makes a new one.
     - A plan that could not be installed (the cache's limit, out of memory) is not tried
-      again for the same requests.
+      again for the same requests; one that must wait until the current plan's arena is
+      idle is tried again at the next cycle that misses.
     """
 
     def __init__(self, core: Any) -> None:
@@ -151,10 +152,12 @@ class Planner:
                 return
             self._last, self._strangers = None, 0
             cycle_bytes, kept_bytes, even, odd, which = layout(*widened)
-            if self._core.install_plan(cycle_bytes, kept_bytes, widened[0], even, odd, which):
+            status = self._core.install_plan(cycle_bytes, kept_bytes, widened[0], even, odd, which)
+            if status == "installed":
                 self._planned = widened
-            else:
+            elif status == "no room":
                 self._planned, self._refused = None, sizes
+            # "busy": the old plan serves on, and a later cycle's misses try again
 
 
 def _union(a: tuple[np.ndarray, ...], b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
