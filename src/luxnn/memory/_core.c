@@ -223,8 +223,8 @@ enum { LX_CYCLE, LX_KEPT };
 typedef struct {
     lx_arena *arena[2];
     lx_slot *slots;            /* by bin, and within a bin in the recorded order */
-    uint64_t installed;        /* scope clock when the first of the plans that
-                                  replaced one another was installed */
+    uint64_t installed;        /* scope clock of the first scope that the first of the
+                                  plans that replaced one another could serve */
     uint64_t last_used;        /* scope clock when it last served a request */
     uint64_t from_cycle;       /* the first cycle it serves */
     uint32_t first[LX_NBINS];  /* each bin's first slot (if it has any) */
@@ -1576,8 +1576,8 @@ lx_install_plan(lx_core *c, const size_t arena_size[2], size_t n, const int64_t 
         free_plan(p);
         return LX_BUSY;
     }
-    /* The split pool's segments unused since then are what plans replaced. */
-    p->installed = old != NULL ? old->installed : c->fig.scopes;
+    /* The split pool's segments unused since plans serve are what they replaced. */
+    p->installed = old != NULL ? old->installed : c->fig.scopes + 1; /* the next scope's clock */
     for (int k = 0; old != NULL && k < 2; k++) {
         if (arena_size[k] > 0 && old->arena[k] != NULL && old->arena[k]->size >= arena_size[k]) {
             p->arena[k] = old->arena[k]; /* serves again */
