@@ -118,9 +118,10 @@ def report(figures: dict[str, Any]) -> str:
     lines = [
         f"model {figures['model']} on {figures.get('device', 'CPUDevice()')}: {figures['parameters']} parameters, {figures['steps']} steps",
         f"test accuracy {figures['test_accuracy']:.2%}, median time per step {figures['seconds_per_step'] * 1e3:.3f} ms",
-        f"allocator cache: {s.hits} hits, {s.misses} misses, {figures['upstream_allocs_after_first_step']} "
-        f"upstream allocations after the first step, peak live {_mib(s.peak_live)}, "
-        f"peak reserved {_mib(s.peak_reserved)} ({s.peak_reserved / max(s.peak_live, 1):.2f}x live)",
+        f"allocator cache: {s.hits} hits ({s.plan_hits} at planned places), {s.misses} misses, "
+        f"{figures['upstream_allocs_after_first_step']} upstream allocations after the first step, "
+        f"peak live {_mib(s.peak_live)}, peak reserved {_mib(s.peak_reserved)} "
+        f"({s.peak_reserved / max(s.peak_live, 1):.2f}x live; at the end {s.bytes_reserved / max(s.peak_live, 1):.2f}x)",
     ]
     if "memory_plot" in figures:
         lines.append(f"memory timeline written to {figures['memory_plot']}")
