@@ -173,6 +173,33 @@ def test_free_trim_and_eviction_release_a_plans_arenas_once_nothing_lives_in_the
     assert cache.stats().bytes_reserved == 0
 
 
+def test_trim_keeps_a_plan_whose_arena_is_in_use():
+    cache = memory.AllocCache()
+    for _ in range(3):
+        with memory.cached(cache):
+            a = np.ones(MiB // 8) + 1.0
+    assert cache.stats().plans == 1
+    cache.trim()  # `a` lives in the arena: nothing to release there
+    with memory.cached(cache):
+        b = np.ones(MiB // 8) + 1.0
+    assert cache.stats().plan_hits == 2 and not np.shares_memory(a, b)
+
+
+def test_a_planner_that_fails_warns_once_and_the_cache_goes_on_without_plans(monkeypatch):
+    from luxnn.memory import plan
+
+    def broken(*args):
+        raise ArithmeticError("a bug in the planner")
+
+    monkeypatch.setattr(plan, "layout", broken)
+    cache = memory.AllocCache()
+    with pytest.warns(RuntimeWarning, match="stops planning steps after an error: ArithmeticError"):
+        for _ in range(5):
+            with memory.cached(cache):
+                y = np.ones(MiB // 8) + 1.0
+    assert cache.stats().plans == 0 and cache._planner is None and y[0] == 2.0
+
+
 def test_a_plan_over_the_limit_is_not_installed():
     cache = memory.AllocCache(limit=3 * MiB)
     with memory.cached(cache):
@@ -194,7 +221,7 @@ def test_a_plan_waits_while_the_cycle_arena_it_must_replace_is_in_use():
         kept = np.empty(MiB, np.uint8)  # at its planned place, and it outlives the cycle
     assert core.stats()[10] == 1
     two = [np.array(c, dtype=np.int64) for c in ([MiB, MiB], [0, MiB], [0, MiB], [0, 0])]
-    assert core.install_plan(2 * MiB, 0, *two) == "busy"  # it would hold both arenas
+    assert core.install_plan(2 * MiB, 0, *two) == "later"  # it would hold both arenas
     assert core.stats()[12] == 1 and cache.stats().bytes_reserved == MiB
     del kept
     assert core.install_plan(2 * MiB, 0, *two) == "installed"

@@ -849,10 +849,10 @@ return_piece_locked(lx_core *c, lx_block *b)
 
 static size_t drop_plan_locked(lx_core *c);
 
-/* Release whole free blocks and segments, least recently used first, then a
- * plan's arena if nothing lives in it, until at most max_cached bytes stay
- * cached (or nothing whole is left: free pieces of segments in use cannot go
- * back). Returns the bytes released. */
+/* Release whole free blocks and segments, least recently used first, then
+ * the plan (its arenas) if nothing lives in them, until at most max_cached
+ * bytes stay cached (or nothing whole is left: free pieces of segments in use
+ * cannot go back). Returns the bytes released. */
 static size_t
 trim_locked(lx_core *c, size_t max_cached)
 {
@@ -867,8 +867,10 @@ trim_locked(lx_core *c, size_t max_cached)
         }
         b = newer;
     }
-    if (c->fig.bytes_cached > max_cached && c->plan != NULL) {
-        released += drop_plan_locked(c); /* an arena with live blocks retires */
+    if (c->fig.bytes_cached > max_cached && c->plan != NULL &&
+        (c->plan->arena[LX_CYCLE] == NULL || c->plan->arena[LX_CYCLE]->live == 0) &&
+        (c->plan->arena[LX_KEPT] == NULL || c->plan->arena[LX_KEPT]->live == 0)) {
+        released += drop_plan_locked(c);
     }
     return released;
 }
@@ -952,12 +954,15 @@ static lx_block *
 take_planned_locked(lx_core *c, uint32_t bin, size_t size)
 {
     lx_plan *p = c->plan;
+    if (c->cycle < p->from_cycle) {
+        return NULL; /* installed while this cycle was open: not planned for, not a miss */
+    }
     uint32_t rank = p->rank[bin]++;
     /* The slot of the request's rank in its bin, else a neighbour's in the same
      * arena: threads may have swapped two requests of one size. */
     uint32_t ranks[3] = {rank, rank + 1, rank - 1};
     lx_slot *own = rank < p->count[bin] ? &p->slots[p->first[bin] + rank] : NULL;
-    for (int k = 0; k < 3 && own != NULL && c->cycle >= p->from_cycle; k++) {
+    for (int k = 0; k < 3 && own != NULL; k++) {
         if (ranks[k] >= p->count[bin]) { /* also rank - 1 for rank 0 */
             continue;
         }
@@ -986,6 +991,21 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size)
     c->fig.plan_misses++;
     c->cycle_misses++;
     return NULL;
+}
+
+/* Whether ptr lies in an arena of the plan or a retired one. */
+static int
+in_an_arena_locked(const lx_core *c, const void *ptr)
+{
+    for (int k = 0; k < 3; k++) {
+        const lx_arena *a = k < 2 ? (c->plan != NULL ? c->plan->arena[k] : NULL) : c->retired;
+        for (; a != NULL; a = k < 2 ? NULL : a->next) {
+            if ((uintptr_t)ptr >= (uintptr_t)a->base && (uintptr_t)ptr < (uintptr_t)a->base + a->size) {
+                return 1;
+            }
+        }
+    }
+    return 0;
 }
 
 /* A planned block whose array died (already out of bytes_live, into
@@ -1306,8 +1326,9 @@ lx_free(lx_core *c, void *ptr)
     pthread_mutex_lock(&c->lock);
     lx_block *b = map_find(&c->map, ptr);
     if (b == NULL) {
+        int ours = in_an_arena_locked(c, ptr); /* a second free of a plan's block: ignored */
         pthread_mutex_unlock(&c->lock);
-        return 0;
+        return ours;
     }
     if (b->live) { /* a second free of a free block is ignored: it is cached */
         b->live = 0;
@@ -1371,7 +1392,7 @@ lx_release_all(lx_core *c)
         if (b != NULL && b->seg != NULL) {
             b->seg->orphan = 1;
         }
-        else if (b != NULL) {
+        else if (b != NULL && b->arena == NULL) {
             b->orphan = 1; /* every exact-bin block left is live */
         }
     }
@@ -1475,8 +1496,8 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
 /* The record of the last cycle, if it closed and no cycle is open: n rows of
  * (size, born, died) in *rows (malloc'd for the caller; NULL with n 0 when
  * there is none or it is incomplete), its plan misses in *misses, and in
- * *planned whether a plan serves since before it opened. Returns whether there
- * was a record to take. */
+ * *planned whether a plan is installed now (none: none was, or it was dropped).
+ * Returns whether there was a record to take. */
 static int
 lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *planned)
 {
@@ -1485,7 +1506,7 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *pla
     *rows = NULL;
     *n = 0;
     *misses = c->cycle_misses;
-    *planned = c->plan != NULL && c->plan->from_cycle <= c->cycle;
+    *planned = c->plan != NULL;
     if (pending) {
         finish_record_locked(c);
         *rows = c->rec_lost ? NULL : malloc((c->nrec ? c->nrec : 1) * 3 * sizeof(int64_t));
@@ -1539,34 +1560,20 @@ new_arena_locked(lx_core *c, size_t size, lx_status *status)
 }
 
 /*
- * Install a plan (section 1c) of n slots: slot i serves a request of sizes[i]
- * bytes (a split-pool bin's size) at offsets even[i] and odd[i], in even and
- * odd cycles, of arena which[i] (LX_CYCLE or LX_KEPT), whose sizes are
- * arena_size[] (0: none). Each arena of the current plan serves again if it
- * is large enough; else it is dropped before a new one comes from upstream
- * (the split pool's whole free segments first go back: the plan replaces
- * them). The new plan serves from the next cycle to open. Returns LX_OK;
- * LX_BUSY, nothing changed, when the cycle arena must grow while a block
- * lives in it (a block planned to die in its cycle outlived it); or why there
- * is no plan now: LX_OVER_LIMIT, LX_OUT_OF_MEMORY, LX_FALLBACK (no memory for
- * the bookkeeping). The caller has checked every size and offset.
+ * Install plan p (section 1c), built by the caller (slots, first, count), whose
+ * arenas must hold arena_size[] bytes (0: none). Each arena of the current
+ * plan serves again if it is large enough; else it is dropped before a new
+ * one comes from upstream (the split pool's whole free segments first go
+ * back: the plan replaces them). The new plan serves from the next cycle to
+ * open. The core takes p in any case. Returns LX_OK; LX_BUSY, nothing
+ * changed, when the cycle arena must grow while a block lives in it (a block
+ * planned to die in its cycle outlived it); or, the old plan dropped all the
+ * same, why there is no plan now: LX_OVER_LIMIT, LX_OUT_OF_MEMORY, LX_FALLBACK
+ * (no memory for the bookkeeping).
  */
 static lx_status
-lx_install_plan(lx_core *c, const size_t arena_size[2], size_t n, const int64_t *sizes,
-                const int64_t *even, const int64_t *odd, const int64_t *which)
+lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2])
 {
-    lx_plan *p = calloc(1, sizeof(lx_plan));
-    if (p == NULL || (p->slots = calloc(n, sizeof(lx_slot))) == NULL) {
-        free_plan(p);
-        return LX_FALLBACK;
-    }
-    for (size_t i = 0; i < n; i++) {
-        uint32_t b = bin_of((size_t)sizes[i]);
-        p->slots[i] = (lx_slot){{(size_t)even[i], (size_t)odd[i]}, (uint32_t)which[i], 0};
-        if (p->count[b]++ == 0) {
-            p->first[b] = (uint32_t)i;
-        }
-    }
     pthread_mutex_lock(&c->lock);
     lx_plan *old = c->plan;
     lx_arena *own = old != NULL ? old->arena[LX_CYCLE] : NULL;
@@ -2061,11 +2068,23 @@ Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored))
     return record;
 }
 
+/* Element i of an int64 buffer, whatever its alignment. */
+static int64_t
+int64_at(const Py_buffer *b, size_t i)
+{
+    int64_t v;
+    memcpy(&v, (const char *)b->buf + i * sizeof(int64_t), sizeof(v));
+    return v;
+}
+
 /* install_plan(cycle_size, kept_size, sizes, even, odd, which): section 1c;
- * the last four are bytes of native int64 arrays of one length (which: 0 for
- * the cycle's arena, 1 for the kept one). Returns "installed"; "busy" (not
- * now: try again later); or "no room" (the limit, out of memory, or no memory
- * for the bookkeeping). */
+ * the last four are buffers of native int64 of one length (which: 0 for the
+ * cycle's arena, 1 for the kept one; sizes ascending). Returns "installed";
+ * "later" (nothing changed: the cycle arena to replace is in use, or there
+ * was no memory for the bookkeeping; try again later); or "no room" (the
+ * limit, or out of memory: the old plan is dropped). The plan is built from
+ * the checked values here, with the GIL held, so that no other thread can
+ * change a buffer between its check and its use. */
 static PyObject *
 Core_install_plan(CoreObject *self, PyObject *args)
 {
@@ -2075,11 +2094,10 @@ Core_install_plan(CoreObject *self, PyObject *args)
                           &buf[1], &buf[2], &buf[3])) {
         return NULL;
     }
-    const int64_t *sizes = buf[0].buf, *even = buf[1].buf, *odd = buf[2].buf,
-                  *which = buf[3].buf;
     size_t n = (size_t)buf[0].len / sizeof(int64_t);
     const size_t quantum = (size_t)1 << LX_QUANTUM_LOG2;
     const char *bad = NULL;
+    lx_plan *p = NULL;
     if (buf[0].len % sizeof(int64_t) || buf[1].len != buf[0].len || buf[2].len != buf[0].len ||
         buf[3].len != buf[0].len || n == 0 || n >= UINT32_MAX) {
         bad = "sizes, even, odd and which must be int64 arrays of one length, at least 1";
@@ -2088,37 +2106,51 @@ Core_install_plan(CoreObject *self, PyObject *args)
              arena[1] > LX_MAX_REQUEST || arena[0] + arena[1] == 0) {
         bad = "the arena sizes must be multiples of 512 bytes, not both 0";
     }
-    for (size_t i = 0; bad == NULL && i < n; i++) {
-        size_t size = (size_t)sizes[i];
-        size_t room = which[i] == 0 || which[i] == 1 ? (size_t)arena[which[i]] : 0;
+    else if ((p = calloc(1, sizeof(lx_plan))) == NULL ||
+             (p->slots = calloc(n, sizeof(lx_slot))) == NULL) {
+        free_plan(p);
+        p = NULL;
+    }
+    for (size_t i = 0, last = 0; p != NULL && bad == NULL && i < n; i++) {
+        int64_t size = int64_at(&buf[0], i), even = int64_at(&buf[1], i),
+                odd = int64_at(&buf[2], i), which = int64_at(&buf[3], i);
+        size_t room = which == 0 || which == 1 ? (size_t)arena[which] : 0;
         if (room == 0) {
             bad = "every which must be 0 or 1, naming an arena of a positive size";
         }
-        else if (sizes[i] <= 0 || (size_t)sizes[i] > room || bin_bytes(bin_of(size)) != size ||
-                 bin_of(size) < self->core->split_bin || (i > 0 && sizes[i] < sizes[i - 1])) {
+        else if (size <= 0 || (size_t)size > room || bin_bytes(bin_of((size_t)size)) != (size_t)size ||
+                 bin_of((size_t)size) < self->core->split_bin || (size_t)size < last) {
             bad = "sizes must be block sizes of split-pool bins, in ascending order, each "
                   "within its arena";
         }
-        else if (even[i] < 0 || odd[i] < 0 || (size_t)even[i] % quantum ||
-                 (size_t)odd[i] % quantum || (size_t)even[i] > room - size ||
-                 (size_t)odd[i] > room - size) {
+        else if (even < 0 || odd < 0 || (size_t)even % quantum || (size_t)odd % quantum ||
+                 (size_t)even > room - (size_t)size || (size_t)odd > room - (size_t)size) {
             bad = "every offset must be a multiple of 512 bytes with its block inside its arena";
         }
-    }
-    lx_status status = LX_FALLBACK;
-    if (bad == NULL) {
-        size_t sizes_of_arenas[2] = {(size_t)arena[0], (size_t)arena[1]};
-        Py_BEGIN_ALLOW_THREADS
-        status = lx_install_plan(self->core, sizes_of_arenas, n, sizes, even, odd, which);
-        Py_END_ALLOW_THREADS
+        else {
+            uint32_t b = bin_of((size_t)size);
+            p->slots[i] = (lx_slot){{(size_t)even, (size_t)odd}, (uint32_t)which, 0};
+            if (p->count[b]++ == 0) {
+                p->first[b] = (uint32_t)i;
+            }
+            last = (size_t)size;
+        }
     }
     for (int i = 0; i < 4; i++) {
         PyBuffer_Release(&buf[i]);
     }
     if (bad != NULL) {
+        free_plan(p);
         return PyErr_Format(PyExc_ValueError, "install_plan: %s", bad);
     }
-    return PyUnicode_FromString(status == LX_OK ? "installed" : status == LX_BUSY ? "busy" : "no room");
+    lx_status status = LX_BUSY; /* no plan built: no memory for it, try later */
+    if (p != NULL) {
+        size_t sizes_of_arenas[2] = {(size_t)arena[0], (size_t)arena[1]};
+        Py_BEGIN_ALLOW_THREADS
+        status = lx_install_plan(self->core, p, sizes_of_arenas);
+        Py_END_ALLOW_THREADS
+    }
+    return PyUnicode_FromString(status == LX_OK ? "installed" : status == LX_BUSY ? "later" : "no room");
 }
 
 /* blocks() -> [(ptr, size, live, segment base, segment size, orphan)] for
@@ -2370,7 +2402,7 @@ static PyMethodDef Core_methods[] = {
     {"scope_enter", (PyCFunction)Core_scope_enter, METH_NOARGS,
      "Open a scope; returns its watcher slot."},
     {"install_plan", (PyCFunction)Core_install_plan, METH_VARARGS,
-     "install_plan(cycle_size, kept_size, sizes, even, odd, which) -> 'installed', 'busy' "
+     "install_plan(cycle_size, kept_size, sizes, even, odd, which) -> 'installed', 'later' "
      "or 'no room'"},
     {"scope_exit", (PyCFunction)Core_scope_exit, METH_O,
      "scope_exit(slot) -> (peak_live, peak_reserved) of the scope; evicts unused bins"},

@@ -309,7 +309,8 @@ class AllocCache:
         self._core.reset_peaks()
 
     def trim(self, max_cached_bytes: int = 0) -> int:
-        """Release whole free blocks and segments, least recently used first, until at most
+        """Release whole free blocks and segments, least recently used first, then the step
+        plan's arenas if no array uses them (the plan goes with them), until at most
         `max_cached_bytes` stay cached or none is left whole (a free piece of a segment that
         an array still uses cannot go back before it). Returns the bytes released. Arrays in
         use are not affected.
@@ -321,7 +322,8 @@ class AllocCache:
 
     def free(self) -> None:
         """Release every whole free block and segment now, and every other when its last
-        array dies; meanwhile the free pieces of such a segment are not reused.
+        array dies; meanwhile the free pieces of such a segment are not reused. The step plan
+        goes too, its arenas now or, one in use, when its last array dies.
 
         The cache stays usable: blocks allocated in later scopes are cached as usual.
         """
@@ -352,6 +354,7 @@ class AllocCache:
 
 
 EVENT_KINDS: tuple[str, ...] = _core.EVENT_KINDS
-"""Timeline event kinds: a request served from the free lists ("hit") or by a new block
-("upstream"), a block whose array died, now cached ("return"), a block or segment given back
-to the system ("release"), and "scope_enter" / "scope_exit"."""
+"""Timeline event kinds: a request served from the free lists or at its planned place
+("hit") or by a new block ("upstream"), a block whose array died, now cached ("return"), a
+block, segment or arena given back to the system ("release"), "scope_enter" / "scope_exit",
+and an arena taken from the system for a step plan ("plan")."""

@@ -94,10 +94,12 @@ class Planner:
     - A cycle with other requests (an evaluation step, a short last batch) leaves the plan
       alone: the split pool serves it. Two such cycles in a row drop the plan: the loop's
       shapes changed, and the next repeat makes a new one.
-    - A plan that could not be installed (the cache's limit, out of memory) is not tried
-      again for the same requests; one that must wait until the current plan's arena is
-      idle is tried again at the next cycle that misses.
+    - A plan that found no room (the cache's limit, out of memory) is not tried again for
+      the same requests during `RETRY_AFTER` cycles; one that had to wait ("later": the
+      arena it replaces was in use) is tried again with the next cycle's record.
     """
+
+    RETRY_AFTER = 64
 
     def __init__(self, core: Any) -> None:
         self._core = core
@@ -105,12 +107,12 @@ class Planner:
         self._planned: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # what the plan covers
         self._last: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # the last cycle unlike it
         self._strangers = 0  # cycles in a row unlike the plan's
-        self._refused: np.ndarray | None = None
+        self._refused: tuple[np.ndarray, int] | None = None  # sizes, cycles left before a retry
 
     def served(self, misses: int, planned: bool) -> bool:
-        """Whether a cycle was served whole by this planner's plan (`planned`: a plan served
-        it; `misses`: its requests the plan did not serve): then its record holds nothing
-        new, and `cycle_closed` need not see it."""
+        """Whether a cycle was served whole by this planner's plan (`planned`: a plan is
+        installed; `misses`: the cycle's requests it did not serve): then its record holds
+        nothing new, and `cycle_closed` need not see it."""
         with self._lock:
             if misses or not planned or self._planned is None:
                 return False
@@ -119,17 +121,19 @@ class Planner:
 
     def cycle_closed(self, rows: bytes, misses: int, planned: bool) -> None:
         """Take a closed cycle's record (the core's ``take_record``): native int64 rows of
-        (size, born, died), its plan misses, and whether a plan served it."""
+        (size, born, died), its plan misses, and whether a plan is installed."""
         record = np.frombuffer(rows, dtype=np.int64).reshape(-1, 3)
         # By size, then by birth: the core matches a bin's requests to its slots in that
         # order, whatever order threads made requests of different sizes in.
         record = record[np.lexsort((record[:, 1], record[:, 0]))].T.copy()
         sizes = record[0]
-        if not len(sizes):
-            return  # nothing above 64 KiB: no plan serves it, none is made from it
         with self._lock:
             if not planned:
                 self._planned = None  # none was made, or the cache dropped it (free, trim, eviction)
+            if self._refused is not None:
+                self._refused = None if self._refused[1] <= 1 else (self._refused[0], self._refused[1] - 1)
+            if not len(sizes):
+                return  # nothing above 64 KiB: no plan serves it, none is made from it
             if self._planned is not None and np.array_equal(sizes, self._planned[0]):
                 self._strangers = 0
                 if misses == 0:
@@ -148,16 +152,16 @@ class Planner:
                     self._last = (record[0], record[1], record[2])
                     return
                 widened = _union(self._last, record)
-            if self._refused is not None and np.array_equal(sizes, self._refused):
+            if self._refused is not None and np.array_equal(sizes, self._refused[0]):
                 return
-            self._last, self._strangers = None, 0
             cycle_bytes, kept_bytes, even, odd, which = layout(*widened)
             status = self._core.install_plan(cycle_bytes, kept_bytes, widened[0], even, odd, which)
             if status == "installed":
-                self._planned = widened
+                self._planned, self._last, self._strangers = widened, None, 0
             elif status == "no room":
-                self._planned, self._refused = None, sizes
-            # "busy": the old plan serves on, and a later cycle's misses try again
+                self._planned, self._last, self._refused = None, None, (sizes, self.RETRY_AFTER)
+            elif self._planned is None:
+                self._last = widened  # "later": what this cycle showed waits with the next
 
 
 def _union(a: tuple[np.ndarray, ...], b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

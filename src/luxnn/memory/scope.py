@@ -20,6 +20,7 @@ figures are in ``cache.stats()``.
 from __future__ import annotations
 
 import functools
+import warnings
 from contextvars import ContextVar
 from typing import Any, Callable, TypeVar
 
@@ -151,10 +152,17 @@ def _plan(cache: AllocCache) -> None:
     # Before a scope opens: the cache's planner takes the record of the cycle that closed
     # last, if no scope has been open since (luxnn.memory.plan). A cycle the plan served
     # whole needs nothing; otherwise the planner's own arrays stay out of every cache.
+    # Plans only save memory: should planning fail, the cache goes on without them.
     record = cache._core.take_record()
-    if record is not None and not cache._planner.served(*record[1:]):
+    if record is None or cache._planner.served(*record[1:]):
+        return
+    try:
         with uncached():
             cache._planner.cycle_closed(*record)
+    except Exception as err:  # noqa: BLE001 - any failure: no plans, said once
+        cache._planner = None
+        cache._core.drop_plan()
+        warnings.warn(f"AllocCache stops planning steps after an error: {err!r}", RuntimeWarning, stacklevel=3)
 
 
 def cached(cache: AllocCache | None) -> Scope:
