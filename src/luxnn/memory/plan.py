@@ -12,8 +12,8 @@ rest is the small-block pool, blocks kept for two steps, and the lifetimes widen
 cover how threads interleave.)
 
 The core records each cycle (a scope opened while none is open, to the close of the last):
-every request above 64 KiB, with a clock at its allocation and at its death (-1: it
-outlived the cycle). `Planner` turns two consecutive cycles with the same requests into a
+every request above 64 KiB, with a clock at its allocation and at its death (-1: still
+alive when the next cycle opened). `Planner` turns two consecutive cycles with the same requests into a
 plan (`layout`), and widens it when a later cycle's lifetimes reach beyond it (threads
 interleave differently from step to step) and the plan missed. The core serves a request at
 its planned place only when every byte there is free, so a plan can cost misses but never
@@ -36,8 +36,9 @@ def place(sizes: np.ndarray, born: np.ndarray, died: np.ndarray) -> tuple[np.nda
 
     Greedy by size (Pisarchyk and Lee, "Efficient Memory Management for Deep Neural Net
     Inference", 2020): from the largest block down, each at the lowest offset that clears
-    the blocks already placed and alive with it. O(n^2) vectorised steps: about 10 ms for
-    the 600 blocks of a transformer block's step.
+    the blocks already placed and alive with it. n vectorised steps over the blocks placed
+    (ad hoc, random blocks on this project's 2-core machine: 2 ms for 145, the large blocks
+    of the suite's transformer step; 7 ms for 600; 26 ms for 2000).
 
     >>> offsets, span = place(np.array([4, 4, 8]), np.array([0, 1, 3]), np.array([2, 3, 4]))
     >>> offsets.tolist(), span    # the first two overlap in time, the third follows both
