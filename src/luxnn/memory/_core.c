@@ -883,7 +883,8 @@ release_split_wholes_locked(lx_core *c, uint64_t since)
     size_t released = 0;
     for (lx_block *b = c->lru.newer; c->split_whole > 0 && b != &c->lru;) {
         lx_block *newer = b->newer;
-        if (b->seg != NULL && whole_locked(b) && (since == UINT64_MAX || b->seg->last_used < since)) {
+        if (b->seg != NULL && whole_locked(b) &&
+            (since == UINT64_MAX || b->seg->last_used < since)) {
             unlink_free_locked(c, b);
             released += b->size;
             release_locked(c, b);
@@ -943,7 +944,8 @@ drop_plan_locked(lx_core *c)
         return 0;
     }
     c->plan = NULL;
-    size_t released = drop_arena_locked(c, p->arena[LX_CYCLE]) + drop_arena_locked(c, p->arena[LX_KEPT]);
+    size_t released = drop_arena_locked(c, p->arena[LX_CYCLE]);
+    released += drop_arena_locked(c, p->arena[LX_KEPT]);
     free_plan(p);
     return released;
 }
@@ -1000,7 +1002,8 @@ in_an_arena_locked(const lx_core *c, const void *ptr)
     for (int k = 0; k < 3; k++) {
         const lx_arena *a = k < 2 ? (c->plan != NULL ? c->plan->arena[k] : NULL) : c->retired;
         for (; a != NULL; a = k < 2 ? NULL : a->next) {
-            if ((uintptr_t)ptr >= (uintptr_t)a->base && (uintptr_t)ptr < (uintptr_t)a->base + a->size) {
+            uintptr_t at = (uintptr_t)ptr, base = (uintptr_t)a->base;
+            if (at >= base && at < base + a->size) {
                 return 1;
             }
         }
@@ -1099,7 +1102,6 @@ open_cycle_locked(lx_core *c)
     c->tick = 0;
     c->rec_lost = 0;
 }
-
 
 /* ---- 5. Failure record --------------------------------------------------
  *
@@ -2118,8 +2120,9 @@ Core_install_plan(CoreObject *self, PyObject *args)
         if (room == 0) {
             bad = "every which must be 0 or 1, naming an arena of a positive size";
         }
-        else if (size <= 0 || (size_t)size > room || bin_bytes(bin_of((size_t)size)) != (size_t)size ||
-                 bin_of((size_t)size) < self->core->split_bin || (size_t)size < last) {
+        else if (size <= 0 || (size_t)size > room || (size_t)size < last ||
+                 bin_bytes(bin_of((size_t)size)) != (size_t)size ||
+                 bin_of((size_t)size) < self->core->split_bin) {
             bad = "sizes must be block sizes of split-pool bins, in ascending order, each "
                   "within its arena";
         }
@@ -2150,12 +2153,16 @@ Core_install_plan(CoreObject *self, PyObject *args)
         status = lx_install_plan(self->core, p, sizes_of_arenas);
         Py_END_ALLOW_THREADS
     }
-    return PyUnicode_FromString(status == LX_OK ? "installed" : status == LX_BUSY ? "later" : "no room");
+    return PyUnicode_FromString(status == LX_OK     ? "installed"
+                                : status == LX_BUSY ? "later"
+                                                    : "no room");
 }
 
 /* blocks() -> [(ptr, size, live, segment base, segment size, orphan)] for
  * every block the core owns, in no order: an exact-bin block is a segment of
- * its own, a plan's block is in its arena (orphan: a retired one). For the tests; the list is built after the lock is let go. */
+ * its own, a plan's block is in its arena (orphan: a retired one; an arena's
+ * free bytes have no row). For the tests; the list is built after the lock is
+ * let go. */
 static PyObject *
 Core_blocks(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
