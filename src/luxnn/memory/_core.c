@@ -1495,16 +1495,16 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
     return 0;
 }
 
-/* The record of the last cycle, if it closed and no cycle is open: n rows of
- * (size, born, died) in *rows (malloc'd for the caller; NULL with n 0 when
- * there is none or it is incomplete), its plan misses in *misses, and in
- * *planned whether a plan is installed now (none: none was, or it was dropped).
- * Returns whether there was a record to take. */
+/* The record of the last cycle, if it closed, no cycle is open and it holds a
+ * request: n rows of (size, born, died) in *rows (malloc'd for the caller;
+ * NULL with n 0 when the record is incomplete), its plan misses in *misses,
+ * and in *planned whether a plan is installed now (none: none was, or it was
+ * dropped). Returns whether there was a record to take. */
 static int
 lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *planned)
 {
     pthread_mutex_lock(&c->lock);
-    int pending = c->pending && c->depth == 0;
+    int pending = c->pending && c->depth == 0 && (c->nrec > 0 || c->rec_lost);
     *rows = NULL;
     *n = 0;
     *misses = c->cycle_misses;
@@ -2051,8 +2051,9 @@ Core_drop_plan(CoreObject *self, PyObject *Py_UNUSED(ignored))
 
 /* take_record() -> None, or (bytes of int64 (size, born, died) rows, plan
  * misses, planned) of the last cycle (section 1c) when it closed, no cycle is
- * open and nobody took it yet; the bytes are empty when the record ran out of
- * memory; planned: whether a plan served it (and serves still). */
+ * open, it made a split-pool request and nobody took it yet; the bytes are
+ * empty when the record ran out of memory; planned: whether a plan is
+ * installed now. */
 static PyObject *
 Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
