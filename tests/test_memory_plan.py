@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from luxnn import memory
 from luxnn.memory import _core
-from luxnn.memory.plan import layout, place
+from luxnn.memory.plan import Planner, layout, place
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -248,3 +248,58 @@ def test_install_plan_rejects_a_plan_it_cannot_serve(args, match):
     with pytest.raises(ValueError, match=match):
         core.install_plan(cycle, kept, *(np.array(c, dtype=np.int64) for c in columns))
     assert core.stats()[12] == 0 and core.stats()[2] == 0  # nothing installed, nothing taken
+
+
+class FakeCore:
+    """The two calls a Planner makes, answering install_plan with the statuses given."""
+
+    def __init__(self, *statuses):
+        self.statuses, self.installed, self.dropped = list(statuses), [], 0
+
+    def install_plan(self, cycle_bytes, kept_bytes, sizes, even, odd, which):
+        self.installed.append((cycle_bytes, kept_bytes, sizes.tolist()))
+        return self.statuses.pop(0) if self.statuses else "installed"
+
+    def drop_plan(self):
+        self.dropped += 1
+
+
+def _record(sizes, born=None, died=None):
+    born = list(range(len(sizes))) if born is None else born
+    died = [b + 1 for b in born] if died is None else died
+    return np.array([sizes, born, died], dtype=np.int64).T.tobytes()
+
+
+def test_the_planner_plans_a_repeat_widens_on_misses_and_waits_when_told_later():
+    core = FakeCore("later", "installed")
+    planner = Planner(core)
+    planner.cycle_closed(_record([MiB, MiB]), 0, False)
+    assert core.installed == []  # one cycle: nothing to compare with
+    planner.cycle_closed(_record([MiB, MiB]), 0, False)
+    assert len(core.installed) == 1 and not planner.served(0, True)  # "later": no plan yet
+    planner.cycle_closed(_record([MiB, MiB], born=[0, 0]), 0, False)  # the repeat kept waiting
+    assert len(core.installed) == 2 and planner.served(0, True)
+    assert core.installed[-1][0] == 2 * MiB  # the union of lifetimes: both alive at 0
+    planner.cycle_closed(_record([MiB, MiB], born=[0, 0]), 1, True)  # a miss, nothing new
+    assert len(core.installed) == 2
+
+
+def test_the_planner_retries_a_plan_without_room_only_after_a_while():
+    core = FakeCore("no room")
+    planner = Planner(core)
+    for _ in range(1 + Planner.RETRY_AFTER):  # the repeat at the 2nd finds no room
+        planner.cycle_closed(_record([MiB]), 0, False)
+    assert len(core.installed) == 1
+    planner.cycle_closed(_record([MiB]), 0, False)
+    assert len(core.installed) == 2 and planner.served(0, True)
+
+
+def test_the_planner_forgets_a_plan_the_cache_dropped():
+    core = FakeCore()
+    planner = Planner(core)
+    for _ in range(2):
+        planner.cycle_closed(_record([MiB]), 0, False)
+    assert planner.served(0, True) and not planner.served(0, False)
+    planner.cycle_closed(_record([MiB]), 0, False)  # trimmed away: the next repeat plans again
+    planner.cycle_closed(_record([MiB]), 0, False)
+    assert len(core.installed) == 2 and core.dropped == 0
