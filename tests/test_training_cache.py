@@ -147,3 +147,38 @@ def test_training_with_and_without_the_cache_is_bit_identical(make, shape):
     assert np.isfinite(losses_on).all() and losses_on == losses_off
     for a, b in zip(ps_off, ps_on):
         np.testing.assert_array_equal(a, b)
+
+
+def _large_mlp_state():
+    # Blocks above 64 KiB: the 256x512 activations and their gradients.
+    model = lx.Chain(lx.Dense(256, 512, activation="relu"), lx.Dense(512, 256, activation="relu"), lx.Dense(256, 10))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    cache = lx.memory.AllocCache()
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((256, 256)).astype(np.float32), rng.integers(0, 10, 256)
+    return cache, lx.TrainState(model, ps, st, lx.optim.adam(1e-3), allocator_cache=cache), data
+
+
+def test_a_training_loop_is_planned_and_holds_its_working_set():
+    cache, ts, data = _large_mlp_state()
+    for k in range(12):
+        if k == 6:
+            cache.reset_peaks()
+            before = cache.stats()
+        _, _, _, ts = lx.single_train_step_(AD, lx.losses.CrossEntropyLoss(), data, ts)
+    s = cache.stats()
+    assert s.plans == 1 and s.plan_misses == before.plan_misses and s.plan_hits > before.plan_hits
+    assert s.upstream_allocs == before.upstream_allocs
+    assert s.peak_reserved <= 1.1 * s.peak_live, s
+    cache._core.audit()
+
+
+def test_steps_of_two_cycles_are_not_planned_yet():
+    # compute_gradients, then apply_gradients_: two cycles a step, each unlike the one
+    # before it, so no plan (a plan of one of them would hold its arena apart from the
+    # other's blocks); the split pool serves both, as before plans.
+    cache, ts, data = _large_mlp_state()
+    for _ in range(8):
+        grads, _, _, ts = lx.compute_gradients(AD, lx.losses.CrossEntropyLoss(), data, ts)
+        ts = lx.apply_gradients_(ts, grads)
+    assert cache.stats().plans == 0
