@@ -254,7 +254,7 @@ class FakeCore:
     """The two calls a Planner makes, answering install_plan with the statuses given."""
 
     def __init__(self, *statuses):
-        self.statuses, self.installed, self.dropped = list(statuses), [], 0
+        self.statuses, self.installed, self.dropped, self.periods = list(statuses), [], 0, []
 
     def install_plan(self, cycle_bytes, kept_bytes, sizes, even, odd, which):
         self.installed.append((cycle_bytes, kept_bytes, sizes.tolist()))
@@ -262,6 +262,13 @@ class FakeCore:
 
     def drop_plan(self):
         self.dropped += 1
+
+    def set_period(self, period):
+        self.periods.append(period)
+        return True
+
+
+ROOMY = 1 << 40  # the split pool's peak: more than any plan here
 
 
 def _record(sizes, born=None, died=None):
@@ -273,14 +280,14 @@ def _record(sizes, born=None, died=None):
 def test_the_planner_plans_a_repeat_widens_on_misses_and_waits_when_told_later():
     core = FakeCore("later", "installed")
     planner = Planner(core)
-    planner.cycle_closed(_record([MiB, MiB]), 0, False)
+    planner.cycle_closed(_record([MiB, MiB]), 0, False, ROOMY)
     assert core.installed == []  # one cycle: nothing to compare with
-    planner.cycle_closed(_record([MiB, MiB]), 0, False)
+    planner.cycle_closed(_record([MiB, MiB]), 0, False, ROOMY)
     assert len(core.installed) == 1 and not planner.served(0, True)  # "later": no plan yet
-    planner.cycle_closed(_record([MiB, MiB], born=[0, 0]), 0, False)  # the repeat kept waiting
+    planner.cycle_closed(_record([MiB, MiB], born=[0, 0]), 0, False, ROOMY)  # the repeat kept waiting
     assert len(core.installed) == 2 and planner.served(0, True)
     assert core.installed[-1][0] == 2 * MiB  # the union of lifetimes: both alive at 0
-    planner.cycle_closed(_record([MiB, MiB], born=[0, 0]), 1, True)  # a miss, nothing new
+    planner.cycle_closed(_record([MiB, MiB], born=[0, 0]), 1, True, ROOMY)  # a miss, nothing new
     assert len(core.installed) == 2
 
 
@@ -288,9 +295,9 @@ def test_the_planner_retries_a_plan_without_room_only_after_a_while():
     core = FakeCore("no room")
     planner = Planner(core)
     for _ in range(1 + Planner.RETRY_AFTER):  # the repeat at the 2nd finds no room
-        planner.cycle_closed(_record([MiB]), 0, False)
+        planner.cycle_closed(_record([MiB]), 0, False, ROOMY)
     assert len(core.installed) == 1
-    planner.cycle_closed(_record([MiB]), 0, False)
+    planner.cycle_closed(_record([MiB]), 0, False, ROOMY)
     assert len(core.installed) == 2 and planner.served(0, True)
 
 
@@ -298,8 +305,38 @@ def test_the_planner_forgets_a_plan_the_cache_dropped():
     core = FakeCore()
     planner = Planner(core)
     for _ in range(2):
-        planner.cycle_closed(_record([MiB]), 0, False)
+        planner.cycle_closed(_record([MiB]), 0, False, ROOMY)
     assert planner.served(0, True) and not planner.served(0, False)
-    planner.cycle_closed(_record([MiB]), 0, False)  # trimmed away: the next repeat plans again
-    planner.cycle_closed(_record([MiB]), 0, False)
+    planner.cycle_closed(_record([MiB]), 0, False, ROOMY)  # trimmed away: the next repeat plans again
+    planner.cycle_closed(_record([MiB]), 0, False, ROOMY)
     assert len(core.installed) == 2 and core.dropped == 0
+
+
+def test_the_planner_spans_cycles_over_steps_of_several_scopes_and_back():
+    core = FakeCore()
+    planner = Planner(core)
+    a, b = _record([MiB, 2 * MiB]), _record([MiB])
+    for rows in (a, b, a):  # each unlike the one before, `a` like the one two before
+        planner.cycle_closed(rows, 0, False, ROOMY)
+    assert core.periods == [2] and core.installed == []
+    ab = _record([MiB, MiB, 2 * MiB])  # the core's cycles now span both scopes
+    planner.cycle_closed(ab, 0, False, ROOMY)
+    planner.cycle_closed(ab, 0, False, ROOMY)
+    assert len(core.installed) == 1 and core.installed[0][2] == [MiB, MiB, 2 * MiB]
+    planner.cycle_closed(_record([4 * MiB]), 0, True, ROOMY)
+    planner.cycle_closed(_record([8 * MiB]), 0, True, ROOMY)  # two strangers: dropped, one scope again
+    assert core.dropped == 1 and core.periods == [2, 1]
+
+
+def test_the_planner_makes_no_plan_that_would_hold_more_than_the_split_pool():
+    core = FakeCore()
+    planner = Planner(core)
+    kept = _record([MiB, MiB], died=[-1, -1])  # two places each: 4 MiB
+    for _ in range(2):
+        planner.cycle_closed(kept, 0, False, 3 * MiB)
+    for _ in range(Planner.RETRY_AFTER - 1):  # not tried again meanwhile
+        planner.cycle_closed(kept, 0, False, 4 * MiB)
+    assert core.installed == []
+    for _ in range(2):
+        planner.cycle_closed(kept, 0, False, 4 * MiB)
+    assert len(core.installed) == 1  # as much as the pool held: a plan (it is steadier)

@@ -149,17 +149,26 @@ def test_training_with_and_without_the_cache_is_bit_identical(make, shape):
         np.testing.assert_array_equal(a, b)
 
 
-def _large_mlp_state():
-    # Blocks above 64 KiB: the 256x512 activations and their gradients.
+@pytest.fixture
+def one_thread():
+    # The steps repeat exactly on one thread (threads: see the threaded test above).
+    before = lx.num_threads()
+    lx.set_num_threads(1)
+    yield
+    lx.set_num_threads(before)
+
+
+def _large_mlp_state(batch=256, plan=True):
+    # Blocks above 64 KiB: the batch x 512 activations and their gradients.
     model = lx.Chain(lx.Dense(256, 512, activation="relu"), lx.Dense(512, 256, activation="relu"), lx.Dense(256, 10))
     ps, st = lx.setup(np.random.default_rng(0), model)
-    cache = lx.memory.AllocCache()
+    cache = lx.memory.AllocCache(plan=plan)
     rng = np.random.default_rng(1)
-    data = rng.standard_normal((256, 256)).astype(np.float32), rng.integers(0, 10, 256)
+    data = rng.standard_normal((batch, 256)).astype(np.float32), rng.integers(0, 10, batch)
     return cache, lx.TrainState(model, ps, st, lx.optim.adam(1e-3), allocator_cache=cache), data
 
 
-def test_a_training_loop_is_planned_and_holds_its_working_set():
+def test_a_training_loop_is_planned_and_holds_its_working_set(one_thread):
     cache, ts, data = _large_mlp_state()
     for k in range(12):
         if k == 6:
@@ -173,12 +182,21 @@ def test_a_training_loop_is_planned_and_holds_its_working_set():
     cache._core.audit()
 
 
-def test_steps_of_two_cycles_are_not_planned_yet():
-    # compute_gradients, then apply_gradients_: two cycles a step, each unlike the one
-    # before it, so no plan (a plan of one of them would hold its arena apart from the
-    # other's blocks); the split pool serves both, as before plans.
-    cache, ts, data = _large_mlp_state()
-    for _ in range(8):
-        grads, _, _, ts = lx.compute_gradients(AD, lx.losses.CrossEntropyLoss(), data, ts)
-        ts = lx.apply_gradients_(ts, grads)
-    assert cache.stats().plans == 0
+@pytest.mark.parametrize("batch, planned", [(256, False), (1024, True)])
+def test_steps_of_two_scopes_in_turn_are_planned_where_it_saves_memory(batch, planned, one_thread):
+    # compute_gradients, then apply_gradients_: two scopes a step, each unlike the one
+    # before it, so the planner makes the cache's cycles span both. Adam's new states and
+    # the gradients outlive a cycle: their two places each would cost more than the
+    # activations' plan saves at batch 256 (no plan is made), less at batch 1024.
+    reserved = {}
+    for plan in (True, False):
+        cache, ts, data = _large_mlp_state(batch, plan)
+        for k in range(16):
+            if k == 10:
+                cache.reset_peaks()
+            grads, _, _, ts = lx.compute_gradients(AD, lx.losses.CrossEntropyLoss(), data, ts)
+            ts = lx.apply_gradients_(ts, grads)
+        reserved[plan] = cache.stats().peak_reserved
+        assert (cache.stats().plans == 1) == (planned and plan)
+        cache._core.audit()
+    assert reserved[True] < reserved[False] if planned else reserved[True] == reserved[False]

@@ -592,6 +592,8 @@ typedef struct {
     uint64_t split_mask[LX_MASK_WORDS]; /* bit i: split[i] holds a free piece */
     uint32_t split_bin;         /* the first bin served by the split pool; constant */
     size_t split_whole;         /* bytes of the split pool's whole free segments */
+    size_t split_held;          /* bytes of the split pool's segments */
+    size_t split_peak;          /* the highest split_held since the cycle opened */
     lx_block lru;               /* ring sentinel: lru.newer is the oldest free block */
     lx_map map;
     lx_watcher *watchers;
@@ -611,6 +613,8 @@ typedef struct {
     int64_t tick;               /* the record's clock */
     int rec_lost;               /* the record ran out of memory: incomplete */
     int pending;                /* the last cycle closed; its record not yet taken */
+    uint32_t period;            /* outermost scopes a cycle spans (set_period) */
+    uint32_t closed_in_cycle;   /* outermost scopes of the open cycle closed so far */
 } lx_core;
 
 typedef enum {
@@ -736,6 +740,7 @@ release_locked(lx_core *c, lx_block *b)
     c->up.free(c->up.ctx, b->ptr, b->size);
     c->fig.upstream_frees++;
     c->fig.bytes_cached -= b->size;
+    c->split_held -= b->seg != NULL ? b->size : 0;
     free(b); /* a segment's last piece is its head: the segment goes with it */
     record_locked(c, LX_EV_RELEASE);
 }
@@ -1098,6 +1103,7 @@ open_cycle_locked(lx_core *c)
         release_split_wholes_locked(c, c->plan->installed);
     }
     c->cycle_misses = 0;
+    c->split_peak = c->split_held;
     c->nrec = 0;
     c->tick = 0;
     c->rec_lost = 0;
@@ -1153,6 +1159,7 @@ lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap
         return NULL;
     }
     c->event_cap = event_cap;
+    c->period = 1;
     c->up = up;
     c->limit = limit;
     c->evict_after = evict_after;
@@ -1291,6 +1298,8 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
             head->seg = (lx_segment){.base = ptr, .size = got, .live = 1,
                                      .last_used = c->fig.scopes};
             b->seg = &head->seg;
+            c->split_held += got;
+            c->split_peak = c->split_held > c->split_peak ? c->split_held : c->split_peak;
         }
         map_put(&c->map, b);
         if (got > size) {
@@ -1438,7 +1447,7 @@ lx_scope_enter(lx_core *c)
         c->watch_hi = slot + 1;
     }
     c->fig.scopes++;
-    if (c->depth++ == 0) {
+    if (c->depth++ == 0 && c->closed_in_cycle == 0) {
         open_cycle_locked(c);
     }
     record_locked(c, LX_EV_SCOPE_ENTER);
@@ -1484,7 +1493,8 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
     if (c->evict_after && c->plan != NULL && now - c->plan->last_used >= c->evict_after) {
         drop_plan_locked(c);
     }
-    if (--c->depth == 0) {
+    if (--c->depth == 0 && ++c->closed_in_cycle == c->period) {
+        c->closed_in_cycle = 0;
         c->pending = 1;
         if (c->plan != NULL) {
             release_split_wholes_locked(c, c->plan->installed);
@@ -1495,13 +1505,35 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
     return 0;
 }
 
+/* From the next outermost scope on, a cycle spans `period` of them (a step
+ * made of several scopes in turn, each unlike the last: the planner finds the
+ * period). A cycle in progress ends unrecorded. -1 while a scope is open. */
+static int
+lx_set_period(lx_core *c, uint32_t period)
+{
+    pthread_mutex_lock(&c->lock);
+    int ok = c->depth == 0;
+    if (ok) {
+        if (c->closed_in_cycle > 0) {
+            finish_record_locked(c);
+            c->nrec = 0;
+        }
+        c->closed_in_cycle = 0;
+        c->period = period;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return ok ? 0 : -1;
+}
+
 /* The record of the last cycle, if it closed, no cycle is open and it holds a
  * request: n rows of (size, born, died) in *rows (malloc'd for the caller;
  * NULL with n 0 when the record is incomplete), its plan misses in *misses,
- * and in *planned whether a plan is installed now (none: none was, or it was
- * dropped). Returns whether there was a record to take. */
+ * in *planned whether a plan is installed now (none: none was, or it was
+ * dropped), and in *split_peak the most bytes the split pool held during it.
+ * Returns whether there was a record to take. */
 static int
-lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *planned)
+lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *planned,
+               size_t *split_peak)
 {
     pthread_mutex_lock(&c->lock);
     int pending = c->pending && c->depth == 0 && (c->nrec > 0 || c->rec_lost);
@@ -1509,6 +1541,7 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *pla
     *n = 0;
     *misses = c->cycle_misses;
     *planned = c->plan != NULL;
+    *split_peak = c->split_peak;
     if (pending) {
         finish_record_locked(c);
         *rows = c->rec_lost ? NULL : malloc((c->nrec ? c->nrec : 1) * 3 * sizeof(int64_t));
@@ -1648,7 +1681,7 @@ static const char *
 audit_locked(lx_core *c)
 {
     size_t live = 0, cached = 0, owned = 0, records = 0, listed = 0, unlisted = 0, held = 0;
-    size_t free_records = 0;
+    size_t free_records = 0, segments = 0;
     for (size_t i = 0; i < c->map.cap; i++) {
         lx_block *b = c->map.slots[i];
         if (b == NULL) {
@@ -1741,6 +1774,7 @@ audit_locked(lx_core *c)
         }
         owned++;
         held += seg->size;
+        segments += seg->size;
     }
     for (uint32_t i = 0; i < LX_NBINS; i++) {
         for (int pool = 0; pool < 2; pool++) {
@@ -1808,6 +1842,9 @@ audit_locked(lx_core *c)
     }
     if (held != live + cached) {
         return "the blocks and segments held do not add up to bytes_live + bytes_cached";
+    }
+    if (segments != c->split_held || c->split_peak < c->split_held) {
+        return "the split pool's bytes held (or their peak in the cycle) are miscounted";
     }
     if (records != c->map.count) {
         return "the map's count of records is wrong";
@@ -2041,6 +2078,20 @@ Core_scope_exit(CoreObject *self, PyObject *arg)
 }
 
 static PyObject *
+Core_set_period(CoreObject *self, PyObject *arg)
+{
+    Py_ssize_t period = PyLong_AsSsize_t(arg);
+    if (period == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (period < 1 || period > 64) {
+        return PyErr_Format(PyExc_ValueError, "set_period: a period of 1 to 64 scopes, got %zd",
+                            period);
+    }
+    return PyBool_FromLong(lx_set_period(self->core, (uint32_t)period) == 0);
+}
+
+static PyObject *
 Core_drop_plan(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
     pthread_mutex_lock(&self->core->lock);
@@ -2050,10 +2101,10 @@ Core_drop_plan(CoreObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 /* take_record() -> None, or (bytes of int64 (size, born, died) rows, plan
- * misses, planned) of the last cycle (section 1c) when it closed, no cycle is
- * open, it made a split-pool request and nobody took it yet; the bytes are
- * empty when the record ran out of memory; planned: whether a plan is
- * installed now. */
+ * misses, planned, split peak) of the last cycle (section 1c) when it closed,
+ * no cycle is open, it made a split-pool request and nobody took it yet; the
+ * bytes are empty when the record ran out of memory; planned: whether a plan
+ * is installed now; split peak: the most bytes the split pool held in it. */
 static PyObject *
 Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -2061,12 +2112,14 @@ Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored))
     size_t n;
     uint64_t misses;
     int planned;
-    if (!lx_take_record(self->core, &rows, &n, &misses, &planned)) {
+    size_t split_peak;
+    if (!lx_take_record(self->core, &rows, &n, &misses, &planned, &split_peak)) {
         Py_RETURN_NONE;
     }
-    PyObject *record = Py_BuildValue("(y#KO)", rows != NULL ? (const char *)rows : "",
+    PyObject *record = Py_BuildValue("(y#KOn)", rows != NULL ? (const char *)rows : "",
                                      (Py_ssize_t)(3 * n * sizeof(int64_t)),
-                                     (unsigned long long)misses, planned ? Py_True : Py_False);
+                                     (unsigned long long)misses, planned ? Py_True : Py_False,
+                                     (Py_ssize_t)split_peak);
     free(rows);
     return record;
 }
@@ -2414,11 +2467,14 @@ static PyMethodDef Core_methods[] = {
      "or 'no room'"},
     {"scope_exit", (PyCFunction)Core_scope_exit, METH_O,
      "scope_exit(slot) -> (peak_live, peak_reserved) of the scope; evicts unused bins"},
+    {"set_period", (PyCFunction)Core_set_period, METH_O,
+     "set_period(n) -> False while a scope is open, else True: from the next scope on, a "
+     "cycle spans n outermost scopes"},
     {"drop_plan", (PyCFunction)Core_drop_plan, METH_NOARGS,
      "drop_plan(): the step plan, if any, serves no more (its arenas go upstream when idle)"},
     {"take_record", (PyCFunction)Core_take_record, METH_NOARGS,
      "take_record() -> None or the last cycle's (int64 (size, born, died) rows, plan misses, "
-     "planned)"},
+     "planned, split peak)"},
     {"blocks", (PyCFunction)Core_blocks, METH_NOARGS,
      "[(ptr, size, live, segment_base, segment_size, orphan)] of every block owned"},
     {"audit", (PyCFunction)Core_audit, METH_NOARGS,

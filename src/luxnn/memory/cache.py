@@ -79,9 +79,9 @@ Step plans (``_core.c``, section 1c; `luxnn.memory.plan`). Online, no placement 
 which block dies when, and the split pool held 1.17x to 1.27x the peak live bytes of the
 suite's training steps. A training loop repeats its step, so the cache plans it: each cycle
 (from the opening of a scope while none of the cache's is open to the closing of the last:
-one training step) records its requests above 64 KiB and their lifetimes, and once a
-cycle repeats the requests of the one before, every such block gets a place in an arena
-where no block alive at the same time overlaps it. The first two steps of a loop run
+one training step; the planner may make it span several scopes) records its requests above
+64 KiB and their lifetimes, and once a cycle repeats the requests of the one before, every
+such block gets a place in an arena where no block alive at the same time overlaps it. The first two steps of a loop run
 unplanned (and set the cache's all-time peak), the third is planned and still holds what
 the plan replaces, and from the fourth on the split pool only serves what the plan misses.
 ``AllocCache(plan=False)`` turns plans off.

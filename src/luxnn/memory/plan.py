@@ -87,29 +87,38 @@ def layout(sizes: np.ndarray, born: np.ndarray, died: np.ndarray) -> tuple[int, 
 
 class Planner:
     """When a cache plans: `cycle_closed` gets each cycle's record from the core and has
-    the core install (``install_plan``) or drop (``drop_plan``) a plan. Thread safe:
-    cycles may close in any thread.
+    the core install (``install_plan``) or drop (``drop_plan``) a plan, or make its cycles
+    span several scopes (``set_period``). Thread safe: cycles may close in any thread.
 
     - A plan is made when a cycle repeats the requests (their sizes) of the cycle before
       it, from the lifetimes of both.
+    - A step of several scopes in turn (``compute_gradients``, then ``apply_gradients``)
+      makes cycles unlike the one before but like the one `k` before (k up to `RECENT`):
+      the core's cycles then span k scopes, whose records repeat, and are planned whole.
+      When they stop repeating, cycles are one scope again.
     - A cycle with the plan's requests that the plan missed, and whose lifetimes reach
       beyond those the plan was made from, widens it: every block's lifetime becomes the
       union of what the cycles showed, so a few steps cover the ways threads interleave.
     - A cycle with other requests (an evaluation step, a short last batch) leaves the plan
       alone: the split pool serves it. Two such cycles in a row drop the plan: the loop's
       shapes changed, and the next repeat makes a new one.
-    - A plan that found no room (the cache's limit, out of memory) is not tried again for
-      the same requests during `RETRY_AFTER` cycles; one that had to wait ("later": the
-      arena it replaces was in use) is tried again with the next cycle's record.
+    - A first plan that would hold more than the split pool held for the same cycle (the
+      blocks that outlive a cycle have two places each, for its whole length, where the
+      split pool can reuse a dead one's bytes) is not made; neither is one that found no
+      room (the cache's limit, out of memory). Either is not tried again for the same
+      requests during `RETRY_AFTER` cycles. One that had to wait ("later": the arena it
+      replaces was in use) is tried again with the next cycle's record.
     """
 
     RETRY_AFTER = 64
+    RECENT = 4
 
     def __init__(self, core: Any) -> None:
         self._core = core
         self._lock = threading.Lock()
         self._planned: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # what the plan covers
-        self._last: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # the last cycle unlike it
+        self._recent: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # the last cycles, unplanned
+        self._period = 1  # outermost scopes a cycle of the core spans
         self._strangers = 0  # cycles in a row unlike the plan's
         self._refused: tuple[np.ndarray, int] | None = None  # sizes, cycles left before a retry
 
@@ -123,9 +132,10 @@ class Planner:
             self._strangers = 0
             return True
 
-    def cycle_closed(self, rows: bytes, misses: int, planned: bool) -> None:
+    def cycle_closed(self, rows: bytes, misses: int, planned: bool, split_peak: int) -> None:
         """Take a closed cycle's record (the core's ``take_record``): native int64 rows of
-        (size, born, died), its plan misses, and whether a plan is installed."""
+        (size, born, died), its plan misses, whether a plan is installed, and the most bytes
+        the split pool held during the cycle."""
         record = np.frombuffer(rows, dtype=np.int64).reshape(-1, 3)
         # By size, then by birth: the core matches a bin's requests to its slots in that
         # order, whatever order threads made requests of different sizes in.
@@ -152,20 +162,43 @@ class Planner:
                         return
                     self._core.drop_plan()
                     self._planned = None
-                if self._last is None or not np.array_equal(sizes, self._last[0]):
-                    self._last = (record[0], record[1], record[2])
+                    self._set_period(1)
+                widened = self._repeat(record)
+                if widened is None:
                     return
-                widened = _union(self._last, record)
             if self._refused is not None and np.array_equal(sizes, self._refused[0]):
                 return
             cycle_bytes, kept_bytes, even, odd, which = layout(*widened)
-            status = self._core.install_plan(cycle_bytes, kept_bytes, widened[0], even, odd, which)
+            if self._planned is None and cycle_bytes + kept_bytes > split_peak:
+                status = "no gain"  # the split pool held less for these cycles
+            else:
+                status = self._core.install_plan(cycle_bytes, kept_bytes, widened[0], even, odd, which)
             if status == "installed":
-                self._planned, self._last, self._strangers = widened, None, 0
-            elif status == "no room":
-                self._planned, self._last, self._refused = None, None, (sizes, self.RETRY_AFTER)
+                self._planned, self._recent, self._strangers = widened, [], 0
+            elif status in ("no room", "no gain"):
+                self._planned, self._refused = None, (sizes, self.RETRY_AFTER)
             elif self._planned is None:
-                self._last = widened  # "later": what this cycle showed waits with the next
+                self._recent.append(widened)  # "later": what this cycle showed waits with the next
+
+    def _repeat(self, record: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """With no plan serving: the lifetimes to plan from if `record` repeats the cycle
+        before it; else None, after remembering it and, if it repeats the cycle k before,
+        making the core's cycles span k scopes."""
+        sizes = record[0]
+        if self._recent and np.array_equal(sizes, self._recent[-1][0]):
+            return _union(self._recent.pop(), record)
+        back = [k for k in range(2, len(self._recent) + 1) if np.array_equal(sizes, self._recent[-k][0])]
+        if self._period > 1 and self._recent:
+            self._set_period(1)  # cycles of several scopes that did not repeat: one scope again
+        elif self._period == 1 and back:
+            self._set_period(back[0])
+        else:
+            self._recent = [*self._recent[1 - self.RECENT :], (record[0], record[1], record[2])]
+        return None
+
+    def _set_period(self, period: int) -> None:
+        if period != self._period and self._core.set_period(period):
+            self._period, self._recent = period, []
 
 
 def _union(a: tuple[np.ndarray, ...], b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

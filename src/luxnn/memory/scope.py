@@ -154,7 +154,7 @@ def _plan(cache: AllocCache) -> None:
     # whole needs nothing; otherwise the planner's own arrays stay out of every cache.
     # Plans only save memory: should planning fail, the cache goes on without them.
     record = cache._core.take_record()
-    if record is None or cache._planner.served(*record[1:]):
+    if record is None or cache._planner.served(*record[1:3]):
         return
     try:
         with uncached():
