@@ -166,10 +166,13 @@ floor_bin(size_t s)
  * with plans are in the module docstring of luxnn/memory/plan.py.
  *
  * - A cycle runs from the opening of a scope while none is open to the
- *   closing of the last. Each records its split-pool requests: the block
- *   size, and a clock (counting those allocations and deaths) at the
- *   allocation and at the death; -1 for a block still alive when the next
- *   cycle opens. Before the next cycle opens, the planner
+ *   closing of the last (or of the period-th such outermost scope, where the
+ *   planner found that a step is several scopes in turn: lx_set_period).
+ *   Each records its split-pool requests: the block size, and a clock
+ *   (counting those allocations and deaths) at the allocation and at the
+ *   death; -1 for a block still alive when the next cycle opens; and the most
+ *   bytes the split pool held meanwhile (a plan that would hold more is not
+ *   made). Before the next cycle opens, the planner
  *   (luxnn/memory/plan.py) takes the record and may install a plan: for each
  *   request of a recorded cycle, ordered by bin and within a bin by birth, a
  *   slot, its place in one of two arenas (each one upstream allocation), such
