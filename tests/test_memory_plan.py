@@ -173,16 +173,65 @@ def test_free_trim_and_eviction_release_a_plans_arenas_once_nothing_lives_in_the
     assert cache.stats().bytes_reserved == 0
 
 
-def test_trim_keeps_a_plan_whose_arena_is_in_use():
+def test_trim_keeps_a_plan_whose_arenas_are_in_use_and_drops_one_with_an_idle_arena():
     cache = memory.AllocCache()
     for _ in range(3):
         with memory.cached(cache):
-            a = np.ones(MiB // 8) + 1.0
+            a = np.empty(MiB, np.uint8)  # one block, planned to die in its cycle
     assert cache.stats().plans == 1
-    cache.trim()  # `a` lives in the arena: nothing to release there
+    cache.trim()  # `a` lives in the plan's only arena: nothing to release there
     with memory.cached(cache):
-        b = np.ones(MiB // 8) + 1.0
+        b = np.empty(MiB, np.uint8)
     assert cache.stats().plan_hits == 2 and not np.shares_memory(a, b)
+    del a, b
+    cache.trim()
+    assert cache.stats().bytes_reserved == 0
+
+
+def test_under_the_limit_a_step_of_other_shapes_gets_the_idle_plans_memory():
+    cache = memory.AllocCache(limit=6 * MiB)
+    for _ in range(4):
+        with memory.cached(cache):
+            scratch = np.empty(2 * MiB, np.uint8)  # dies in its cycle
+            scratch.fill(1)
+            result = scratch[:MiB].copy()  # outlives it
+            del scratch
+    assert cache.stats().plans == 1 and cache.stats().bytes_reserved >= 4 * MiB  # two arenas
+    with memory.cached(cache):
+        big = np.empty(4 * MiB, np.uint8)  # fits only once the idle cycle arena goes
+    s = cache.stats()
+    assert big.nbytes == 4 * MiB and result[0] == 1 and s.bytes_reserved <= 6 * MiB, s
+    cache._core.audit()
+
+
+def test_scopes_without_large_requests_between_steps_change_nothing():
+    cache = memory.AllocCache()
+    result = np.zeros(MiB // 8)
+    for _ in range(12):
+        with memory.cached(cache):
+            result = result + 1.0  # outlives its step
+        with memory.cached(cache):
+            np.ones(10) * 2  # a scope with small requests only
+    s = cache.stats()
+    assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits == 10 and result[0] == 12
+
+
+def test_a_period_set_during_a_cycle_ends_it_unrecorded():
+    cache = memory.AllocCache(plan=False)
+    core = cache._core
+    with memory.cached(cache):
+        first = np.empty(MiB, np.uint8)
+    assert core.take_record() is not None and core.set_period(2)
+    with memory.cached(cache):
+        half = np.empty(MiB, np.uint8)  # the first scope of a cycle of two
+    assert core.take_record() is None and core.set_period(1)  # that cycle ends unrecorded
+    with memory.cached(cache):
+        third = np.empty(2 * MiB, np.uint8)
+        assert not core.set_period(3)  # not while a scope is open
+    rows = core.take_record()[0]
+    assert np.frombuffer(rows, np.int64).reshape(-1, 3)[:, 0].tolist() == [2 * MiB]
+    del first, half, third
+    core.audit()
 
 
 def test_a_planner_that_fails_warns_once_and_the_cache_goes_on_without_plans(monkeypatch):
@@ -193,11 +242,11 @@ def test_a_planner_that_fails_warns_once_and_the_cache_goes_on_without_plans(mon
 
     monkeypatch.setattr(plan, "layout", broken)
     cache = memory.AllocCache()
-    with pytest.warns(RuntimeWarning, match="stops planning steps after an error: ArithmeticError"):
+    with pytest.warns(RuntimeWarning, match="stops planning steps after an error: ArithmeticError") as warned:
         for _ in range(5):
             with memory.cached(cache):
                 y = np.ones(MiB // 8) + 1.0
-    assert cache.stats().plans == 0 and cache._planner is None and y[0] == 2.0
+    assert len(warned) == 1 and cache.stats().plans == 0 and cache._planner is None and y[0] == 2.0
 
 
 def test_a_plan_over_the_limit_is_not_installed():
@@ -289,6 +338,8 @@ def test_the_planner_plans_a_repeat_widens_on_misses_and_waits_when_told_later()
     assert core.installed[-1][0] == 2 * MiB  # the union of lifetimes: both alive at 0
     planner.cycle_closed(_record([MiB, MiB], born=[0, 0]), 1, True, ROOMY)  # a miss, nothing new
     assert len(core.installed) == 2
+    planner.cycle_closed(_record([MiB, MiB], born=[0, 0], died=[3, 3]), 1, True, ROOMY)  # a miss, longer lives
+    assert len(core.installed) == 3 and core.installed[-1][0] == 2 * MiB
 
 
 def test_the_planner_retries_a_plan_without_room_only_after_a_while():
@@ -318,6 +369,8 @@ def test_the_planner_spans_cycles_over_steps_of_several_scopes_and_back():
     a, b = _record([MiB, 2 * MiB]), _record([MiB])
     for rows in (a, b, a):  # each unlike the one before, `a` like the one two before
         planner.cycle_closed(rows, 0, False, ROOMY)
+    assert core.periods == []  # not yet: one more to see the pattern repeat
+    planner.cycle_closed(b, 0, False, ROOMY)
     assert core.periods == [2] and core.installed == []
     ab = _record([MiB, MiB, 2 * MiB])  # the core's cycles now span both scopes
     planner.cycle_closed(ab, 0, False, ROOMY)

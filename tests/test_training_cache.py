@@ -198,5 +198,7 @@ def test_steps_of_two_scopes_in_turn_are_planned_where_it_saves_memory(batch, pl
             ts = lx.apply_gradients_(ts, grads)
         reserved[plan] = cache.stats().peak_reserved
         assert (cache.stats().plans == 1) == (planned and plan)
+        if plan:  # cycles of both scopes; at batch 256, the plan refused as no gain
+            assert cache._planner._period == 2 and (cache._planner._refused is None) == planned
         cache._core.audit()
     assert reserved[True] < reserved[False] if planned else reserved[True] == reserved[False]

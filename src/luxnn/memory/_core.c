@@ -617,7 +617,9 @@ typedef struct {
     int rec_lost;               /* the record ran out of memory: incomplete */
     int pending;                /* the last cycle closed; its record not yet taken */
     uint32_t period;            /* outermost scopes a cycle spans (set_period) */
-    uint32_t closed_in_cycle;   /* outermost scopes of the open cycle closed so far */
+    uint32_t closed_in_cycle;   /* outermost scopes of the open cycle closed so far (those
+                                   that made a split-pool request) */
+    size_t scope_nrec;          /* nrec when the outermost scope open now opened */
 } lx_core;
 
 typedef enum {
@@ -858,9 +860,10 @@ return_piece_locked(lx_core *c, lx_block *b)
 static size_t drop_plan_locked(lx_core *c);
 
 /* Release whole free blocks and segments, least recently used first, then
- * the plan (its arenas) if nothing lives in them, until at most max_cached
- * bytes stay cached (or nothing whole is left: free pieces of segments in use
- * cannot go back). Returns the bytes released. */
+ * the plan if one of its arenas is idle (that one goes upstream, one in use
+ * retires), until at most max_cached bytes stay cached (or nothing whole is
+ * left: free pieces of segments in use cannot go back). Returns the bytes
+ * released. */
 static size_t
 trim_locked(lx_core *c, size_t max_cached)
 {
@@ -876,9 +879,9 @@ trim_locked(lx_core *c, size_t max_cached)
         b = newer;
     }
     if (c->fig.bytes_cached > max_cached && c->plan != NULL &&
-        (c->plan->arena[LX_CYCLE] == NULL || c->plan->arena[LX_CYCLE]->live == 0) &&
-        (c->plan->arena[LX_KEPT] == NULL || c->plan->arena[LX_KEPT]->live == 0)) {
-        released += drop_plan_locked(c);
+        ((c->plan->arena[LX_CYCLE] != NULL && c->plan->arena[LX_CYCLE]->live == 0) ||
+         (c->plan->arena[LX_KEPT] != NULL && c->plan->arena[LX_KEPT]->live == 0))) {
+        released += drop_plan_locked(c); /* an arena in use retires */
     }
     return released;
 }
@@ -978,9 +981,16 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size)
         }
         lx_slot *s = &p->slots[p->first[bin] + ranks[k]];
         lx_arena *a = p->arena[s->arena];
+        if (s->arena != own->arena || s->taken == c->cycle) {
+            continue;
+        }
+        /* A block that outlives the cycle: its place of this cycle's parity, else the
+         * other (a cycle with no request between steps shifts the parity). */
         size_t at = s->offset[c->cycle & 1];
-        if (s->arena != own->arena || s->taken == c->cycle ||
-            !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+        if (!granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+            at = s->offset[(c->cycle + 1) & 1];
+        }
+        if (!granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
             continue;
         }
         lx_block *b = malloc(sizeof(lx_block));
@@ -1450,8 +1460,11 @@ lx_scope_enter(lx_core *c)
         c->watch_hi = slot + 1;
     }
     c->fig.scopes++;
-    if (c->depth++ == 0 && c->closed_in_cycle == 0) {
-        open_cycle_locked(c);
+    if (c->depth++ == 0) {
+        if (c->closed_in_cycle == 0) {
+            open_cycle_locked(c);
+        }
+        c->scope_nrec = c->nrec;
     }
     record_locked(c, LX_EV_SCOPE_ENTER);
     pthread_mutex_unlock(&c->lock);
@@ -1496,7 +1509,9 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
     if (c->evict_after && c->plan != NULL && now - c->plan->last_used >= c->evict_after) {
         drop_plan_locked(c);
     }
-    if (--c->depth == 0 && ++c->closed_in_cycle == c->period) {
+    /* An outermost scope with no split-pool request is no part of a cycle. */
+    if (--c->depth == 0 && (c->nrec > c->scope_nrec || c->rec_lost) &&
+        ++c->closed_in_cycle == c->period) {
         c->closed_in_cycle = 0;
         c->pending = 1;
         if (c->plan != NULL) {
@@ -2140,8 +2155,9 @@ int64_at(const Py_buffer *b, size_t i)
  * the last four are buffers of native int64 of one length (which: 0 for the
  * cycle's arena, 1 for the kept one; sizes ascending). Returns "installed";
  * "later" (nothing changed: the cycle arena to replace is in use, or there
- * was no memory for the bookkeeping; try again later); or "no room" (the
- * limit, or out of memory: the old plan is dropped). The plan is built from
+ * was no memory to build the plan; try again later); or "no room" (the
+ * limit, out of memory, or no memory for an arena's bitmap: the old plan is
+ * dropped). The plan is built from
  * the checked values here, with the GIL held, so that no other thread can
  * change a buffer between its check and its use. */
 static PyObject *
@@ -2165,12 +2181,7 @@ Core_install_plan(CoreObject *self, PyObject *args)
              arena[1] > LX_MAX_REQUEST || arena[0] + arena[1] == 0) {
         bad = "the arena sizes must be multiples of 512 bytes, not both 0";
     }
-    else if ((p = calloc(1, sizeof(lx_plan))) == NULL ||
-             (p->slots = calloc(n, sizeof(lx_slot))) == NULL) {
-        free_plan(p);
-        p = NULL;
-    }
-    for (size_t i = 0, last = 0; p != NULL && bad == NULL && i < n; i++) {
+    for (size_t i = 0, last = 0; bad == NULL && i < n; i++) { /* check every slot */
         int64_t size = int64_at(&buf[0], i), even = int64_at(&buf[1], i),
                 odd = int64_at(&buf[2], i), which = int64_at(&buf[3], i);
         size_t room = which == 0 || which == 1 ? (size_t)arena[which] : 0;
@@ -2187,13 +2198,20 @@ Core_install_plan(CoreObject *self, PyObject *args)
                  (size_t)even > room - (size_t)size || (size_t)odd > room - (size_t)size) {
             bad = "every offset must be a multiple of 512 bytes with its block inside its arena";
         }
-        else {
-            uint32_t b = bin_of((size_t)size);
-            p->slots[i] = (lx_slot){{(size_t)even, (size_t)odd}, (uint32_t)which, 0};
-            if (p->count[b]++ == 0) {
-                p->first[b] = (uint32_t)i;
-            }
-            last = (size_t)size;
+        last = (size_t)size;
+    }
+    if (bad == NULL && ((p = calloc(1, sizeof(lx_plan))) == NULL ||
+                        (p->slots = calloc(n, sizeof(lx_slot))) == NULL)) {
+        free_plan(p);
+        p = NULL;
+    }
+    for (size_t i = 0; p != NULL && i < n; i++) { /* then build the plan from them */
+        size_t size = (size_t)int64_at(&buf[0], i);
+        uint32_t b = bin_of(size), which = (uint32_t)int64_at(&buf[3], i);
+        p->slots[i] = (lx_slot){{(size_t)int64_at(&buf[1], i), (size_t)int64_at(&buf[2], i)},
+                                which, 0};
+        if (p->count[b]++ == 0) {
+            p->first[b] = (uint32_t)i;
         }
     }
     for (int i = 0; i < 4; i++) {

@@ -23,7 +23,7 @@ an overlap.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 
@@ -93,8 +93,10 @@ class Planner:
     - A plan is made when a cycle repeats the requests (their sizes) of the cycle before
       it, from the lifetimes of both.
     - A step of several scopes in turn (``compute_gradients``, then ``apply_gradients``)
-      makes cycles unlike the one before but like the one `k` before (k up to `RECENT`):
-      the core's cycles then span k scopes, whose records repeat, and are planned whole.
+      makes cycles unlike the one before but like the one `k` before: once 2k of them have
+      repeated so (k up to `RECENT` // 2), the core's cycles span k scopes, whose records
+      repeat, and are planned whole. Scopes with no request above 64 KiB are no part of a
+      cycle.
       When they stop repeating, cycles are one scope again.
     - A cycle with the plan's requests that the plan missed, and whose lifetimes reach
       beyond those the plan was made from, widens it: every block's lifetime becomes the
@@ -111,11 +113,11 @@ class Planner:
     """
 
     RETRY_AFTER = 64
-    RECENT = 4
+    RECENT = 6
 
     def __init__(self, core: Any) -> None:
         self._core = core
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # before_cycle holds it around cycle_closed
         self._planned: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # what the plan covers
         self._recent: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # the last cycles, unplanned
         self._period = 1  # outermost scopes a cycle of the core spans
@@ -125,12 +127,27 @@ class Planner:
     def served(self, misses: int, planned: bool) -> bool:
         """Whether a cycle was served whole by this planner's plan (`planned`: a plan is
         installed; `misses`: the cycle's requests it did not serve): then its record holds
-        nothing new, and `cycle_closed` need not see it."""
+        nothing new."""
         with self._lock:
             if misses or not planned or self._planned is None:
                 return False
             self._strangers = 0
             return True
+
+    def before_cycle(self, outside: Callable[[], ContextManager[Any]]) -> None:
+        """Before a scope of the cache opens: take the record of the cycle that closed last,
+        if any, and plan from it. Its arrays are made inside ``outside()`` (the `uncached`
+        scope: none of them comes from a cache). A cycle the plan served whole holds nothing
+        new, and costs no more than taking its record."""
+        with self._lock:  # records are taken and read in one order
+            record = self._core.take_record()
+            if record is None:
+                return
+            rows, misses, planned, split_peak = record
+            if self.served(misses, planned):
+                return
+            with outside():
+                self.cycle_closed(rows, misses, planned, split_peak)
 
     def cycle_closed(self, rows: bytes, misses: int, planned: bool, split_peak: int) -> None:
         """Take a closed cycle's record (the core's ``take_record``): native int64 rows of
@@ -187,7 +204,12 @@ class Planner:
         sizes = record[0]
         if self._recent and np.array_equal(sizes, self._recent[-1][0]):
             return _union(self._recent.pop(), record)
-        back = [k for k in range(2, len(self._recent) + 1) if np.array_equal(sizes, self._recent[-k][0])]
+        # A period of k scopes once the last 2k repeat: this one is like the one k before,
+        # and the one before it like the one k before that.
+        back = [
+            k for k in range(2, len(self._recent))
+            if np.array_equal(sizes, self._recent[-k][0]) and np.array_equal(self._recent[-1][0], self._recent[-1 - k][0])
+        ]  # fmt: skip
         if self._period > 1 and self._recent:
             self._set_period(1)  # cycles of several scopes that did not repeat: one scope again
         elif self._period == 1 and back:

@@ -100,8 +100,7 @@ class Scope(_Switch):
             self._open = ()
             return self
         core = self.cache._core
-        if self.cache._planner is not None:
-            _plan(self.cache)
+        _plan(self.cache)
         if self.cache._cupy is not None:
             return self._enter_cupy(core)
         failure = _core.last_failure()
@@ -149,20 +148,20 @@ class Scope(_Switch):
 
 
 def _plan(cache: AllocCache) -> None:
-    # Before a scope opens: the cache's planner takes the record of the cycle that closed
-    # last, if no scope has been open since (luxnn.memory.plan). A cycle the plan served
-    # whole needs nothing; otherwise the planner's own arrays stay out of every cache.
-    # Plans only save memory: should planning fail, the cache goes on without them.
-    record = cache._core.take_record()
-    if record is None or cache._planner.served(*record[1:3]):
+    # Before a scope opens: the cache's planner plans from the cycle that closed last, if
+    # no scope has been open since (luxnn.memory.plan). Plans only save memory: should
+    # planning fail, the cache goes on without them.
+    planner = cache._planner
+    if planner is None:
         return
     try:
-        with uncached():
-            cache._planner.cycle_closed(*record)
+        planner.before_cycle(uncached)
     except Exception as err:  # noqa: BLE001 - any failure: no plans, said once
-        cache._planner = None
-        cache._core.drop_plan()
-        warnings.warn(f"AllocCache stops planning steps after an error: {err!r}", RuntimeWarning, stacklevel=3)
+        if cache._planner is planner:
+            cache._planner = None
+            cache._core.drop_plan()
+            cache._core.set_period(1)
+            warnings.warn(f"AllocCache stops planning steps after an error: {err!r}", RuntimeWarning, stacklevel=3)
 
 
 def cached(cache: AllocCache | None) -> Scope:
