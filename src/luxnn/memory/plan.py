@@ -5,8 +5,8 @@ placement cannot know which block dies when, so it holds more than the step uses
 peak; a plan made from earlier steps can place every block where it fits between the
 blocks alive at the same time. Measured side by side with the code before plans (``luxnn
 bench --filter training --against c4b6724``, peak reserved / peak live per step after four
-warm-up steps): MLP 1.27 -> 1.03, CNN 1.17 -> 1.09, transformer 1.21 -> 1.08, 64 MiB
-activations 1.06 -> 1.00; step times unchanged within noise. (Ad hoc, from recorded
+warm-up steps, at 2f2ed14): MLP 1.27 -> 1.03, CNN 1.17 -> 1.08, transformer 1.21 -> 1.06,
+64 MiB activations 1.06 -> 1.00; step times unchanged within noise. (Ad hoc, from recorded
 traces of those steps: greedy placement of one step reaches 1.00-1.005 of its peak; the
 rest is the small-block pool, blocks kept for two steps, and the lifetimes widened to
 cover how threads interleave.)
