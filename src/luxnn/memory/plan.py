@@ -95,9 +95,8 @@ class Planner:
     - A step of several scopes in turn (``compute_gradients``, then ``apply_gradients``)
       makes cycles unlike the one before but like the one `k` before: once 2k of them have
       repeated so (k up to `RECENT` // 2), the core's cycles span k scopes, whose records
-      repeat, and are planned whole. Scopes with no request above 64 KiB are no part of a
-      cycle.
-      When they stop repeating, cycles are one scope again.
+      repeat, and are planned whole; when they stop repeating, cycles are one scope again.
+      Scopes with no request above 64 KiB are no part of a cycle.
     - A cycle with the plan's requests that the plan missed, and whose lifetimes reach
       beyond those the plan was made from, widens it: every block's lifetime becomes the
       union of what the cycles showed, so a few steps cover the ways threads interleave.
