@@ -259,6 +259,7 @@ def test_a_plan_over_the_limit_is_not_installed():
             b = a + 1.0  # a plan would need an arena of 2 MiB: 3.5 MiB with `held`
             del a, b
     assert cache.stats().plans == 0 and held[0] == 1.0
+    assert cache._planner._refused is not None  # a plan was made, and refused: not merely never tried
 
 
 def test_a_plan_waits_while_the_cycle_arena_it_must_replace_is_in_use():

@@ -1013,6 +1013,13 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size)
     return NULL;
 }
 
+/* Whether arena a serves no plan any more (it stays until its last block dies). */
+static int
+retired_locked(const lx_core *c, const lx_arena *a)
+{
+    return c->plan == NULL || (c->plan->arena[LX_CYCLE] != a && c->plan->arena[LX_KEPT] != a);
+}
+
 /* Whether ptr lies in an arena of the plan or a retired one. */
 static int
 in_an_arena_locked(const lx_core *c, const void *ptr)
@@ -1041,8 +1048,7 @@ put_planned_locked(lx_core *c, lx_block *b)
     a->live_bytes -= b->size;
     map_remove(&c->map, b);
     free(b);
-    if (a->live == 0 && (c->plan == NULL || (c->plan->arena[LX_CYCLE] != a &&
-                                             c->plan->arena[LX_KEPT] != a))) { /* retired */
+    if (a->live == 0 && retired_locked(c, a)) {
         lx_arena **link = &c->retired;
         while (*link != a) {
             link = &(*link)->next;
@@ -2254,9 +2260,7 @@ Core_blocks(CoreObject *self, PyObject *Py_UNUSED(ignored))
         lx_block *b = c->map.slots[i];
         if (b != NULL && b->arena != NULL) { /* orphan: the arena retired */
             lx_arena *a = b->arena;
-            int retired = c->plan == NULL || (c->plan->arena[LX_CYCLE] != a &&
-                                              c->plan->arena[LX_KEPT] != a);
-            rows[n++] = (row){b->ptr, a->base, b->size, a->size, b->live, retired};
+            rows[n++] = (row){b->ptr, a->base, b->size, a->size, b->live, retired_locked(c, a)};
         }
         else if (b != NULL) {
             lx_segment *seg = b->seg;

@@ -93,9 +93,9 @@ class Planner:
     - A plan is made when a cycle repeats the requests (their sizes) of the cycle before
       it, from the lifetimes of both.
     - A step of several scopes in turn (``compute_gradients``, then ``apply_gradients``)
-      makes cycles unlike the one before but like the one `k` before: once 2k of them have
-      repeated so (k up to `RECENT` // 2), the core's cycles span k scopes, whose records
-      repeat, and are planned whole; when they stop repeating, cycles are one scope again.
+      makes cycles unlike the one before but like the one `k` before: once two cycles in a
+      row are like the ones k before them (k up to `RECENT` - 1), the core's cycles span k
+      scopes, whose records repeat, and are planned whole; when they stop repeating, cycles are one scope again.
       Scopes with no request above 64 KiB are no part of a cycle.
     - A cycle with the plan's requests that the plan missed, and whose lifetimes reach
       beyond those the plan was made from, widens it: every block's lifetime becomes the
