@@ -15,6 +15,7 @@
  *   2b. CUDA upstream     device memory through the CUDA driver, bound at run time
  *   3. ownership map      pointer -> block record, for every block the core owns
  *   4. the core           free lists, LRU order, figures, scope watchers, timeline
+ *   4b. fork              every core lock taken before fork, released after it
  *   5. failure record     why this thread's last cached allocation failed
  *   6. NumPy front end    the NEP 49 handler whose ctx is a core
  *   7. Python bindings    the Core type and the module functions
@@ -564,6 +565,7 @@ typedef struct {
 /* The peaks of one open scope (slots are reused; in_use marks the open ones). */
 typedef struct {
     int in_use;
+    pthread_t owner; /* the thread that opened it: a forked child keeps only its own */
     size_t peak_live, peak_reserved;
 } lx_watcher;
 
@@ -584,7 +586,7 @@ typedef struct {
     int64_t kind;
 } lx_event;
 
-typedef struct {
+typedef struct lx_core {
     pthread_mutex_t lock;
     lx_upstream up;             /* constant after creation */
     size_t limit;               /* 0: none */
@@ -620,6 +622,8 @@ typedef struct {
     uint32_t closed_in_cycle;   /* outermost scopes of the open cycle closed so far (those
                                    that made a split-pool request) */
     size_t scope_nrec;          /* nrec when the outermost scope open now opened */
+    struct lx_core *fork_prev, *fork_next; /* every core, for fork (section 4b); guarded
+                                              by cores_lock, not by lock */
 } lx_core;
 
 typedef enum {
@@ -1157,6 +1161,100 @@ note_failure_locked(lx_core *c, lx_status status, size_t request)
     tl_failure.upstream_error = tl_upstream_error;
 }
 
+/* ---- 4b. Fork ------------------------------------------------------------
+ *
+ * fork() copies only the thread that calls it. A core lock that another thread
+ * held at that moment would stay locked in the child for ever, over a half-done
+ * operation. So (pthread_atfork, the standard pattern) the forking thread takes
+ * every core's lock before the fork, and parent and child release them after
+ * it: no core is mid-operation in the child. In the child, the scopes that
+ * other threads had open can never close: they are closed there, and a cycle
+ * that only they held open ends unrecorded, so the child's own scopes record
+ * and plan afresh. Lock order: cores_lock, then the cores' locks in list
+ * order; nothing else holds two core locks, nor cores_lock with a core lock.
+ */
+static pthread_mutex_t cores_lock = PTHREAD_MUTEX_INITIALIZER;
+static lx_core *cores; /* every live core, linked by fork_next */
+
+static void
+enlist_core(lx_core *c)
+{
+    pthread_mutex_lock(&cores_lock);
+    c->fork_prev = NULL;
+    c->fork_next = cores;
+    if (cores != NULL) {
+        cores->fork_prev = c;
+    }
+    cores = c;
+    pthread_mutex_unlock(&cores_lock);
+}
+
+static void
+unlist_core(lx_core *c)
+{
+    pthread_mutex_lock(&cores_lock);
+    if (c->fork_prev != NULL) {
+        c->fork_prev->fork_next = c->fork_next;
+    } else {
+        cores = c->fork_next;
+    }
+    if (c->fork_next != NULL) {
+        c->fork_next->fork_prev = c->fork_prev;
+    }
+    pthread_mutex_unlock(&cores_lock);
+}
+
+static void
+before_fork(void)
+{
+    pthread_mutex_lock(&cores_lock);
+    for (lx_core *c = cores; c != NULL; c = c->fork_next) {
+        pthread_mutex_lock(&c->lock);
+    }
+}
+
+static void
+after_fork_in_parent(void)
+{
+    for (lx_core *c = cores; c != NULL; c = c->fork_next) {
+        pthread_mutex_unlock(&c->lock);
+    }
+    pthread_mutex_unlock(&cores_lock);
+}
+
+/* In a forked child: the scopes of threads that the child has not. */
+static void
+close_foreign_scopes_locked(lx_core *c)
+{
+    pthread_t me = pthread_self();
+    size_t depth = c->depth;
+    for (size_t i = 0; i < c->watch_hi; i++) {
+        lx_watcher *w = &c->watchers[i];
+        if (w->in_use && !pthread_equal(w->owner, me)) {
+            w->in_use = 0;
+            c->depth--;
+        }
+    }
+    while (c->watch_hi > 0 && !c->watchers[c->watch_hi - 1].in_use) {
+        c->watch_hi--;
+    }
+    if (depth > 0 && c->depth == 0) { /* the open cycle ends unrecorded */
+        finish_record_locked(c);
+        c->nrec = 0;
+        c->closed_in_cycle = 0;
+    }
+}
+
+static void
+after_fork_in_child(void)
+{
+    for (lx_core *c = cores; c != NULL; c = c->fork_next) {
+        close_foreign_scopes_locked(c);
+        pthread_mutex_unlock(&c->lock);
+    }
+    pthread_mutex_unlock(&cores_lock);
+}
+
 /* ---- 4, continued: the core's operations ------------------------------ */
 
 static lx_core *
@@ -1186,6 +1284,7 @@ lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap
     while (c->split_bin < LX_NBINS && bin_bytes(c->split_bin) <= split_above) {
         c->split_bin++;
     }
+    enlist_core(c);
     return c;
 }
 
@@ -1198,6 +1297,7 @@ lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap
 static void
 lx_core_destroy(lx_core *c)
 {
+    unlist_core(c);
     trim_locked(c, 0);
     for (size_t i = 0; i < c->map.cap; i++) {
         free(c->map.slots[i]); /* records left (heads with their segments); memory stays */
@@ -1460,6 +1560,7 @@ lx_scope_enter(lx_core *c)
         c->nwatchers = n;
     }
     c->watchers[slot].in_use = 1;
+    c->watchers[slot].owner = pthread_self();
     c->watchers[slot].peak_live = c->fig.bytes_live;
     c->watchers[slot].peak_reserved = c->fig.bytes_live + c->fig.bytes_cached;
     if (slot >= c->watch_hi) {
@@ -2604,6 +2705,13 @@ PyInit__core(void)
     import_array();
     if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&BlockType) < 0) {
         return NULL;
+    }
+    static int fork_handlers;
+    if (!fork_handlers) {
+        if (pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child) != 0) {
+            return PyErr_NoMemory();
+        }
+        fork_handlers = 1;
     }
     PyObject *m = PyModule_Create(&core_module);
     if (m == NULL) {

@@ -22,7 +22,9 @@ an overlap.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from typing import Any, Callable, ContextManager
 
 import numpy as np
@@ -117,6 +119,8 @@ class Planner:
     def __init__(self, core: Any) -> None:
         self._core = core
         self._lock = threading.RLock()  # before_cycle holds it around cycle_closed
+        with _planners_lock:
+            _planners.add(self)
         self._planned: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # what the plan covers
         self._recent: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # the last cycles, unplanned
         self._period = 1  # outermost scopes a cycle of the core spans
@@ -227,3 +231,36 @@ def _union(a: tuple[np.ndarray, ...], b: np.ndarray) -> tuple[np.ndarray, np.nda
     outliving the cycle if either did."""
     kept = (a[2] < 0) | (b[2] < 0)
     return a[0], np.minimum(a[1], b[1]), np.where(kept, -1, np.maximum(a[2], b[2]))
+
+
+# Fork copies only the forking thread: a planner's lock held by another thread would stay
+# held in the child for ever, over a half-made decision. So the forking thread takes every
+# planner's lock before the fork (the core's locks: ``_core.c``, section 4b), the parent
+# releases them after it, and the child, whose only thread holds them, starts afresh.
+_planners: weakref.WeakSet[Planner] = weakref.WeakSet()
+_planners_lock = threading.Lock()  # over adding to _planners and iterating it
+_held: list[Planner] = []
+
+
+def _before_fork() -> None:
+    with _planners_lock:
+        planners = list(_planners)
+    for planner in planners:
+        planner._lock.acquire()
+        _held.append(planner)
+
+
+def _after_fork_in_parent() -> None:
+    while _held:
+        _held.pop()._lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _planners_lock
+    _planners_lock = threading.Lock()
+    for planner in _held:
+        planner._lock = threading.RLock()
+    _held.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

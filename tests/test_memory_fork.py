@@ -1,0 +1,157 @@
+"""A process forked while other threads use a cache: the child allocates, plans and trains
+at once (every lock of the cache's core and planner is reset in it, none left held)."""
+
+import multiprocessing
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import luxnn as lx
+from luxnn import memory
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+CHILD_SECONDS = 30  # far above what a child needs (well under a second): only a hang reaches it
+
+
+def _churn(cache, stop):
+    # Scopes with requests above 64 KiB whose sizes change every few steps: the core's lock,
+    # the record and the planner's lock are busy nearly all the time.
+    k = 0
+    while not stop.is_set():
+        n = 40_000 + 8_000 * (k // 5 % 3)
+        with memory.cached(cache):
+            a = np.ones(n)
+            b = a * 2.0
+            del a
+            b += 1.0
+        k += 1
+
+
+_shared: list = []  # the busy cache, for the pool's children (a cache does not pickle)
+
+
+def _train_in_child():
+    """What a forked child does: the busy cache's scopes and a few training steps."""
+    cache = _shared[0]
+    for k in range(6):
+        with memory.cached(cache):
+            x = np.full(50_000 + k, 2.0)
+            assert float((x * x).sum()) == 4.0 * x.size
+    cache._core.audit()
+    model = lx.Chain(lx.Dense(16, 32, activation="relu"), lx.Dense(32, 4))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-2), allocator_cache=cache)
+    rng = np.random.default_rng(1)
+    data = (rng.standard_normal((8, 16)).astype(np.float32), rng.integers(0, 4, 8))
+    for _ in range(3):
+        _, loss, _, ts = lx.single_train_step_(lx.AutoTape(), lx.losses.CrossEntropyLoss(), data, ts)
+    assert np.isfinite(loss)
+    return 0
+
+
+def _wait(pid, deadline):
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.005)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
+@pytest.fixture
+def busy_cache():
+    cache = memory.AllocCache()
+    stop = threading.Event()
+    thread = threading.Thread(target=_churn, args=(cache, stop), daemon=True)
+    thread.start()
+    _shared.append(cache)
+    yield cache
+    _shared.clear()
+    stop.set()
+    thread.join()
+    cache._core.audit()
+
+
+def test_children_forked_while_a_thread_runs_scopes_train_and_exit(busy_cache):
+    results = []
+    for _ in range(40):
+        time.sleep(0.002)  # let the thread get into its scopes between forks
+        pid = os.fork()
+        if pid == 0:  # the child: leave by os._exit whatever happens, never back into pytest
+            code = 1
+            try:
+                code = _train_in_child()
+            finally:
+                os._exit(code)
+        results.append(_wait(pid, time.monotonic() + CHILD_SECONDS))
+    assert results == [0] * 40
+
+
+def test_a_fork_pool_trains_while_a_thread_runs_scopes(busy_cache):
+    context = multiprocessing.get_context("fork")
+    with context.Pool(2) as pool:
+        pending = [pool.apply_async(_train_in_child) for _ in range(8)]
+        assert [p.get(timeout=CHILD_SECONDS) for p in pending] == [0] * 8
+
+
+def test_a_child_forked_inside_its_own_scope_keeps_that_scope_open():
+    # The forking thread's own scope survives in the child (only other threads' close), so
+    # the child closes it as usual, and the parent's stays open and closes too.
+    cache = memory.AllocCache()
+    with memory.cached(cache) as scope:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                with memory.cached(cache):
+                    np.ones(100_000)
+                code = 0
+            finally:
+                if code == 0:
+                    try:
+                        scope.__exit__(None, None, None)
+                        cache._core.audit()
+                    except BaseException:
+                        code = 1
+                os._exit(code)
+        assert _wait(pid, time.monotonic() + CHILD_SECONDS) == 0
+    assert scope.stats is not None
+
+
+def test_a_scope_another_thread_held_open_at_fork_is_closed_in_the_child():
+    # In the child the other thread is gone and its scope can never close: the child's own
+    # steps must still be cycles of their own, recorded and planned.
+    cache = memory.AllocCache()
+    inside, release = threading.Event(), threading.Event()
+
+    def hold_a_scope():
+        with memory.cached(cache):
+            inside.set()
+            release.wait()
+
+    thread = threading.Thread(target=hold_a_scope)
+    thread.start()
+    inside.wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for _ in range(8):
+                with memory.cached(cache):
+                    a = np.ones(300_000)
+                    b = a * 2.0
+                    del a
+                    b += 1.0
+            cache._core.audit()
+            code = 0 if cache.stats().plan_hits > 0 else 3
+        finally:
+            os._exit(code)
+    release.set()
+    thread.join()
+    assert _wait(pid, time.monotonic() + CHILD_SECONDS) == 0
