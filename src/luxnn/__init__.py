@@ -9,7 +9,7 @@ caching allocator.
 """
 
 from . import ad, data, init, losses, memory, nn, ops, optim, parallel, tree
-from .checkpoint import load, save
+from .checkpoint import CheckpointError, load, save
 from .data import DataLoader
 from .ad import AutoTape, array_namespace, grad, stop_gradient, value_and_grad
 from .core import Layer, LayerError, apply, parameter_count, setup, testmode, trainmode
@@ -26,7 +26,7 @@ from .training import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ad", "data", "init", "losses", "memory", "nn", "ops", "optim", "parallel", "tree", "load", "save",
+    "ad", "data", "init", "losses", "memory", "nn", "ops", "optim", "parallel", "tree", "load", "save", "CheckpointError",
     "num_threads", "set_num_threads",
     "DataLoader", "get_allocator_cache", "TrainState", "apply_gradients", "apply_gradients_",
     "compute_gradients", "single_train_step", "single_train_step_", "AutoTape", "array_namespace", "grad", "stop_gradient",
