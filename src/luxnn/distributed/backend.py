@@ -1,0 +1,282 @@
+"""Backends: who the ranks are and how an array travels between them.
+
+`initialize` makes the process's one backend: ``"mpi"`` (mpi4py; NumPy arrays in place,
+CuPy arrays staged through the host) or ``"nccl"`` (CuPy arrays through NCCL on the
+current stream, NumPy arrays still through MPI, which also carries NCCL's id and every
+Python object). A backend's methods move one array each; the tree-level verbs in
+`luxnn.distributed` are written on top of them.
+
+mpi4py is imported on `initialize` only, so luxnn imports without it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import parallel
+
+__all__ = [
+    "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "OPS", "initialize", "is_initialized",
+    "local_rank", "total_workers", "check_backend", "check_root",
+]  # fmt: skip
+
+OPS = ("sum", "avg", "max", "min")
+KINDS = ("mpi", "nccl")
+# Set by a user (or a launcher) who chose the BLAS's threads: initialize leaves them alone.
+_BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_INSTALL_HINT = "pip install 'luxnn[mpi]' (mpi4py and the MPICH library with its mpiexec)"
+
+_current: Backend | None = None
+
+
+def _mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise ImportError(f"luxnn.distributed needs mpi4py and an MPI library: {_INSTALL_HINT}") from err
+    return MPI
+
+
+@dataclass
+class CollectiveStats:
+    """What a backend's array collectives did since the last `reset`: calls, bytes of the
+    arrays they carried, and seconds spent in them (waiting for the slowest rank included)."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.calls, self.bytes, self.seconds = 0, 0, 0.0
+
+
+class Backend:
+    """The ranks of an MPI communicator and their collectives.
+
+    Attributes: `kind` ("mpi" or "nccl"), `rank` and `size` in the world, `host_rank` and
+    `ranks_on_host` among the ranks sharing this machine, `cores` (the CPUs this rank may
+    use, its share of those it shares with other ranks), `stats` (`CollectiveStats`).
+    """
+
+    kind = ""
+
+    def __init__(self, comm: Any) -> None:
+        MPI = _mpi()
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.host_rank, self.ranks_on_host = host.Get_rank(), host.Get_size()
+        # A launcher that pins ranks (mpiexec -bind-to core) gives each its own CPUs; one
+        # that does not gives all of them the same set, which they then share.
+        mine = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(range(os.cpu_count() or 1))
+        sharing = sum(cpus == mine for cpus in host.allgather(mine))
+        host.Free()
+        self.cores = max(1, len(mine) // sharing)
+        self.stats = CollectiveStats()
+        self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+        self._in_place = MPI.IN_PLACE
+
+    # ---- one array, in place ----------------------------------------------------------------
+
+    def allreduce(self, a: Any, op: str = "sum") -> None:
+        """Reduce `a` (a NumPy or CuPy array) over the ranks with `op`; every rank gets the result."""
+        self._collective("allreduce", a, op, None)
+
+    def reduce(self, a: Any, op: str = "sum", root: int = 0) -> None:
+        """Reduce `a` over the ranks into `root`'s `a`; the other ranks' arrays are unchanged."""
+        self._collective("reduce", a, op, root)
+
+    def bcast(self, a: Any, root: int = 0) -> None:
+        """Overwrite `a` on every rank with `root`'s `a`."""
+        self._collective("bcast", a, None, root)
+
+    def _collective(self, name: str, a: Any, op: str | None, root: int | None) -> None:
+        t0 = time.perf_counter()
+        buf = a if a.flags.c_contiguous else a.copy()
+        self._transport(name, buf, op, root)
+        if op == "avg" and (name == "allreduce" or self.rank == root):
+            buf /= self.size
+        if buf is not a:
+            a[...] = buf
+        self._finish(buf)
+        self.stats.calls += 1
+        self.stats.bytes += a.nbytes
+        self.stats.seconds += time.perf_counter() - t0
+
+    def _transport(self, name: str, buf: Any, op: str | None, root: int | None) -> None:
+        if isinstance(buf, np.ndarray):
+            self._mpi_collective(name, buf, op, root)
+        else:  # a CuPy array: MPI from pip is not CUDA-aware, so through the host
+            host = buf.get()
+            self._mpi_collective(name, host, op, root)
+            buf.set(host)
+
+    def _mpi_collective(self, name: str, buf: np.ndarray, op: str | None, root: int | None) -> None:
+        if name == "allreduce":
+            self.comm.Allreduce(self._in_place, buf, op=self._ops[op])
+        elif name == "reduce":
+            send, receive = (self._in_place, buf) if self.rank == root else (buf, None)
+            self.comm.Reduce(send, receive, op=self._ops[op], root=root)
+        else:
+            self.comm.Bcast(buf, root=root)
+
+    def _finish(self, buf: Any) -> None:
+        """Wait for `buf`'s collective where it runs asynchronously (NCCL), so that the
+        stats time the transfer and not its launch."""
+
+    # ---- Python objects (pickled; small) ------------------------------------------------------
+
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        return self.comm.bcast(obj, root=root)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self.comm.allgather(obj)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+class MPIBackend(Backend):
+    """Collectives over MPI (mpi4py): NumPy arrays in place, CuPy arrays through the host."""
+
+    kind = "mpi"
+
+
+class NCCLBackend(Backend):
+    """CuPy arrays through NCCL (`cupy.cuda.nccl`) on the current stream, each rank on the
+    GPU of its rank on the host; NumPy arrays and Python objects through MPI."""
+
+    kind = "nccl"
+
+    def __init__(self, comm: Any) -> None:
+        super().__init__(comm)
+        try:
+            import cupy
+            from cupy.cuda import nccl
+        except ImportError as err:
+            raise ImportError(f"initialize('nccl') needs CuPy with NCCL: pip install 'luxnn[cuda12]' ({err})") from err
+        if not getattr(nccl, "available", True):
+            raise RuntimeError("initialize('nccl'): CuPy finds no NCCL library (pip install nvidia-nccl-cu12)")
+        count = cupy.cuda.runtime.getDeviceCount()
+        if count == 0:
+            raise RuntimeError("initialize('nccl'): no CUDA device on this host")
+        self.device = cupy.cuda.Device(self.host_rank % count)
+        self.device.use()
+        self._cupy = cupy
+        self._nccl_ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
+        self._nccl_types = {
+            np.dtype(name): getattr(nccl, f"NCCL_{name.upper()}")
+            for name in ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64")
+        }
+        unique_id = nccl.get_unique_id() if self.rank == 0 else None
+        self.nccl = nccl.NcclCommunicator(self.size, comm.bcast(unique_id, root=0), self.rank)
+
+    def _transport(self, name: str, buf: Any, op: str | None, root: int | None) -> None:
+        if isinstance(buf, np.ndarray):
+            self._mpi_collective(name, buf, op, root)
+            return
+        datatype = self._nccl_types.get(buf.dtype)
+        if datatype is None:
+            raise TypeError(f"the NCCL backend carries {sorted(str(t) for t in self._nccl_types)} arrays, got {buf.dtype}")
+        ptr, count, stream = buf.data.ptr, buf.size, self._cupy.cuda.get_current_stream().ptr
+        if name == "allreduce":
+            self.nccl.allReduce(ptr, ptr, count, datatype, self._nccl_ops[op], stream)
+        elif name == "reduce":
+            self.nccl.reduce(ptr, ptr, count, datatype, self._nccl_ops[op], root, stream)
+        else:
+            self.nccl.bcast(ptr, count, datatype, root, stream)
+
+    def _finish(self, buf: Any) -> None:
+        if not isinstance(buf, np.ndarray):
+            self._cupy.cuda.get_current_stream().synchronize()
+
+
+# ---- the process's backend --------------------------------------------------------------------
+
+
+def initialize(kind: str = "mpi") -> Backend:
+    """Start data parallelism over MPI (``"mpi"``) or NCCL (``"nccl"``, CuPy arrays) and
+    return the backend; calling it again with the same kind returns the same backend.
+
+    It shares this host's cores among the ranks on it: luxnn's kernel threads
+    (`luxnn.set_num_threads`) unless they were set already, and the BLAS's threads
+    (threadpoolctl) unless ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` or
+    ``MKL_NUM_THREADS`` is set. ``"nccl"`` binds each rank to the GPU of its rank on the host.
+
+    >>> from luxnn import distributed as dist
+    >>> backend = dist.initialize("mpi")  # doctest: +SKIP
+    >>> dist.local_rank(backend), dist.total_workers(backend)  # doctest: +SKIP
+    (0, 2)
+    """
+    global _current
+    if kind not in KINDS:
+        raise ValueError(f"initialize: expected a backend kind in {KINDS}, got {kind!r}")
+    if _current is not None:
+        if _current.kind != kind:
+            raise RuntimeError(
+                f"initialize: luxnn.distributed is already initialized with {_current.kind!r}, asked for {kind!r}; "
+                f"a process has one backend"
+            )
+        return _current
+    MPI = _mpi()
+    backend = (MPIBackend if kind == "mpi" else NCCLBackend)(MPI.COMM_WORLD)
+    _share_cores(backend.cores)
+    _current = backend
+    return backend
+
+
+def _share_cores(cores: int) -> None:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if parallel.num_threads() == usable:  # still luxnn's default: nobody chose
+        parallel.set_num_threads(cores)
+    if any(name in os.environ for name in _BLAS_THREAD_VARIABLES):
+        return
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        warnings.warn(
+            f"luxnn.distributed: threadpoolctl is not installed, so the BLAS keeps its threads; with several ranks "
+            f"on a host set OMP_NUM_THREADS={cores} or {_INSTALL_HINT}",
+            stacklevel=3,
+        )
+        return
+    threadpool_limits(cores, user_api="blas")
+
+
+def is_initialized() -> bool:
+    """Whether `initialize` has run in this process."""
+    return _current is not None
+
+
+def check_backend(backend: Any, what: str) -> Backend:
+    """`backend` if it is one; otherwise the error that says what to do."""
+    if isinstance(backend, Backend):
+        return backend
+    if _current is None:
+        raise RuntimeError(f"{what}: luxnn.distributed is not initialized; call backend = luxnn.distributed.initialize('mpi') first")
+    raise TypeError(f"{what}: expected the backend returned by luxnn.distributed.initialize, got {type(backend).__name__}")
+
+
+def check_root(backend: Backend, what: str, root: Any) -> None:
+    """A `ValueError` unless `root` is one of `backend`'s ranks."""
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < backend.size:
+        raise ValueError(f"{what}: expected root a rank in [0, {backend.size}), got {root!r}")
+
+
+def local_rank(backend: Backend) -> int:
+    """This process's rank among all `total_workers` (0-based; Lux's name for it)."""
+    return check_backend(backend, "local_rank").rank
+
+
+def total_workers(backend: Backend) -> int:
+    """The number of ranks."""
+    return check_backend(backend, "total_workers").size

@@ -1,0 +1,196 @@
+"""The 2-rank checks of luxnn.distributed, run by tests/test_distributed.py as
+``mpiexec -n 2 python -m mpi4py checks.py TMPDIR``: one MPI start-up for all of them.
+
+Each check prints ``rank R: PASS name`` (and what the test compares, such as error
+messages); a failing check raises, and ``-m mpi4py`` then aborts the job.
+"""
+
+import hashlib
+import os
+import sys
+import types
+
+import numpy as np
+
+import luxnn as lx
+from luxnn import distributed as dist
+
+tmpdir = sys.argv[1]
+
+
+def say(message):
+    sys.stdout.write(f"rank {backend.rank}: {message}\n")  # one write: the ranks' lines do not mix
+    sys.stdout.flush()
+
+
+def raises(kind, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except kind as err:
+        return str(err)
+    raise AssertionError(f"{fn.__name__} did not raise {kind.__name__}")
+
+
+def digest(x):
+    """A hash of every array's bytes, dtype and shape in tree `x`."""
+    h = hashlib.sha256()
+    for leaf in lx.tree.leaves(x):
+        if isinstance(leaf, np.ndarray):
+            h.update(f"{leaf.dtype}{leaf.shape}".encode())
+            h.update(np.ascontiguousarray(leaf).tobytes())
+    return h.hexdigest()
+
+
+def scaled(x, k):
+    return lx.tree.map(lambda a: np.asarray(a * k), x)  # 0-d arrays stay arrays
+
+
+def same_on_every_rank(x):
+    return len(set(backend.allgather_object(digest(x)))) == 1
+
+
+# ---- before initialize -----------------------------------------------------------------------
+assert not dist.is_initialized()
+message = raises(RuntimeError, dist.allreduce_, None, np.ones(2))
+assert "not initialized" in message and "initialize('mpi')" in message, message
+
+backend = dist.initialize("mpi")
+rank, size = dist.local_rank(backend), dist.total_workers(backend)
+assert size == 2 and rank in (0, 1) and dist.initialize("mpi") is backend
+say("PASS initialize")
+
+# ---- errors -------------------------------------------------------------------------------------
+say("twice: " + raises(RuntimeError, dist.initialize, "nccl"))
+assert "already initialized with 'mpi'" in raises(RuntimeError, dist.initialize, "nccl")
+assert "op in" in raises(ValueError, dist.allreduce_, backend, np.ones(2), op="mean")
+assert "floating-point" in raises(TypeError, dist.allreduce_, backend, np.ones(2, np.int64), op="avg")
+assert "root" in raises(ValueError, dist.bcast_, backend, np.ones(2), root=2)
+assert "read-only" in raises(ValueError, dist.allreduce_, backend, np.broadcast_to(np.ones(1), (3,)))
+assert "at 'b'" in raises(TypeError, dist.allreduce_, backend, {"a": np.ones(1), "b": 1.5})
+say("PASS bad input")
+
+
+class FakeGPUArray:
+    """Enough of a CuPy array for luxnn to take it for one on GPU 0 (this machine has none)."""
+
+    __module__ = "cupy.fake"
+    shape, dtype, device = (2,), np.dtype(np.float32), types.SimpleNamespace(id=0)
+
+
+opt = dist.DistributedOptimizer(backend, lx.optim.adam(1e-3))
+message = raises(ValueError, opt.init, {"w": np.zeros(2, np.float32), "v": FakeGPUArray()})
+assert "one device" in message and "CPUDevice()" in message and "CUDADevice(0)" in message, message
+say("mixed: " + message)
+
+# ---- threads --------------------------------------------------------------------------------------
+# OPENBLAS_NUM_THREADS is set by the test, so only luxnn's threads are initialize's to share.
+assert lx.num_threads() == backend.cores, (lx.num_threads(), backend.cores)
+say(f"PASS threads {lx.num_threads()}")
+
+# ---- collectives on float32 and float64 trees -------------------------------------------------------
+expected_of = {  # rank r holds base * (r + 1)
+    "sum": size * (size + 1) / 2, "avg": (size + 1) / 2, "max": float(size), "min": 1.0,
+}  # fmt: skip
+for dtype in (np.float32, np.float64):
+    base = {"a": np.arange(1, 13, dtype=dtype).reshape(3, 4), "b": [np.full(5, 0.5, dtype), np.array(2.0, dtype)]}
+    for op, factor in expected_of.items():
+        x = scaled(base, rank + 1)
+        strided = np.zeros((3, 8), dtype)
+        strided[:, ::2] = base["a"] * (rank + 1)
+        x["strided"] = strided[:, ::2]  # not contiguous: written back in place
+        out = dist.allreduce_(backend, x, op=op)
+        assert out is x
+        for got, want in zip(lx.tree.leaves(x), lx.tree.leaves({**base, "strided": base["a"]})):
+            assert got.dtype == dtype
+            np.testing.assert_allclose(got, want * factor, rtol=1e-6)
+        assert same_on_every_rank(x)
+    x = scaled(base, rank + 1)
+    dist.reduce_(backend, x, op="sum", root=1)
+    for got, want in zip(lx.tree.leaves(x), lx.tree.leaves(base)):
+        np.testing.assert_allclose(got, want * (3 if rank == 1 else 1), rtol=1e-6)
+    x = scaled(base, rank + 1)
+    dist.bcast_(backend, x, root=1)
+    for got, want in zip(lx.tree.leaves(x), lx.tree.leaves(base)):
+        np.testing.assert_array_equal(got, want * 2)
+say("PASS collectives")
+
+# ---- synchronize ------------------------------------------------------------------------------------
+model = lx.Chain(lx.Dense(5, 16, activation="tanh"), lx.Dropout(0.1), lx.Dense(16, 3))
+ps, st = lx.setup(np.random.default_rng(100 + rank), model)  # differently seeded replicas
+ps = lx.tree.map(lambda a: a.astype(np.float64), ps)
+assert not same_on_every_rank(ps)
+rank0_ps = backend.bcast_object(ps, 0)
+extras = {"step": 7 + rank, "lr": np.float32(0.1 * (rank + 1)), "name": f"rank{rank}", "fn": None}
+ps, st, extras = dist.synchronize(backend, (ps, st, extras))
+assert same_on_every_rank(ps) and digest(ps) == digest(rank0_ps)
+assert extras["step"] == 7 and extras["lr"] == np.float32(0.1) and extras["name"] == f"rank{rank}"
+generators = [leaf for leaf in lx.tree.leaves(st) if isinstance(leaf, np.random.Generator)]
+assert generators and len(set(backend.allgather_object(tuple(g.random() for g in generators)))) == 1
+say("PASS synchronize")
+
+# ---- mismatched trees raise on every rank ------------------------------------------------------------
+shape = (3, 4) if rank == 0 else (4, 4)
+say("mismatch shape: " + raises(ValueError, dist.synchronize, backend, {"layer": {"w": np.zeros(shape)}}))
+extra = {"w": np.zeros(2)} if rank == 0 else {"w": np.zeros(2), "b": np.zeros(2)}
+say("mismatch keys: " + raises(ValueError, dist.synchronize, backend, extra))
+dtype = np.float32 if rank == 0 else np.float64
+say("mismatch dtype: " + raises(ValueError, dist.synchronize, backend, [np.zeros(2, dtype)]))
+
+# ---- 2 ranks x 32 samples == 1 process x 64 samples, after 10 Adam steps -----------------------------------
+data_rng = np.random.default_rng(5)  # the same data on every rank
+x, y = data_rng.standard_normal((64, 5)), data_rng.standard_normal((64, 3))
+model = lx.Chain(lx.Dense(5, 16, activation="tanh"), lx.Dense(16, 3))
+ps, st = lx.setup(np.random.default_rng(rank), model)
+ps, st = dist.synchronize(backend, (lx.tree.map(lambda a: a.astype(np.float64), ps), st))
+start = lx.tree.map(np.copy, ps)
+loss_fn, ad = lx.losses.MSELoss(), lx.AutoTape()
+ts = lx.TrainState(model, ps, st, dist.DistributedOptimizer(backend, lx.optim.adam(1e-2)))
+loader = dist.DistributedDataLoader(backend, (x, y), 32, seed=3)
+assert len(loader) == 1
+for _ in range(10):
+    for batch in loader:
+        assert batch[0].shape == (32, 5)
+        _, loss, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
+assert ts.step == 10
+reference = lx.TrainState(model, lx.tree.map(np.copy, start), st, lx.optim.adam(1e-2))
+for _ in range(10):
+    _, _, _, reference = lx.single_train_step_(ad, loss_fn, (x, y), reference)
+for got, want in zip(lx.tree.leaves(ts.parameters), lx.tree.leaves(reference.parameters)):
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert error < 1e-10, error
+assert not np.allclose(ts.parameters["layer_1"]["weight"], start["layer_1"]["weight"])  # it trained
+assert same_on_every_rank(ts.parameters) and same_on_every_rank(ts.optimizer_state)
+say("PASS training equals one process, replicas bit-identical")
+
+# ---- shards: disjoint, covering ------------------------------------------------------------------------
+samples = np.arange(70)
+for drop_last, steps, covered in ((True, 4, 64), (False, 5, 70)):
+    for shuffle in (True, False):
+        loader = dist.DistributedDataLoader(backend, {"i": samples}, 8, shuffle=shuffle, seed=1, drop_last=drop_last)
+        assert len(loader) == steps
+        epochs = []
+        for _ in range(2):
+            mine = [batch["i"] for batch in loader]
+            assert len(mine) == steps and len({len(b) for b in mine[:-1]} | {8}) == 1
+            everyone = np.concatenate(backend.allgather_object(np.concatenate(mine)))
+            assert len(np.unique(everyone)) == covered
+            if drop_last:
+                assert len(everyone) == covered  # disjoint
+            epochs.append(everyone)
+        assert shuffle != np.array_equal(*epochs)  # a new order each epoch when shuffled
+say("PASS shards disjoint and covering")
+disagree = raises(ValueError, dist.DistributedDataLoader, backend, samples, 4 + rank)
+assert "disagree" in disagree, disagree
+
+# ---- a checkpoint written by rank 0 loads on both ----------------------------------------------------------
+path = os.path.join(tmpdir, "ckpt.safetensors")
+dist.save(backend, path, ts)
+loaded = lx.load(path, like=ts)
+assert loaded.step == ts.step and digest(loaded.parameters) == digest(ts.parameters)
+assert digest(loaded.optimizer_state) == digest(ts.optimizer_state)
+message = raises(RuntimeError, dist.save, backend, os.path.join(tmpdir, "no-such-dir", "ckpt.safetensors"), ts)
+assert "rank 0 could not write" in message, message
+say("PASS checkpoint")
+
+say(f"collectives: {backend.stats.calls} calls, {backend.stats.bytes} bytes")
+say("done")

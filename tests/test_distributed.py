@@ -1,0 +1,161 @@
+"""luxnn.distributed: 2 ranks under ``mpiexec -n 2 python -m mpi4py`` in subprocesses with
+timeouts (the workers are in tests/distributed_workers/), one BLAS thread per rank.
+
+One run of checks.py carries most checks (an MPI start-up costs about a second on a
+loaded machine); the raising rank and the threads' defaults need runs of their own.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+WORKERS = os.path.join(os.path.dirname(__file__), "distributed_workers")
+ONE_BLAS_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def _mpiexec() -> str | None:
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")  # pip's mpich, in the venv
+    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+
+
+def _have_mpi4py() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_mpi = pytest.mark.skipif(
+    not _have_mpi4py() or _mpiexec() is None,
+    reason="needs mpi4py and an mpiexec: pip install 'luxnn[mpi]'",
+)
+
+
+def run_workers(worker: str, *args: str, ranks: int = 2, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``mpiexec -n RANKS python -m mpi4py WORKER ARGS``, output captured (stderr into stdout)."""
+    environment = {**os.environ, **ONE_BLAS_THREAD} if env is None else env
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", os.path.join(WORKERS, worker), *args]
+    return subprocess.run(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    done = run_workers("checks.py", str(tmp_path_factory.mktemp("distributed")))
+    assert done.returncode == 0, done.stdout[-4000:]
+    return done.stdout
+
+
+def passed(output: str, name: str) -> bool:
+    return all(f"rank {r}: PASS {name}" in output for r in (0, 1))
+
+
+@needs_mpi
+@pytest.mark.parametrize(
+    "name",
+    ["initialize", "bad input", "threads", "collectives", "synchronize",
+     "training equals one process, replicas bit-identical", "shards disjoint and covering", "checkpoint"],
+)  # fmt: skip
+def test_two_ranks(checks, name):
+    assert passed(checks, name), checks[-4000:]
+    assert all(f"rank {r}: done" in checks for r in (0, 1))
+
+
+@needs_mpi
+@pytest.mark.parametrize("kind", ["shape", "keys", "dtype"])
+def test_mismatched_trees_raise_on_every_rank_naming_the_difference(checks, kind):
+    messages = {r: re.search(rf"rank {r}: mismatch {kind}: (.*)", checks).group(1) for r in (0, 1)}
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("synchronize: the trees differ between ranks: ")
+    expected = {
+        "shape": "'layer/w' is float64[3, 4] on rank 0 but float64[4, 4] on rank 1",
+        "keys": "leaf 'b' on rank 1 is missing on rank 0",
+        "dtype": "'0' is float32[2] on rank 0 but float64[2] on rank 1",
+    }[kind]
+    assert expected in messages[0]
+
+
+@needs_mpi
+def test_errors_name_the_backend_and_the_devices(checks):
+    for r in (0, 1):
+        assert f"rank {r}: twice: initialize: luxnn.distributed is already initialized with 'mpi', asked for 'nccl'" in checks
+        assert re.search(rf"rank {r}: mixed: DistributedOptimizer: the parameters must all be on one device.*CUDADevice\(0\)", checks)
+
+
+@needs_mpi
+def test_a_raising_rank_ends_the_job_with_its_traceback():
+    done = run_workers("raising_rank.py", timeout=120)
+    ended = time.time()
+    assert done.returncode != 0
+    assert "RuntimeError: rank 1 fails on purpose" in done.stdout and "finished" not in done.stdout
+    raised = float(re.search(r"rank 1 raises at ([0-9.]+)", done.stdout).group(1))
+    assert ended - raised < 10, done.stdout[-2000:]
+
+
+@needs_mpi
+def test_initialize_shares_the_cores_unless_the_user_chose():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    done = run_workers("threads.py", env=env)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert all(f"rank {r}: PASS threads" in done.stdout for r in (0, 1))
+
+
+def _have_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: no GPU
+        return False
+
+
+@needs_mpi
+@pytest.mark.skipif(not _have_gpu(), reason="the NCCL backend needs CuPy and a CUDA GPU; scripts/gpu_check.sh runs it on one")
+def test_nccl_on_one_gpu():
+    done = run_workers("nccl_one_gpu.py", ranks=1)
+    assert done.returncode == 0 and "PASS nccl" in done.stdout, done.stdout[-4000:]
+
+
+# ---- in this process: no MPI needed -----------------------------------------------------------
+
+
+def test_luxnn_imports_without_mpi4py_and_initialize_names_the_extra():
+    code = (
+        "import sys; sys.modules['mpi4py'] = None\n"  # as if it were not installed
+        "import luxnn\n"
+        "from luxnn import distributed as dist\n"
+        "try:\n"
+        "    dist.initialize('mpi')\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'luxnn[mpi]'" in done.stdout
+
+
+def test_anything_before_initialize_says_to_initialize():
+    from luxnn import distributed as dist
+    import luxnn as lx
+
+    assert not dist.is_initialized()  # no test initializes MPI in this process
+    calls = [
+        lambda: dist.allreduce_(None, np.ones(2)),
+        lambda: dist.bcast_("mpi", np.ones(2)),
+        lambda: dist.synchronize(None, {}),
+        lambda: dist.local_rank(None),
+        lambda: dist.DistributedOptimizer(None, lx.optim.sgd(0.1)),
+        lambda: dist.DistributedDataLoader(None, np.ones(4), 2),
+        lambda: dist.save(None, "x.safetensors", None),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=r"not initialized; call backend = luxnn.distributed.initialize\('mpi'\) first"):
+            call()
+    with pytest.raises(ValueError, match="expected a backend kind in"):
+        dist.initialize("gloo")
