@@ -11,18 +11,42 @@ __all__ = ["module_of", "is_array", "row_sums"]
 
 
 def module_of(x: Any) -> ModuleType:
-    """`numpy` for NumPy arrays and scalars (and Python numbers), `cupy` for CuPy arrays.
+    """`numpy` for NumPy arrays and scalars (and Python numbers and lists), `cupy` for CuPy
+    arrays; a `TypeError` for anything else (JAX, torch, other array-API arrays, an ndarray
+    subclass with arithmetic of its own), which luxnn never computes on silently.
 
     >>> module_of(np.zeros(2)).__name__
     'numpy'
     """
-    if type(x) is np.ndarray or isinstance(x, (np.generic, int, float)):
+    kind = type(x)
+    if kind is np.ndarray or isinstance(x, (np.generic, int, float, complex, list, tuple)):
         return np
-    if type(x).__module__.startswith("cupy"):
+    if kind.__module__.startswith("cupy"):
         import cupy
 
         return cupy
-    return np
+    if isinstance(x, np.ndarray) and _plain_subclass(kind):
+        return np
+    raise TypeError(
+        f"luxnn computes on NumPy and CuPy arrays, got {kind.__module__}.{kind.__qualname__}: "
+        "convert it first (np.asarray(x), or cupy.asarray(x) for GPU data)"
+    )
+
+
+# What an ndarray subclass may not override to be computed on as an ndarray (np.memmap
+# overrides none of them; np.matrix and masked arrays do).
+_ARITHMETIC = (
+    "__array_ufunc__", "__array_function__", "__add__", "__radd__", "__sub__", "__rsub__",
+    "__mul__", "__rmul__", "__matmul__", "__rmatmul__", "__truediv__", "__pow__", "__neg__",
+)  # fmt: skip
+_plain_subclasses: dict[type, bool] = {}
+
+
+def _plain_subclass(kind: type) -> bool:
+    plain = _plain_subclasses.get(kind)
+    if plain is None:
+        plain = _plain_subclasses[kind] = all(getattr(kind, n) is getattr(np.ndarray, n) for n in _ARITHMETIC)
+    return plain
 
 
 def is_array(x: Any) -> bool:

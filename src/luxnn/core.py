@@ -13,7 +13,10 @@ caller keeps and passes in, as in Lux.jl:
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import contextlib
+import inspect
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -21,7 +24,7 @@ from . import tree
 
 __all__ = [
     "Layer", "LayerError", "setup", "apply", "parameter_count", "trainmode", "testmode",
-    "call_child", "check_params",
+    "call_child", "call_layer", "check_params", "intercept_calls", "layer_path",
 ]  # fmt: skip
 
 
@@ -73,16 +76,58 @@ class Layer:
         raise NotImplementedError(f"{type(self).__name__} does not define __call__(x, ps, st)")
 
     def __repr__(self) -> str:
+        """The layer's configuration: its constructor's arguments that differ from their
+        defaults (read from the attributes of the same names), then its children."""
+        head = f"{type(self).__name__}({', '.join(_configuration(self))}"
         kids = list(self.children())
         if not kids:
-            return f"{type(self).__name__}()"
+            return head + ")"
         inner = "\n".join(f"  {name} = {layer!r}".replace("\n", "\n  ") for name, layer in kids)
-        return f"{type(self).__name__}(\n{inner}\n)"
+        return f"{head}{',' if head[-1] != '(' else ''}\n{inner}\n)"
+
+
+def _configuration(layer: Layer) -> Iterator[str]:
+    """``value`` or ``name=value`` for each argument of the layer's ``__init__`` that it
+    keeps as an attribute of the same name and that differs from the default; layers
+    (shown as children) and ``*args``/``**kwargs`` are left out."""
+    params = list(inspect.signature(type(layer).__init__).parameters.values())[1:]
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or not hasattr(layer, p.name):
+            continue
+        value = getattr(layer, p.name)
+        if isinstance(value, Layer) or (p.default is not p.empty and _same(value, p.default)):
+            continue
+        text = getattr(value, "__name__", None) if callable(value) and not isinstance(value, type) else None
+        text = text or repr(value)
+        yield text if p.default is p.empty and p.kind is not p.KEYWORD_ONLY else f"{p.name}={text}"
+
+
+def _same(value: Any, default: Any) -> bool:
+    try:
+        return value is default or bool(type(value) is type(default) and value == default)
+    except Exception:  # an __eq__ without a truth value (arrays): not the default
+        return False
+
+
+# The path of the layer being called, as `call_child` descends: for messages that name a
+# layer by its place in the model (the dtype policy's warnings, `layer_path`).
+_path: ContextVar[tuple[str, ...]] = ContextVar("luxnn_layer_path", default=())
+
+
+def layer_path() -> tuple[str, ...]:
+    """The path in the model of the layer being called (``("layer_2", "weight")`` style
+    names of its containers' children); ``()`` outside any container.
+
+    >>> layer_path()
+    ()
+    """
+    return _path.get()
 
 
 def call_child(name: str, layer: Layer, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, Any]:
     """Call child `name` of a container with its own parameters and state; a `LayerError`
-    raised inside gains `name` in its path."""
+    raised inside gains `name` in its path, and a child that does not return ``(y, st)``
+    raises one naming it."""
     try:
         child_ps, child_st = ps[name], st[name]
     except (KeyError, TypeError):
@@ -90,10 +135,67 @@ def call_child(name: str, layer: Layer, x: Any, ps: dict[str, Any], st: dict[str
             f"parameters/state do not match the model: expected an entry {name!r} for "
             f"{type(layer).__name__}, got keys {_keys(ps)} and {_keys(st)}"
         ) from None
+    token = _path.set((*_path.get(), name))
     try:
-        return layer(x, child_ps, child_st)
+        return call_layer(layer, x, child_ps, child_st)
     except LayerError as err:
         raise err.within(name) from None
+    finally:
+        _path.reset(token)
+
+
+# What `call_layer` calls instead of the layer itself while `intercept_calls` is active.
+_interceptor: ContextVar[Callable[..., Any] | None] = ContextVar("luxnn_call_interceptor", default=None)
+
+
+@contextlib.contextmanager
+def intercept_calls(interceptor: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, every layer call made through `call_layer` (so every child that
+    a container calls, and `apply`) runs as ``interceptor(layer, x, ps, st)``, which calls
+    ``layer(x, ps, st)`` itself and returns its ``(y, st)``; `layer_path` says where the
+    layer sits. For tools that look into a model's calls (`luxnn.summary`) without
+    changing its classes. An inner block replaces an outer one's interceptor.
+
+    >>> import luxnn as lx
+    >>> seen = []
+    >>> def note(layer, x, ps, st):
+    ...     seen.append(type(layer).__name__)
+    ...     return layer(x, ps, st)
+    >>> model = lx.Chain(lx.Dense(2, 2)); ps, st = lx.setup(np.random.default_rng(0), model)
+    >>> with intercept_calls(note):
+    ...     _ = lx.apply(model, np.ones((1, 2), np.float32), ps, st)
+    >>> seen
+    ['Chain', 'Dense']
+    """
+    token = _interceptor.set(interceptor)
+    try:
+        yield
+    finally:
+        _interceptor.reset(token)
+
+
+def call_layer(layer: Layer, x: Any, ps: Any, st: Any) -> tuple[Any, Any]:
+    """``layer(x, ps, st)``, checked to be a pair ``(y, st)`` whose state is a dict (or of
+    the type of `st`): a `LayerError` naming the layer otherwise. For wrappers whose
+    layer shares their parameters (`SkipConnection`) and for calling a whole model.
+
+    >>> import luxnn as lx
+    >>> layer = lx.Dense(2, 1); ps, st = lx.setup(np.random.default_rng(0), layer)
+    >>> call_layer(layer, np.ones((3, 2), np.float32), ps, st)[0].shape
+    (3, 1)
+    """
+    intercept = _interceptor.get()
+    out = layer(x, ps, st) if intercept is None else intercept(layer, x, ps, st)
+    if type(out) is not tuple or len(out) != 2 or not isinstance(out[1], (dict, type(st))):
+        raise LayerError(f"{type(layer).__name__} returned {_describe(out)}: a layer returns a pair (y, st)")
+    return out
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, tuple):
+        return f"a tuple of {len(out)} ({', '.join(type(v).__name__ for v in out)})"
+    shape = getattr(out, "shape", None)
+    return f"a {type(out).__name__}" + ("" if shape is None else f" of shape {shape}")
 
 
 def _keys(d: Any) -> Any:
@@ -121,12 +223,44 @@ def setup(rng: np.random.Generator, model: Layer) -> tuple[dict[str, Any], dict[
     """
     if not isinstance(model, Layer):
         raise TypeError(f"setup: expected a luxnn Layer, got {type(model).__name__}")
+    _check_children(model, ())
     return model.init_params(rng), model.init_state(rng)
 
 
+def _check_children(layer: Layer, path: tuple[str, ...]) -> None:
+    """Raise a `LayerError` where a layer holds layers that its `children` does not name:
+    they would get no parameters, and the first call a bare KeyError."""
+    named = dict(layer.children())
+    ids = {id(child) for child in named.values()}
+    # A layer with init_params of its own (a wrapper sharing its layer's parameters, as
+    # SkipConnection) answers for its layers itself; the default builds on children().
+    defaults = type(layer).init_params is Layer.init_params and hasattr(layer, "__dict__")
+    for attribute, held in vars(layer).items() if defaults else ():
+        for child in _layers_in(held):
+            if id(child) not in ids:
+                raise LayerError(
+                    f"{type(layer).__name__} holds the layer {type(child).__name__} in {attribute!r}, but its "
+                    "children() does not name it: a container defines children() yielding (name, layer) "
+                    "pairs and calls them with call_child (see help(luxnn.Layer))",
+                    path,
+                )
+    for name, child in named.items():
+        _check_children(child, (*path, name))
+
+
+def _layers_in(value: Any) -> list[Layer]:
+    if isinstance(value, Layer):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, Layer)]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, Layer)]
+    return []
+
+
 def apply(model: Layer, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``model(x, ps, st)``: the output and the new state."""
-    return model(x, ps, st)
+    """``model(x, ps, st)``: the output and the new state (checked to be such a pair)."""
+    return call_layer(model, x, ps, st)
 
 
 def parameter_count(ps: Any) -> int:

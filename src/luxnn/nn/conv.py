@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import init as initializers
 from ..core import Layer, LayerError, check_params
+from ..dtypes import match_eltype
 from ..ops.activations import relu
 from ..ops.conv import Pairs, conv, conv_output_size, conv_transpose
 from .activations import get_activation
@@ -146,11 +147,12 @@ class _ConvLayer(Layer):
             ps["bias"] = self.init_bias(rng, (self.out_channels,))
         return ps
 
-    def _check_call(self, x: Any, ps: dict[str, Any]) -> tuple[int, ...]:
-        """Validate a call's input and parameters; return the input's spatial sizes."""
+    def _check_call(self, x: Any, ps: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
+        """Validate a call's input and parameters; return the input as the layer computes
+        on it (the dtype policy's) and its spatial sizes."""
         sizes = check_input(self, x, self.rank, self.in_channels)
         check_params(self, ps, self._expected())
-        return sizes
+        return match_eltype(self, x, ps["weight"]), sizes
 
     def _fused_relu(self) -> bool:
         # relu runs inside the convolution primitive, in place on its result.
@@ -228,7 +230,7 @@ class Conv(_ConvLayer):
         return (*self.kernel_size, self.in_channels // self.groups, self.out_channels)
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        sizes = self._check_call(x, ps)
+        x, sizes = self._check_call(x, ps)
         padding = self.padding
         if padding == "same":
             padding = same_padding(sizes, self.kernel_size, self.stride, self.dilation)
@@ -317,7 +319,7 @@ class ConvTranspose(_ConvLayer):
         return tuple(pads), tuple(extra)
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        sizes = self._check_call(x, ps)
+        x, sizes = self._check_call(x, ps)
         padding, output_padding = self._crop()
         for axis, (n, k, s, d, (lo, hi), e) in enumerate(
             zip(sizes, self.kernel_size, self.stride, self.dilation, padding, output_padding), 1

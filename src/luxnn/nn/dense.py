@@ -10,6 +10,7 @@ import numpy as np
 from .. import init as initializers
 from .. import ops
 from ..core import Layer, LayerError, check_params
+from ..dtypes import match_eltype
 from .activations import get_activation
 
 
@@ -63,6 +64,7 @@ class Dense(Layer):
         if not shape or shape[-1] != self.in_features:
             raise LayerError(f"{self}: expected input of shape (..., {self.in_features}), got {shape}")
         check_params(self, ps, self._shapes)
+        x = match_eltype(self, x, ps["weight"])
         fuse_relu = self.activation is ops.relu
         y = ops.dense(x, ps["weight"], ps.get("bias"), relu=fuse_relu)
         if self.activation is not None and not fuse_relu:
