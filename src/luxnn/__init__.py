@@ -13,6 +13,7 @@ from .checkpoint import CheckpointError, load, save
 from .data import DataLoader
 from .ad import AutoTape, array_namespace, grad, stop_gradient, value_and_grad
 from .core import Layer, LayerError, apply, parameter_count, setup, testmode, trainmode
+from .dtypes import DtypeWarning, get_dtype_policy, set_dtype_policy
 from .devices import CPUDevice, CUDADevice, cpu_device, get_device, gpu_device
 from .memory import get_allocator_cache
 from .nn import *  # noqa: F403 - the layers are the package's vocabulary
@@ -31,5 +32,5 @@ __all__ = [
     "DataLoader", "get_allocator_cache", "TrainState", "apply_gradients", "apply_gradients_",
     "compute_gradients", "single_train_step", "single_train_step_", "AutoTape", "array_namespace", "grad", "stop_gradient",
     "value_and_grad", "Layer", "LayerError", "apply", "parameter_count", "setup", "testmode",
-    "trainmode", "CPUDevice", "CUDADevice", "cpu_device", "get_device", "gpu_device", *_layers,
+    "trainmode", "DtypeWarning", "get_dtype_policy", "set_dtype_policy", "CPUDevice", "CUDADevice", "cpu_device", "get_device", "gpu_device", *_layers,
 ]  # fmt: skip
