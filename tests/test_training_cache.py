@@ -52,41 +52,42 @@ def test_fixed_shape_steps_reach_upstream_only_while_warming_up(verb):
     assert upstream[0] > 0 and upstream[warm:] == [0] * (12 - warm)
 
 
-def test_steps_whose_kernels_run_on_several_threads_settle_on_a_step_plan():
+def test_steps_whose_kernels_run_on_several_threads_never_share_a_live_block():
     # Blocks of the convolutions and the pooling run on two threads, each making its own
-    # temporaries, so which blocks are alive together varies from step to step. The
-    # cache's step plan (luxnn.memory.plan) is made from two steps; a later step whose
-    # threads interleave in a way not seen yet finds a block's place still in use, takes a
-    # block from the split pool (a plan miss, now and then one from upstream) and widens
-    # the plan. In ten runs here: 1 to 9 upstream allocations after the third step of 60
-    # (mostly in the first 30), and 1.07x to 1.15x the peak live bytes reserved at the end.
+    # temporaries, so which blocks are alive together varies from step to step with the
+    # scheduling. What must hold whatever it is: no block is handed out while alive (the
+    # audit, and the kept arrays keeping their values), and the step computes what it does
+    # on one thread. How often a step misses its plan depends on the scheduling: the
+    # benchmark suite's memory pass reports it (upstream allocations per step once warm).
     before = lx.num_threads()
-    lx.set_num_threads(2)
     try:
         model = lx.Chain(
             lx.Conv(3, 1, 16, activation="relu", padding=1), lx.MaxPool(2),
             lx.Conv(3, 16, 32, activation="relu", padding=1), lx.MaxPool(2), lx.Flatten(), lx.Dense(32 * 7 * 7, 10),
         )  # fmt: skip
         ps, st = lx.setup(np.random.default_rng(0), model)
-        cache = lx.memory.AllocCache()
-        ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-3), allocator_cache=cache)
         rng = np.random.default_rng(1)
         data = rng.standard_normal((64, 28, 28, 1)).astype(np.float32), rng.integers(0, 10, 64)
         assert 64 * 28 * 28 * 16 * 4 > 2 * lx.parallel._BLOCK_BYTES  # large enough to be cut
-        upstream, reserved = [], []
-        for _ in range(60):
-            before_step = cache.stats().upstream_allocs
-            _, _, _, ts = lx.single_train_step_(AD, lx.losses.CrossEntropyLoss(), data, ts)
-            stats = cache.stats()
-            upstream.append(stats.upstream_allocs - before_step)
-            reserved.append(stats.peak_reserved)
+        losses = {}
+        for threads in (1, 2):
+            lx.set_num_threads(threads)
+            cache = lx.memory.AllocCache()
+            fresh = lx.tree.map(np.copy, ps)  # the in-place steps update the parameters given
+            ts = lx.TrainState(model, fresh, st, lx.optim.adam(1e-3), allocator_cache=cache)
+            kept, losses[threads] = [], []
+            for _ in range(30):
+                grads, loss, _, ts = lx.single_train_step_(AD, lx.losses.CrossEntropyLoss(), data, ts)
+                kept.append((grads, lx.tree.map(np.copy, grads)))
+                losses[threads].append(float(loss))
+                cache._core.audit()
+            for live, copy in kept:
+                for a, b in zip(lx.tree.leaves(live), lx.tree.leaves(copy)):
+                    np.testing.assert_array_equal(a, b)
     finally:
         lx.set_num_threads(before)
-    assert upstream[0] > 0 and sum(upstream[3:]) <= 12, str(upstream)
-    assert stats.plans >= 1 and stats.plan_hits > 20 * stats.plan_misses, stats
-    assert reserved[-1] <= 1.01 * reserved[3], reserved  # the plan never needs more than the first steps
-    assert stats.bytes_reserved <= 1.2 * stats.peak_live, stats
-    cache._core.audit()
+    assert losses[2][-1] < 0.5 * losses[2][0]
+    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-3)
 
 
 def test_a_step_runs_inside_the_train_states_cache_only():
