@@ -586,6 +586,21 @@ typedef struct {
     int64_t kind;
 } lx_event;
 
+/* A span of the timeline: from a scope opened while none was open to the
+ * close of the last one open (one step, in the usual loop; scopes of threads
+ * that overlap make one span), or several spans in a row merged. The event
+ * ring keeps only the last events; spans cover the whole run: when LX_SPANS
+ * rows are full, neighbours merge pairwise and each row takes twice as many. */
+typedef struct {
+    int64_t t_enter, t_exit; /* CLOCK_MONOTONIC */
+    int64_t live_enter, reserved_enter;
+    int64_t peak_live, peak_reserved;
+    int64_t live_exit, reserved_exit;
+    int64_t spans; /* spans merged in this row */
+} lx_span;
+
+#define LX_SPANS 4096
+
 typedef struct lx_core {
     pthread_mutex_t lock;
     lx_upstream up;             /* constant after creation */
@@ -607,6 +622,10 @@ typedef struct lx_core {
     lx_event *events;           /* ring of the last event_cap events; NULL: not recording */
     size_t event_cap;
     uint64_t events_total;
+    lx_span *spans;             /* LX_SPANS rows while recording, else NULL */
+    size_t nspans;              /* rows in use */
+    int64_t span_group;         /* spans a full row holds */
+    lx_span open_span;          /* the span open now, while depth > 0 */
     /* Step plans (section 1c). */
     size_t depth;               /* scopes open: a cycle is open while depth > 0 */
     uint64_t cycle;             /* cycles opened */
@@ -656,6 +675,47 @@ record_locked(lx_core *c, int kind)
     c->events_total++;
 }
 
+static void
+open_span_locked(lx_core *c)
+{
+    int64_t live = (int64_t)c->fig.bytes_live;
+    int64_t reserved = (int64_t)(c->fig.bytes_live + c->fig.bytes_cached);
+    c->open_span = (lx_span){now_ns(), 0, live, reserved, live, reserved, 0, 0, 1};
+}
+
+static lx_span
+merged_spans(lx_span a, lx_span b)
+{
+    a.t_exit = b.t_exit;
+    a.peak_live = b.peak_live > a.peak_live ? b.peak_live : a.peak_live;
+    a.peak_reserved = b.peak_reserved > a.peak_reserved ? b.peak_reserved : a.peak_reserved;
+    a.live_exit = b.live_exit;
+    a.reserved_exit = b.reserved_exit;
+    a.spans += b.spans;
+    return a;
+}
+
+static void
+close_span_locked(lx_core *c)
+{
+    lx_span *s = &c->open_span;
+    s->t_exit = now_ns();
+    s->live_exit = (int64_t)c->fig.bytes_live;
+    s->reserved_exit = (int64_t)(c->fig.bytes_live + c->fig.bytes_cached);
+    if (c->nspans > 0 && c->spans[c->nspans - 1].spans < c->span_group) {
+        c->spans[c->nspans - 1] = merged_spans(c->spans[c->nspans - 1], *s);
+        return;
+    }
+    if (c->nspans == LX_SPANS) {
+        for (size_t i = 0; i < LX_SPANS / 2; i++) {
+            c->spans[i] = merged_spans(c->spans[2 * i], c->spans[2 * i + 1]);
+        }
+        c->nspans = LX_SPANS / 2;
+        c->span_group *= 2;
+    }
+    c->spans[c->nspans++] = *s;
+}
+
 /* After bytes_live or the reserved bytes grew: raise the peaks that they pass. */
 static void
 note_peaks_locked(lx_core *c)
@@ -666,6 +726,14 @@ note_peaks_locked(lx_core *c)
     }
     if (reserved > c->fig.peak_reserved) {
         c->fig.peak_reserved = reserved;
+    }
+    if (c->spans != NULL && c->depth > 0) {
+        if ((int64_t)live > c->open_span.peak_live) {
+            c->open_span.peak_live = (int64_t)live;
+        }
+        if ((int64_t)reserved > c->open_span.peak_reserved) {
+            c->open_span.peak_reserved = (int64_t)reserved;
+        }
     }
     for (size_t i = 0; i < c->watch_hi; i++) {
         lx_watcher *w = &c->watchers[i];
@@ -1268,10 +1336,13 @@ lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap
     c->map.cap = 64;
     c->map.slots = calloc(c->map.cap, sizeof(lx_block *));
     c->events = event_cap ? calloc(event_cap, sizeof(lx_event)) : NULL;
-    if (c->map.slots == NULL || (event_cap && c->events == NULL) ||
+    c->spans = event_cap ? calloc(LX_SPANS, sizeof(lx_span)) : NULL;
+    c->span_group = 1;
+    if (c->map.slots == NULL || (event_cap && (c->events == NULL || c->spans == NULL)) ||
         pthread_mutex_init(&c->lock, NULL) != 0) {
         free(c->map.slots);
         free(c->events);
+        free(c->spans);
         free(c);
         return NULL;
     }
@@ -1320,6 +1391,7 @@ lx_core_destroy(lx_core *c)
     free(c->map.slots);
     free(c->watchers);
     free(c->events);
+    free(c->spans);
     pthread_mutex_destroy(&c->lock);
     free(c);
 }
@@ -1572,6 +1644,9 @@ lx_scope_enter(lx_core *c)
             open_cycle_locked(c);
         }
         c->scope_nrec = c->nrec;
+        if (c->spans != NULL) {
+            open_span_locked(c);
+        }
     }
     record_locked(c, LX_EV_SCOPE_ENTER);
     pthread_mutex_unlock(&c->lock);
@@ -1624,6 +1699,9 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
         if (c->plan != NULL) {
             release_split_wholes_locked(c, c->plan->installed);
         }
+    }
+    if (c->depth == 0 && c->spans != NULL) {
+        close_span_locked(c);
     }
     record_locked(c, LX_EV_SCOPE_EXIT);
     pthread_mutex_unlock(&c->lock);
@@ -2576,6 +2654,29 @@ Core_timeline(CoreObject *self, PyObject *Py_UNUSED(ignored))
     return result;
 }
 
+/* The timeline's spans as bytes of int64 rows (lx_span's fields in order),
+ * oldest first; empty when not recording. */
+static PyObject *
+Core_timeline_spans(CoreObject *self, PyObject *Py_UNUSED(ignored))
+{
+    lx_core *c = self->core;
+    if (c->spans == NULL) {
+        return PyBytes_FromStringAndSize("", 0);
+    }
+    lx_span *copy = PyMem_Malloc(LX_SPANS * sizeof(lx_span));
+    if (copy == NULL) {
+        return PyErr_NoMemory();
+    }
+    pthread_mutex_lock(&c->lock);
+    size_t n = c->nspans;
+    memcpy(copy, c->spans, n * sizeof(lx_span));
+    pthread_mutex_unlock(&c->lock);
+    PyObject *result =
+        PyBytes_FromStringAndSize((const char *)copy, (Py_ssize_t)(n * sizeof(lx_span)));
+    PyMem_Free(copy);
+    return result;
+}
+
 static PyMethodDef Core_methods[] = {
     {"stats", (PyCFunction)Core_stats, METH_NOARGS,
      "(hits, misses, upstream_allocs, upstream_frees, bytes_live, bytes_cached, "
@@ -2616,6 +2717,9 @@ static PyMethodDef Core_methods[] = {
      "over the limit or out of device memory (see last_failure())"},
     {"timeline", (PyCFunction)Core_timeline, METH_NOARGS,
      "(event bytes, events dropped); each event is 4 int64: t_ns, live, reserved, kind"},
+    {"timeline_spans", (PyCFunction)Core_timeline_spans, METH_NOARGS,
+     "bytes of int64 rows: t_enter, t_exit, live_enter, reserved_enter, peak_live, "
+     "peak_reserved, live_exit, reserved_exit, spans (merged in the row)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -107,12 +107,16 @@ DEFAULT_EVICT_AFTER = 16
 released (see above)."""
 
 TIMELINE_CAPACITY = 1 << 16
-"""Events a recording cache keeps: the most recent ones (32 bytes each)."""
+"""Events a recording cache keeps: the most recent ones (32 bytes each). Its spans (one per
+step, `AllocCache.timeline_spans`) cover the whole run."""
 
 # Larger limits are no limits: no machine addresses this much memory (128 TiB).
 _MAX_LIMIT = _core.MAX_REQUEST
 
 _TIMELINE_DTYPE = np.dtype([("t_ns", "<i8"), ("live", "<i8"), ("reserved", "<i8"), ("kind", "<i8")])
+_SPAN_FIELDS = (
+    "t_enter", "t_exit", "live_enter", "reserved_enter", "peak_live", "peak_reserved", "live_exit", "reserved_exit", "spans",
+)  # fmt: skip
 
 
 def bin_size(nbytes: int) -> int:
@@ -239,7 +243,8 @@ class AllocCache:
     and the free pieces of a segment in use stay with it.
     evict_after: scopes a size bin (above 64 KiB: a free segment) may go unused before its
     free blocks are released (default `DEFAULT_EVICT_AFTER`).
-    record: keep a timeline of events for `plot_timeline` (the last 65536 events).
+    record: keep a timeline for `plot_timeline`: the last 65536 events, and every step's
+    figures (`timeline_spans`).
     plan: place the blocks above 64 KiB of a repeated step by a plan made from the steps
     before it (`luxnn.memory.plan`): peak reserved close to peak live, from the third step
     of a fixed-shape loop.
@@ -340,6 +345,34 @@ class AllocCache:
         out["live"] = events["live"]
         out["reserved"] = events["reserved"]
         out["kind"] = np.asarray(EVENT_KINDS)[events["kind"]] if len(events) else []
+        return out
+
+    def timeline_dropped(self) -> int:
+        """How many of the oldest events `timeline` no longer holds (it keeps the last
+        `TIMELINE_CAPACITY`)."""
+        return int(self._core.timeline()[1])
+
+    def timeline_spans(self) -> np.ndarray:
+        """The whole run, step by step, however many events were dropped (empty unless
+        ``record=True``): a structured array, oldest first, one row per span (from the
+        opening of a scope while none of the cache's was open to the closing of the last
+        open: one step of the usual loop) with ``t_enter`` and ``t_exit`` (seconds since the
+        cache was created), ``live_enter`` / ``reserved_enter``, ``peak_live`` /
+        ``peak_reserved`` and ``live_exit`` / ``reserved_exit`` (bytes) and ``spans`` (1;
+        past 4096 rows, neighbours merge and a row holds several spans in a row).
+
+        >>> cache = AllocCache(record=True)
+        >>> from luxnn import memory
+        >>> with memory.cached(cache):
+        ...     x = np.ones(1 << 16)
+        >>> spans = cache.timeline_spans()
+        >>> len(spans), int(spans["peak_live"][0]) >= x.nbytes
+        (1, True)
+        """
+        rows = np.frombuffer(self._core.timeline_spans(), dtype=np.int64).reshape(-1, len(_SPAN_FIELDS))
+        out = np.empty(len(rows), [(name, "f8" if name.startswith("t_") else "i8") for name in _SPAN_FIELDS])
+        for k, name in enumerate(_SPAN_FIELDS):
+            out[name] = (rows[:, k] - self._created_ns) / 1e9 if name.startswith("t_") else rows[:, k]
         return out
 
     def __repr__(self) -> str:
