@@ -130,7 +130,7 @@ def test_compare_bad_input(tmp_path, capsys, content, message):
     base = tmp_path / "base.json"
     if content is not None:
         base.write_text(content)
-    assert main(["compare", str(base), write(tmp_path / "new.json", NEW)]) == 1
+    assert main(["compare", str(base), write(tmp_path / "new.json", NEW)]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert err.startswith("luxnn compare: ")
@@ -184,7 +184,7 @@ def test_bench_memory_pass_counts_the_cache(tmp_path):
     [
         (["--filter", "no-such-row"], "matches no row"),
         (["--filter", "("], "not a regular expression"),
-        (["--rounds", "0"], "--rounds must be at least 1"),
+        (["--rounds", "0"], "argument --rounds: expected an integer of at least 1, got '0'"),
         (["--json", "/no/such/dir/r.json"], "no such directory"),
         (["--against", "no-such-revision-xyz"], "revision 'no-such-revision-xyz' does not exist"),
         (["--against", "--help"], "does not exist"),
@@ -194,7 +194,7 @@ def test_bench_bad_input(capsys, args, message):
     argv = ["bench", "--quick", "--filter", "basics/dense$", *args] if args[0] != "--filter" else ["bench", "--quick", *args]
     if args[0] == "--against" and args[1].startswith("-"):
         argv = ["bench", "--quick", f"--against={args[1]}"]
-    assert main(argv) == 1
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 

@@ -1,10 +1,10 @@
-"""The ``luxnn bench`` and ``luxnn compare`` commands (their arguments are in `luxnn.cli`)."""
+"""The ``luxnn bench`` and ``luxnn compare`` commands (their arguments are parsed, and
+those that parsing alone can check are checked, in `luxnn.cli`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from typing import Any
 
@@ -13,14 +13,8 @@ from .compare import compare, compare_files
 from .runner import LocalWorker, report, run, this_side, timing_for
 
 
-def _json_target(path: str) -> str:
-    """`path`, checked before anything is measured: its directory must exist."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise BenchError(f"--json {path}: no such directory {directory}")
-    if os.path.isdir(path):
-        raise BenchError(f"--json {path}: is a directory; give a file name")
-    return path
+class ArgumentError(BenchError):
+    """A bad argument, found before anything is measured or built (exit status 2)."""
 
 
 def _write(path: str, document: dict[str, Any]) -> None:
@@ -40,22 +34,23 @@ def base_path(path: str) -> str:
 
 
 def bench(quick: bool, pattern: str | None, json_path: str | None, rounds: int | None, against: str | None, markdown: bool) -> int:
-    if rounds is not None and rounds < 1:
-        raise BenchError(f"--rounds must be at least 1, got {rounds}")
-    try:
-        selection = suite.select(quick, pattern)
-    except re.error as e:
-        raise BenchError(f"--filter {pattern!r} is not a regular expression: {e}") from None
+    """Run the suite (`pattern` a valid regular expression, `rounds` at least 1, `json_path`
+    writable: `luxnn.cli` checks those); `ArgumentError` for a filter that selects no row
+    or a revision that does not exist."""
+    selection = suite.select(quick, pattern)
     if selection.row_count == 0 and selection.unavailable:
-        raise BenchError(f"--filter {pattern!r} matches only rows whose peer is not installed: {', '.join(selection.unavailable)}")
+        raise ArgumentError(f"argument --filter: {pattern!r} matches only rows whose peer is not installed: {', '.join(selection.unavailable)}")
     if selection.row_count == 0:
         names = [v.name for g in suite.groups(quick) for v in g.variants] + [suite.TIME_TO_LOAD]
-        raise BenchError(f"--filter {pattern!r} matches no row; the rows are:\n  " + "\n  ".join(names))
-    if json_path is not None:
-        _json_target(json_path)
+        raise ArgumentError(f"argument --filter: expected a pattern that matches a row, got {pattern!r}, which matches no row; the rows are: {', '.join(names)}")
     timing = timing_for(quick, rounds)
     if against is not None:
-        from .revision import run_against
+        from .revision import Revision, run_against
+
+        try:
+            Revision(against)  # checks that the revision exists; building it is run_against's work
+        except BenchError as e:
+            raise ArgumentError(f"argument --against: {e}") from None
 
         base, new = run_against(against, selection, quick=quick, timing=timing, pattern=pattern)
         print(compare(base, new, markdown=markdown))
@@ -72,5 +67,9 @@ def bench(quick: bool, pattern: str | None, json_path: str | None, rounds: int |
 
 
 def compare_command(base: str, new: str, markdown: bool) -> int:
-    print(compare_files(base, new, markdown=markdown))
+    try:
+        text = compare_files(base, new, markdown=markdown)
+    except BenchError as e:  # every error of compare is about its two files
+        raise ArgumentError(str(e)) from None
+    print(text)
     return 0

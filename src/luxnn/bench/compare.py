@@ -11,6 +11,7 @@ call. ``time_to_load`` comes last. Rows only one run has are shown with "—".
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Sequence
 
 from . import BenchError
@@ -26,6 +27,10 @@ MISSING = "—"
 # ---- reading results -------------------------------------------------------------------
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _check_row(path: str, index: int, row: Any) -> None:
     def bad(why: str) -> BenchError:
         return BenchError(f"{path}: malformed result, row {index}: {why}")
@@ -33,15 +38,36 @@ def _check_row(path: str, index: int, row: Any) -> None:
     if not isinstance(row, dict) or not isinstance(row.get("name"), str):
         raise bad("expected an object with a 'name'")
     times = row.get("times")
-    if not isinstance(times, list) or not all(
-        isinstance(r, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in r) for r in times
-    ):
+    if not isinstance(times, list) or not all(isinstance(r, list) and all(_number(x) and x > 0 for x in r) for r in times):
         raise bad(f"{row['name']!r}: 'times' must be a list of rounds, each a list of positive seconds")
     if not row.get("error") and not any(times):
         raise bad(f"{row['name']!r}: no samples and no error")
     mem = row.get("memory")
     if mem is not None and not isinstance(mem, dict):
         raise bad(f"{row['name']!r}: 'memory' must be an object or null")
+    if mem and "error" not in mem and mem.get("bytes") is not None:
+        counts = {key: mem.get(key) for key in ("allocs", "bytes", "peak_live", "upstream_allocs")}
+        if not all(_number(x) and x >= 0 for x in counts.values()) or not (mem.get("peak_reserved") is None or _number(mem["peak_reserved"])):
+            raise bad(f"{row['name']!r}: 'memory' must hold non-negative numbers {sorted(counts)} and 'peak_reserved' (a number or null)")
+
+
+def _check_header(path: str, doc: dict[str, Any]) -> None:
+    """The fields that the tables' header lines read."""
+    def bad(why: str) -> BenchError:
+        return BenchError(f"{path}: malformed result: {why}")
+
+    for key in ("machine", "versions"):
+        if key in doc and not isinstance(doc[key], dict):
+            raise bad(f"{key!r} must be an object, got {type(doc[key]).__name__}")
+    for key in ("load_average", "load_average_end"):
+        load = doc.get("machine", {}).get(key)
+        if load is not None and not (isinstance(load, list) and all(_number(x) for x in load)):
+            raise bad(f"'machine' {key!r} must be a list of numbers")
+    if not isinstance(doc.get("environment") or {}, dict):
+        raise bad("'environment' must be an object or null")
+    blas = doc.get("blas") or []
+    if not (isinstance(blas, list) and all(isinstance(p, dict) for p in blas)):
+        raise bad("'blas' must be a list of objects or null")
 
 
 def load(path: str) -> dict[str, Any]:
@@ -53,6 +79,8 @@ def load(path: str) -> dict[str, Any]:
         raise BenchError(f"{path}: no such file") from None
     except OSError as e:
         raise BenchError(f"{path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise BenchError(f"{path}: not a luxnn bench result (not UTF-8 text: byte {e.start} is {e.object[e.start]:#04x})") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
@@ -63,6 +91,7 @@ def load(path: str) -> dict[str, Any]:
         raise BenchError(f"{path}: result schema {doc.get('schema')!r}, this luxnn reads schema {SCHEMA}")
     if doc.get("suite") not in ("quick", "full"):
         raise BenchError(f"{path}: malformed result: 'suite' must be \"quick\" or \"full\", got {doc.get('suite')!r}")
+    _check_header(path, doc)
     rows = doc.get("rows")
     if not isinstance(rows, list):
         raise BenchError(f"{path}: malformed result: 'rows' must be a list")
