@@ -321,3 +321,46 @@ class LargeActivations:
         model = torch_mlp(self.sizes)
         x, y = self.data()
         return torch_train_step(model, torch.optim.SGD(model.parameters(), lr=self.lr), torch.nn.MSELoss(), x, y)
+
+
+@dataclass(frozen=True)
+class LSTM:
+    """``training/lstm``: an LSTM (input 32, hidden 128) over sequences of 50 steps, batch
+    64, its last output into a Dense classifier (10 classes); softmax cross-entropy, Adam.
+    PyTorch's peer is ``torch.nn.LSTM(batch_first=True)`` and a Linear."""
+
+    batch: int = 64
+    length: int = 50
+    inputs: int = 32
+    hidden: int = 128
+    classes: int = 10
+    lr: float = 1e-3
+
+    def data(self) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(1)
+        x = rng.standard_normal((self.batch, self.length, self.inputs)).astype(np.float32)
+        return x, rng.integers(0, self.classes, self.batch)
+
+    def luxnn_model(self) -> lx.Layer:
+        return lx.Chain(lx.Recurrence(lx.LSTMCell(self.inputs, self.hidden)), lx.Dense(self.hidden, self.classes))
+
+    def luxnn(self, cache: Any = "default") -> Step:
+        return luxnn_train_step(self.luxnn_model(), lx.optim.adam(self.lr), lx.losses.CrossEntropyLoss(), self.data(), cache)
+
+    def torch(self) -> Step:
+        import torch
+
+        nn = torch.nn
+
+        class Classifier(nn.Module):
+            def __init__(self, inputs: int, hidden: int, classes: int) -> None:
+                super().__init__()
+                self.lstm = nn.LSTM(inputs, hidden, batch_first=True)
+                self.head = nn.Linear(hidden, classes)
+
+            def forward(self, x: Any) -> Any:
+                return self.head(self.lstm(x)[0][:, -1])
+
+        model = Classifier(self.inputs, self.hidden, self.classes)
+        x, y = self.data()
+        return torch_train_step(model, torch.optim.Adam(model.parameters(), lr=self.lr), nn.CrossEntropyLoss(), x, y)

@@ -82,6 +82,7 @@ def groups(quick: bool) -> list[Group]:
     suffix = "-quick" if quick else ""
     transformer = models.Transformer(batch=8, length=64, dim=128, heads=4) if quick else models.Transformer()
     large = models.LargeActivations(batch=2048) if quick else models.LargeActivations()
+    lstm = models.LSTM()
     return [
         _basic("dense"),
         _basic("conv"),
@@ -97,6 +98,11 @@ def groups(quick: bool) -> list[Group]:
             f"training/large-activations{suffix}", large,
             {"batch": large.batch, "sizes": list(large.sizes), "optimizer": "sgd",
              "activation_bytes": large.batch * large.sizes[1] * 4},
+        ),  # fmt: skip
+        _training(
+            "training/lstm", lstm,
+            {"batch": lstm.batch, "length": lstm.length, "inputs": lstm.inputs, "hidden": lstm.hidden,
+             "classes": lstm.classes, "optimizer": "adam"},
         ),  # fmt: skip
     ]
 

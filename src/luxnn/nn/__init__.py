@@ -12,6 +12,8 @@ from .dropout import Dropout
 from .embedding import Embedding
 from .normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 from .stateful import StatefulLayer
+from .recurrent import Bidirectional, GRUCell, LSTMCell, Recurrence, RecurrentCell, RNNCell, Steps
+from .positional import RotaryPositionalEmbedding, SinusoidalPositionalEmbedding
 
 __all__ = ["ACTIVATIONS", "Chain", "Dense", "get_activation"]
 __all__ += [
@@ -19,3 +21,5 @@ __all__ += [
     "GroupNorm", "LayerNorm", "RMSNorm", "StatefulLayer",
 ]  # fmt: skip
 __all__ += ["Conv", "ConvTranspose", "MaxPool", "AvgPool", "GlobalMaxPool", "GlobalAvgPool", "Flatten", "Reshape"]
+__all__ += ["Steps", "RecurrentCell", "RNNCell", "LSTMCell", "GRUCell", "Recurrence", "Bidirectional"]
+__all__ += ["SinusoidalPositionalEmbedding", "RotaryPositionalEmbedding"]

@@ -8,12 +8,15 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import init as initializers
+from ..ad.namespace import array_namespace
 from ..ad.tape import Traced
 from ..backend import module_of
 from ..core import Layer, LayerError
+from ..dtypes import match_eltype
 from ..ops.attention import attention_combine, attention_weights
 from .dense import Dense
 from .dropout import child_generator, dropout_mask, fork_generator
+from .positional import check_base, rope
 
 __all__ = ["MultiHeadAttention"]
 
@@ -34,7 +37,9 @@ class MultiHeadAttention(Layer):
 
     `q` has `dim` features and `k`, `v` have `kv_dim` (default `dim`). With
     ``is_causal=True`` query i also never sees keys after position i. A query that may see
-    no key gets zero weights and outputs the projections' bias.
+    no key gets zero weights and outputs the projections' bias. ``rotary=True`` rotates
+    each head's projected queries and keys by their positions before the scores, as
+    `RotaryPositionalEmbedding(dim // num_heads, base=rotary_base)` does (RoPE, as LLaMA).
 
     Returns ``((y, weights), state)``: y ``(batch, q_len, dim)`` and the attention weights
     ``(batch, num_heads, q_len, kv_len)`` (before dropout). Parameters ``{"q_proj",
@@ -60,6 +65,8 @@ class MultiHeadAttention(Layer):
         dropout: float = 0.0,
         use_bias: bool = True,
         is_causal: bool = False,
+        rotary: bool = False,
+        rotary_base: float = 10000.0,
     ) -> None:
         for name, n in (("dim", dim), ("num_heads", num_heads), ("kv_dim", dim if kv_dim is None else kv_dim)):
             if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
@@ -74,6 +81,12 @@ class MultiHeadAttention(Layer):
         self.dropout = float(dropout)
         self.use_bias = bool(use_bias)
         self.is_causal = bool(is_causal)
+        if not isinstance(rotary, bool):
+            raise ValueError(f"MultiHeadAttention: rotary must be True or False, got {rotary!r}")
+        if rotary and (self.dim // self.num_heads) % 2:
+            raise ValueError(f"MultiHeadAttention: rotary needs an even head size (features rotate in pairs), got dim // num_heads = {self.dim // self.num_heads}")
+        self.rotary = rotary
+        self.rotary_base = check_base("MultiHeadAttention", rotary_base)
         glorot, zero = initializers.glorot_uniform(), initializers.zeros
         self.q_proj = Dense(self.dim, self.dim, use_bias=use_bias, init_weight=glorot, init_bias=zero)
         self.k_proj = Dense(self.kv_dim, self.dim, use_bias=use_bias, init_weight=glorot, init_bias=zero)
@@ -94,9 +107,11 @@ class MultiHeadAttention(Layer):
         heads = self.num_heads
         if mask is not None:
             self._check_mask(mask, (batch, heads, q_len, kv_len))
+        like = ps["q_proj"].get("weight") if isinstance(ps["q_proj"], dict) else None
+        q, k, v = (match_eltype(self, t, like) for t in (q, k, v))
         weights = attention_weights(
-            self._project("q_proj", q, ps),
-            self._project("k_proj", k, ps),
+            self._rotated(self._project("q_proj", q, ps)),
+            self._rotated(self._project("k_proj", k, ps)),
             num_heads=heads,
             scale=1.0 / math.sqrt(self.dim // heads),
             mask=mask,
@@ -110,6 +125,15 @@ class MultiHeadAttention(Layer):
             st = {"rng": rng, "training": True}
         out = attention_combine(attended, self._project("v_proj", v, ps), num_heads=heads)
         return (self._project("out_proj", out, ps), weights), st
+
+    def _rotated(self, projected: Any) -> Any:
+        """The (batch, seq, heads * d) projection with each head rotated by RoPE, if on."""
+        if not self.rotary:
+            return projected
+        batch, seq, dim = projected.shape
+        xp = array_namespace(projected)
+        per_head = xp.reshape(projected, (batch, seq, self.num_heads, dim // self.num_heads))
+        return xp.reshape(rope(per_head, base=self.rotary_base), (batch, seq, dim))
 
     def _project(self, name: str, x: Any, ps: dict[str, Any]) -> Any:
         try:
@@ -160,4 +184,6 @@ class MultiHeadAttention(Layer):
             flags.append("use_bias=False")
         if self.is_causal:
             flags.append("is_causal=True")
+        if self.rotary:
+            flags.append("rotary=True" if self.rotary_base == 10000.0 else f"rotary=True, rotary_base={self.rotary_base}")
         return f"MultiHeadAttention({self.dim}, {', '.join(flags)})"

@@ -1,0 +1,50 @@
+"""Issue 14's LSTM check: an LSTM classifier (batch 64, sequence 50, input 32, hidden 128,
+the last output into a Dense layer of 10 classes), training step = forward + backward +
+Adam update with softmax cross-entropy, luxnn against ``torch.nn.LSTM`` in PyTorch eager
+on the CPU, interleaved rounds, medians. The target: at most 1.3x PyTorch's step.
+
+    python benchmarks/lstm_step.py [--rounds 7] [--per-round 3] [--no-cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+from luxnn.bench import models
+from luxnn.bench.machine import blas, blas_summary
+from luxnn.bench.runner import interleaved_rounds
+
+MODEL = models.LSTM()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--per-round", type=int, default=3)
+    parser.add_argument("--no-cache", action="store_true", help="train without the allocator cache")
+    args = parser.parse_args()
+
+    steps = {"luxnn": MODEL.luxnn(cache=None if args.no_cache else "default")}
+    try:
+        steps["pytorch (torch.nn.LSTM)"] = MODEL.torch()
+    except ImportError:
+        pass
+    print(
+        f"LSTM classifier: batch {MODEL.batch}, sequence {MODEL.length}, input {MODEL.inputs}, "
+        f"hidden {MODEL.hidden}, {MODEL.classes} classes, float32, Adam"
+    )
+    print(f"kernels: {blas_summary(blas())}; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset')}")
+    samples = interleaved_rounds(steps, args.rounds, args.per_round, warmup=3)
+    base = statistics.median(samples["luxnn"])
+    # The last column is luxnn's step time over this row's: the target is <= 1.3x PyTorch.
+    print(f"{'step':<26} {'median':>9} {'IQR':>8} {'luxnn time / this':>18}")
+    for name, s in samples.items():
+        q = statistics.quantiles(s, n=4) if len(s) > 1 else (s[0], s[0], s[0])
+        med = statistics.median(s)
+        print(f"{name:<26} {med * 1e3:>7.2f}ms {(q[2] - q[0]) * 1e3:>6.2f}ms {base / med:>17.2f}x")
+
+
+if __name__ == "__main__":
+    main()

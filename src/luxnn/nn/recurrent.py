@@ -1,0 +1,340 @@
+"""Recurrent layers: the RNN, LSTM and GRU cells, `Recurrence` over a sequence and
+`Bidirectional`, with PyTorch's equations, gate order and parameters (transposed)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+
+from .. import ops
+from ..ad.namespace import array_namespace
+from ..ad.tape import stop_gradient
+from ..backend import module_of
+from ..core import Layer, LayerError, call_child, check_params
+from ..dtypes import match_eltype
+from ..ops.recurrent import gru_sequence, lstm_sequence, rnn_sequence
+
+__all__ = ["Steps", "RecurrentCell", "RNNCell", "LSTMCell", "GRUCell", "Recurrence", "Bidirectional"]
+
+_INIT_CARRY = ("zeros", "trainable")
+
+
+class Steps(NamedTuple):
+    """Every step of a sequence, as one input of a `RecurrentCell`: `xs` time-major ``(seq,
+    batch, in_dims)``, the carry to start from (None: the cell's initial carry), and
+    `reverse` (last step first; outputs stay aligned with the input positions). The cell
+    returns every step's output packed in one array ``(seq, batch, P)``: h_t in its first
+    `hidden` columns (for the LSTM, c_t in the next `hidden`). `Recurrence` calls cells so.
+
+    >>> import luxnn as lx
+    >>> cell = lx.LSTMCell(3, 5)
+    >>> ps, st = lx.setup(np.random.default_rng(0), cell)
+    >>> cell(Steps(np.ones((7, 2, 3), np.float32)), ps, st)[0].shape
+    (7, 2, 10)
+    """
+
+    xs: Any
+    carry: Any = None
+    reverse: bool = False
+
+
+class RecurrentCell(Layer):
+    """The base of `RNNCell`, `LSTMCell` and `GRUCell`: one step ``(x_t, carry) -> ((h_t,
+    carry), state)``, or every step of a sequence at once given `Steps`, as one fused
+    primitive.
+
+    Input ``x_t`` ``(batch, in_dims)``, alone (the carry starts at zeros, or at the
+    trainable initial carry) or as ``(x_t, carry)``. Parameters ``{"weight_ih": (in_dims,
+    G * hidden), "weight_hh": (hidden, G * hidden), "bias_ih": (G * hidden,), "bias_hh": (G *
+    hidden,)}`` (no biases with ``use_bias=False``; with ``init_carry="trainable"`` also
+    the initial carry, ``"h0"`` and for the LSTM ``"c0"``, each ``(hidden,)``, zeros at
+    first), so ``weight_ih = torch_cell.weight_ih.T`` copies a PyTorch cell over. Weights
+    and biases start uniform in ±1/sqrt(hidden), as PyTorch's.
+    """
+
+    gates: int  # G: the gate blocks of the projections
+    carry_names: tuple[str, ...] = ("h0",)  # the trainable initial carry's parameters
+
+    def __init__(self, in_dims: int, hidden: int, *, use_bias: bool = True, init_carry: str = "zeros") -> None:
+        name = type(self).__name__
+        for arg, n in (("in_dims", in_dims), ("hidden", hidden)):
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{name}: {arg} must be a positive integer, got {n!r}")
+        if init_carry not in _INIT_CARRY:
+            raise ValueError(f"{name}: init_carry must be one of {_INIT_CARRY}, got {init_carry!r}")
+        self.in_dims = int(in_dims)
+        self.hidden = int(hidden)
+        self.use_bias = bool(use_bias)
+        self.init_carry = init_carry
+        width = self.gates * self.hidden
+        self._shapes = {"weight_ih": (self.in_dims, width), "weight_hh": (self.hidden, width)}
+        if self.use_bias:
+            self._shapes.update(bias_ih=(width,), bias_hh=(width,))
+        if init_carry == "trainable":
+            self._shapes.update({c: (self.hidden,) for c in self.carry_names})
+
+    def init_params(self, rng: np.random.Generator) -> dict[str, Any]:
+        bound = 1.0 / math.sqrt(self.hidden)
+        ps = {}
+        for key, shape in self._shapes.items():
+            if key in self.carry_names:
+                ps[key] = np.zeros(shape, np.float32)
+            else:
+                ps[key] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
+        return ps
+
+    # -- what each cell defines ---------------------------------------------------------
+
+    def _scan(self, xs: Any, ps: dict[str, Any], carry: tuple, reverse: bool) -> Any:
+        """The cell's primitive over time-major `xs` ``(seq, batch, in_dims)``: every
+        step's packed output ``(seq, batch, P)``, h_t in its first `hidden` columns."""
+        raise NotImplementedError
+
+    def _carry_of(self, packed: Any) -> Any:
+        """The carry in one step's packed output ``(batch, P)``: h itself by default."""
+        return packed
+
+    # -- shared ------------------------------------------------------------------------
+
+    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if isinstance(x, Steps):
+            shape = getattr(x.xs, "shape", None)
+            if shape is None or len(shape) != 3 or shape[0] < 1 or shape[2] != self.in_dims:
+                raise LayerError(f"{self}: expected Steps of shape (seq >= 1, batch, {self.in_dims}), got {shape}")
+            return self._steps(x.xs, ps, x.carry, x.reverse), st
+        if isinstance(x, tuple) and len(x) != 2:
+            raise LayerError(f"{self}: expected x_t or (x_t, carry), got a tuple of {len(x)}")
+        x_t, carry = x if isinstance(x, tuple) else (x, None)
+        shape = getattr(x_t, "shape", None)
+        if shape is None or len(shape) != 2 or shape[1] != self.in_dims:
+            raise LayerError(f"{self}: expected x_t of shape (batch, {self.in_dims}) or (x_t, carry), got {shape}")
+        packed = self._steps(array_namespace(x_t).expand_dims(x_t, 0), ps, carry, False)[0]
+        h = packed if packed.shape[1] == self.hidden else packed[:, : self.hidden]
+        return (h, self._carry_of(packed)), st
+
+    def _steps(self, xs: Any, ps: dict[str, Any], carry: Any, reverse: bool) -> Any:
+        check_params(self, ps, self._shapes)
+        weight = ps["weight_ih"]
+        xs = match_eltype(self, xs, weight)
+        batch = xs.shape[1]
+        if carry is None:
+            carry = self._initial_carry(ps, batch)
+        else:
+            carry = tuple(match_eltype(self, c, weight) for c in self._checked_carry(carry, batch))
+        return self._scan(xs, ps, carry, reverse)
+
+    def _initial_carry(self, ps: dict[str, Any], batch: int) -> tuple:
+        if self.init_carry == "trainable":
+            xp = array_namespace(ps[self.carry_names[0]])
+            return tuple(xp.broadcast_to(ps[c], (batch, self.hidden)) for c in self.carry_names)
+        weight = stop_gradient(ps["weight_hh"])
+        zeros = module_of(weight).zeros((batch, self.hidden), weight.dtype)
+        return (zeros,) * len(self.carry_names)
+
+    def _checked_carry(self, carry: Any, batch: int) -> tuple:
+        parts = carry if isinstance(carry, tuple) else (carry,)
+        want = (batch, self.hidden)
+        if len(parts) != len(self.carry_names) or any(getattr(p, "shape", None) != want for p in parts):
+            kind = "(h, c), each" if len(self.carry_names) == 2 else "h"
+            got = [getattr(p, "shape", type(p).__name__) for p in parts]
+            raise LayerError(f"{self}: expected carry {kind} of shape {want}, got {got}")
+        return parts
+
+    def _input_projection(self, xs: Any, ps: dict[str, Any], bias: Any) -> Any:
+        """``xs @ weight_ih + bias`` for every step: one GEMM."""
+        return ops.dense(xs, ps["weight_ih"], bias)
+
+    def _both_biases(self, ps: dict[str, Any]) -> Any:
+        return ps["bias_ih"] + ps["bias_hh"] if self.use_bias else None
+
+    def __repr__(self) -> str:
+        extra = "" if self.use_bias else ", use_bias=False"
+        extra += "" if self.init_carry == "zeros" else f", init_carry={self.init_carry!r}"
+        return f"{type(self).__name__}({self.in_dims} => {self.hidden}{self._repr_extra()}{extra})"
+
+    def _repr_extra(self) -> str:
+        return ""
+
+
+class RNNCell(RecurrentCell):
+    """Elman RNN cell, as ``torch.nn.RNNCell``: ``h_t = act(x_t @ W_ih + b_ih + h @ W_hh +
+    b_hh)``, `activation` "tanh" or "relu"; the carry is h. See `RecurrentCell`.
+
+    >>> import luxnn as lx
+    >>> cell = lx.RNNCell(3, 5)
+    >>> ps, st = lx.setup(np.random.default_rng(0), cell)
+    >>> (h, carry), st = cell(np.ones((2, 3), np.float32), ps, st)
+    >>> (h, carry), st = cell((np.ones((2, 3), np.float32), carry), ps, st)
+    >>> h.shape
+    (2, 5)
+    """
+
+    gates = 1
+
+    def __init__(self, in_dims: int, hidden: int, activation: str = "tanh", *, use_bias: bool = True, init_carry: str = "zeros") -> None:
+        if activation not in ("tanh", "relu"):
+            raise ValueError(f"RNNCell: activation must be 'tanh' or 'relu', got {activation!r}")
+        self.activation = activation
+        super().__init__(in_dims, hidden, use_bias=use_bias, init_carry=init_carry)
+
+    def _scan(self, xs, ps, carry, reverse):
+        xw = self._input_projection(xs, ps, self._both_biases(ps))
+        return rnn_sequence(xw, ps["weight_hh"], carry[0], activation=self.activation, reverse=reverse)
+
+    def _repr_extra(self) -> str:
+        return "" if self.activation == "tanh" else ", relu"
+
+
+class LSTMCell(RecurrentCell):
+    """LSTM cell, as ``torch.nn.LSTMCell``: gates i, f, g, o from ``x_t @ W_ih + b_ih + h @
+    W_hh + b_hh``; ``c' = f * c + i * g``, ``h' = o * tanh(c')``. The carry is ``(h, c)``.
+    See `RecurrentCell`.
+
+    >>> import luxnn as lx
+    >>> cell = lx.LSTMCell(3, 5)
+    >>> ps, st = lx.setup(np.random.default_rng(0), cell)
+    >>> (h, (h, c)), st = cell(np.ones((2, 3), np.float32), ps, st)
+    >>> ps["weight_hh"].shape, c.shape
+    ((5, 20), (2, 5))
+    """
+
+    gates = 4
+    carry_names = ("h0", "c0")
+
+    def _scan(self, xs, ps, carry, reverse):
+        xw = self._input_projection(xs, ps, self._both_biases(ps))
+        return lstm_sequence(xw, ps["weight_hh"], *carry, reverse=reverse)
+
+    def _carry_of(self, packed):
+        return packed[:, : self.hidden], packed[:, self.hidden :]
+
+
+class GRUCell(RecurrentCell):
+    """GRU cell, as ``torch.nn.GRUCell``: gates r, z, n; ``n = tanh(x_t @ W_in + b_in + r *
+    (h @ W_hn + b_hn))``, ``h' = (1 - z) * n + z * h``. The carry is h. See `RecurrentCell`.
+
+    >>> import luxnn as lx
+    >>> cell = lx.GRUCell(3, 5)
+    >>> ps, st = lx.setup(np.random.default_rng(0), cell)
+    >>> (h, carry), st = cell(np.ones((2, 3), np.float32), ps, st)
+    >>> ps["weight_ih"].shape, h.shape
+    ((3, 15), (2, 5))
+    """
+
+    gates = 3
+
+    def _scan(self, xs, ps, carry, reverse):
+        xw = self._input_projection(xs, ps, ps["bias_ih"] if self.use_bias else None)
+        return gru_sequence(xw, ps["weight_hh"], ps.get("bias_hh"), carry[0], reverse=reverse)
+
+
+class Recurrence(Layer):
+    """Runs a cell over ``(batch, seq, in_dims)`` inputs (Lux's ``Recurrence``): the last
+    output ``(batch, hidden)``, or with ``return_sequence=True`` every output ``(batch, seq,
+    hidden)``. ``reverse=True`` reads the sequence from its end; outputs stay aligned with
+    the input positions, so the last output is then the one at position 0.
+
+    Parameters and state ``{"cell": ...}``. The carry starts as the cell's initial carry.
+    A `RecurrentCell` runs as one fused primitive over the sequence; any other cell layer
+    (``(x_t or (x_t, carry)) -> ((h_t, carry), state)``) step by step. Stack layers as
+    ``Chain(Recurrence(a, return_sequence=True), Recurrence(b))``.
+
+    >>> import luxnn as lx
+    >>> model = lx.Chain(lx.Recurrence(lx.LSTMCell(3, 8)), lx.Dense(8, 2))
+    >>> ps, st = lx.setup(np.random.default_rng(0), model)
+    >>> model(np.ones((4, 7, 3), np.float32), ps, st)[0].shape
+    (4, 2)
+    """
+
+    def __init__(self, cell: Layer, *, return_sequence: bool = False, reverse: bool = False) -> None:
+        if not isinstance(cell, Layer):
+            raise TypeError(f"Recurrence: cell must be a luxnn Layer, got {type(cell).__name__}")
+        self.cell = cell
+        self.return_sequence = bool(return_sequence)
+        self.reverse = bool(reverse)
+
+    def children(self) -> Iterator[tuple[str, Layer]]:
+        return iter((("cell", self.cell),))
+
+    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        shape = getattr(x, "shape", None)
+        in_dims = getattr(self.cell, "in_dims", "in_dims")
+        if shape is None or len(shape) != 3 or shape[1] < 1 or (isinstance(self.cell, RecurrentCell) and shape[2] != in_dims):
+            raise LayerError(f"{self}: expected input of shape (batch, seq >= 1, {in_dims}), got {shape}")
+        xp = array_namespace(x)
+        if not isinstance(self.cell, RecurrentCell):
+            return self._step_by_step(x, ps, st, xp)
+        packed, st_cell = call_child("cell", self.cell, Steps(xp.permute_dims(x, (1, 0, 2)), reverse=self.reverse), ps, st)
+        st = {"cell": st_cell}
+        hidden = self.cell.hidden
+        if not self.return_sequence:
+            return packed[0 if self.reverse else -1, :, :hidden], st
+        hs = packed if packed.shape[2] == hidden else packed[:, :, :hidden]
+        return xp.permute_dims(hs, (1, 0, 2)), st
+
+    def _step_by_step(self, x: Any, ps: dict[str, Any], st: dict[str, Any], xp: Any) -> tuple[Any, dict[str, Any]]:
+        steps = range(x.shape[1] - 1, -1, -1) if self.reverse else range(x.shape[1])
+        outputs, carry = {}, None
+        for t in steps:
+            step_in = x[:, t] if carry is None else (x[:, t], carry)
+            (outputs[t], carry), cell_st = call_child("cell", self.cell, step_in, ps, st)
+            st = {"cell": cell_st}
+        if not self.return_sequence:
+            return outputs[steps[-1]], st
+        return xp.stack([outputs[t] for t in range(x.shape[1])], axis=1), st
+
+    def __repr__(self) -> str:
+        flags = ("return_sequence=True" if self.return_sequence else "", "reverse=True" if self.reverse else "")
+        rest = "".join(f", {f}" for f in flags if f)
+        return f"Recurrence({self.cell!r}{rest})"
+
+
+_MERGES: dict[str, Callable[[Any, Any], Any]] = {
+    "concat": lambda f, b: array_namespace(f, b).concat([f, b], axis=-1),
+    "sum": lambda f, b: f + b,
+    "mean": lambda f, b: (f + b) * 0.5,
+    "mul": lambda f, b: f * b,
+}
+
+
+class Bidirectional(Layer):
+    """Two recurrences over ``(batch, seq, in_dims)``: `forward_cell` from the start,
+    `backward_cell` from the end, their outputs (aligned with the input positions) merged
+    by `merge`: "concat" (last axis, forward first, as PyTorch's ``bidirectional=True``),
+    "sum", "mean", "mul" or a function ``merge(forward, backward)``.
+
+    With ``return_sequence=True`` (the default) the output is ``(batch, seq, H)``, else the
+    merge of each direction's last output (forward at position seq - 1, backward at 0, as
+    PyTorch's ``h_n``). Parameters and state ``{"forward": {"cell": ...}, "backward":
+    {"cell": ...}}``: two `Recurrence` layers.
+
+    >>> import luxnn as lx
+    >>> model = lx.Bidirectional(lx.GRUCell(3, 4), lx.GRUCell(3, 4))
+    >>> ps, st = lx.setup(np.random.default_rng(0), model)
+    >>> model(np.ones((2, 6, 3), np.float32), ps, st)[0].shape
+    (2, 6, 8)
+    """
+
+    def __init__(self, forward_cell: Layer, backward_cell: Layer, *, merge: str | Callable[[Any, Any], Any] = "concat", return_sequence: bool = True) -> None:
+        if not (callable(merge) or (isinstance(merge, str) and merge in _MERGES)):
+            raise ValueError(f"Bidirectional: merge must be one of {sorted(_MERGES)} or a function, got {merge!r}")
+        self.forward = Recurrence(forward_cell, return_sequence=return_sequence)
+        self.backward = Recurrence(backward_cell, return_sequence=return_sequence, reverse=True)
+        self.merge = merge
+        self._combine = _MERGES[merge] if isinstance(merge, str) else merge
+        self.return_sequence = bool(return_sequence)
+
+    def children(self) -> Iterator[tuple[str, Layer]]:
+        return iter((("forward", self.forward), ("backward", self.backward)))
+
+    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        f, st_f = call_child("forward", self.forward, x, ps, st)
+        b, st_b = call_child("backward", self.backward, x, ps, st)
+        return self._combine(f, b), {"forward": st_f, "backward": st_b}
+
+    def __repr__(self) -> str:
+        merge = "" if self.merge == "concat" else f", merge={self.merge if isinstance(self.merge, str) else getattr(self.merge, '__name__', self.merge)!r}"
+        rs = "" if self.return_sequence else ", return_sequence=False"
+        return f"Bidirectional({self.forward.cell!r}, {self.backward.cell!r}{merge}{rs})"

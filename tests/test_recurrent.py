@@ -1,0 +1,337 @@
+"""Recurrent layers: the cells, Recurrence and Bidirectional against torch.nn.RNN/LSTM/GRU in
+float64 (weights copied over by a transpose), the fused primitives' VJPs against finite
+differences, bad input, and a model that learns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import luxnn as lx
+from luxnn.ops.recurrent import gru_sequence, lstm_sequence, rnn_sequence
+from test_ad_primitives import check_grad  # the one finite-difference checker
+
+KINDS = ["rnn_tanh", "rnn_relu", "lstm", "gru"]
+
+
+def make_cell(kind, in_dims, hidden, **kw):
+    if kind.startswith("rnn"):
+        return lx.RNNCell(in_dims, hidden, kind.split("_")[1], **kw)
+    return {"lstm": lx.LSTMCell, "gru": lx.GRUCell}[kind](in_dims, hidden, **kw)
+
+
+def torch_module(torch, kind, in_dims, hidden, **kw):
+    if kind.startswith("rnn"):
+        return torch.nn.RNN(in_dims, hidden, nonlinearity=kind.split("_")[1], batch_first=True, dtype=torch.float64, **kw)
+    return {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[kind](in_dims, hidden, batch_first=True, dtype=torch.float64, **kw)
+
+
+def copied(module, suffix="_l0"):
+    """Our parameters of a torch RNN module's layer (its weights are (G * hidden, in))."""
+    ps = {f"weight_{k}": getattr(module, f"weight_{k}{suffix}").detach().numpy().T.copy() for k in ("ih", "hh")}
+    if module.bias:
+        ps.update({f"bias_{k}": getattr(module, f"bias_{k}{suffix}").detach().numpy().copy() for k in ("ih", "hh")})
+    return ps
+
+
+def torch_grads(module, suffix="_l0"):
+    grads = {f"weight_{k}": getattr(module, f"weight_{k}{suffix}").grad.numpy().T for k in ("ih", "hh")}
+    if module.bias:
+        grads.update({f"bias_{k}": getattr(module, f"bias_{k}{suffix}").grad.numpy() for k in ("ih", "hh")})
+    return grads
+
+
+def assert_close(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    scale = max(float(np.abs(want).max()), 1e-12)
+    assert float(np.abs(got - want).max()) / scale < 1e-6, what
+
+
+def value_and_grads(model, ps, x, weights):
+    """Our ``sum(model(x) * weights)`` and its gradients with respect to (ps, x)."""
+    st = lx.setup(np.random.default_rng(0), model)[1]
+    return lx.value_and_grad(lambda p, x: (model(x, p, st)[0] * weights).sum(), argnums=(0, 1))(ps, x)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_recurrence_matches_torch(torch, kind, seed):
+    rng = np.random.default_rng(seed)
+    batch, seq, in_dims, hidden = (int(n) for n in rng.integers(1, 7, 4))
+    batch = 37 if seed else batch  # large enough to run in blocks of rows on two threads
+    x = rng.normal(size=(batch, seq, in_dims))
+    module = torch_module(torch, kind, in_dims, hidden)
+    tx = torch.tensor(x, requires_grad=True)
+    outputs = module(tx)[0]
+    for return_sequence in (True, False):
+        model = lx.Recurrence(make_cell(kind, in_dims, hidden), return_sequence=return_sequence)
+        want = outputs if return_sequence else outputs[:, -1]
+        weights = rng.normal(size=want.shape)
+        module.zero_grad()
+        tx.grad = None
+        (want * torch.tensor(weights)).sum().backward(retain_graph=True)
+        value, (grads, gx) = value_and_grads(model, {"cell": copied(module)}, x, weights)
+        y = model(x, {"cell": copied(module)}, {"cell": {}})[0]
+        assert_close(y, want.detach().numpy(), "output")
+        assert_close(gx, tx.grad.numpy(), "input gradient")
+        for name, g in torch_grads(module).items():
+            assert_close(grads["cell"][name], g, name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reverse_is_the_backward_direction_of_torch_bidirectional(torch, kind):
+    rng = np.random.default_rng(2)
+    batch, seq, in_dims, hidden = 3, 6, 4, 5
+    x = rng.normal(size=(batch, seq, in_dims))
+    module = torch_module(torch, kind, in_dims, hidden, bidirectional=True)
+    tx = torch.tensor(x, requires_grad=True)
+    out = module(tx)[0]
+    model = lx.Bidirectional(make_cell(kind, in_dims, hidden), make_cell(kind, in_dims, hidden))
+    ps = {"forward": {"cell": copied(module)}, "backward": {"cell": copied(module, "_l0_reverse")}}
+    weights = rng.normal(size=out.shape)
+    (out * torch.tensor(weights)).sum().backward()
+    _, (grads, gx) = value_and_grads(model, ps, x, weights)
+    st = lx.setup(np.random.default_rng(0), model)[1]
+    assert_close(model(x, ps, st)[0], out.detach().numpy(), "output")
+    assert_close(gx, tx.grad.numpy(), "input gradient")
+    for direction, suffix in (("forward", "_l0"), ("backward", "_l0_reverse")):
+        for name, g in torch_grads(module, suffix).items():
+            assert_close(grads[direction]["cell"][name], g, f"{direction} {name}")
+    # the last outputs: forward at the end, backward at position 0 (torch's h_n)
+    last = lx.Bidirectional(make_cell(kind, in_dims, hidden), make_cell(kind, in_dims, hidden), return_sequence=False)
+    h_n = module(torch.tensor(x))[1]
+    h_n = h_n[0] if kind == "lstm" else h_n
+    y = last(x, ps, st)[0]
+    assert_close(y, torch.cat([h_n[0], h_n[1]], dim=-1).detach().numpy(), "last outputs")
+
+
+def test_bidirectional_merges():
+    x = np.random.default_rng(3).normal(size=(2, 4, 3)).astype(np.float32)
+    fwd, bwd = lx.Recurrence(lx.GRUCell(3, 5), return_sequence=True), lx.Recurrence(lx.GRUCell(3, 5), return_sequence=True, reverse=True)
+    ps_f, ps_b = lx.setup(np.random.default_rng(0), fwd)[0], lx.setup(np.random.default_rng(1), bwd)[0]
+    f, b = fwd(x, ps_f, {"cell": {}})[0], bwd(x, ps_b, {"cell": {}})[0]
+    ps = {"forward": ps_f, "backward": ps_b}
+    for merge, want in (("sum", f + b), ("mean", (f + b) / 2), ("mul", f * b), (lambda f, b: f - b, f - b)):
+        model = lx.Bidirectional(lx.GRUCell(3, 5), lx.GRUCell(3, 5), merge=merge)
+        np.testing.assert_allclose(model(x, ps, lx.setup(np.random.default_rng(0), model)[1])[0], want, rtol=1e-6)
+
+
+def test_stacked_recurrences_match_torch_two_layers(torch):
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(3, 7, 4))
+    module = torch.nn.LSTM(4, 6, num_layers=2, batch_first=True, dtype=torch.float64)
+    model = lx.Chain(lx.Recurrence(lx.LSTMCell(4, 6), return_sequence=True), lx.Recurrence(lx.LSTMCell(6, 6), return_sequence=True))
+    ps = {"layer_1": {"cell": copied(module, "_l0")}, "layer_2": {"cell": copied(module, "_l1")}}
+    st = lx.setup(np.random.default_rng(0), model)[1]
+    assert_close(model(x, ps, st)[0], module(torch.tensor(x))[0].detach().numpy(), "output")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cell_steps_match_torch_cells(torch, kind):
+    rng = np.random.default_rng(5)
+    batch, in_dims, hidden = 4, 3, 5
+    torch_cell = {"lstm": torch.nn.LSTMCell, "gru": torch.nn.GRUCell}.get(kind)
+    if torch_cell is None:
+        torch_cell = lambda i, h, **kw: torch.nn.RNNCell(i, h, nonlinearity=kind.split("_")[1], **kw)  # noqa: E731
+    module = torch_cell(in_dims, hidden, dtype=torch.float64)
+    ps = {"weight_ih": module.weight_ih.detach().numpy().T.copy(), "weight_hh": module.weight_hh.detach().numpy().T.copy(),
+          "bias_ih": module.bias_ih.detach().numpy().copy(), "bias_hh": module.bias_hh.detach().numpy().copy()}  # fmt: skip
+    cell = make_cell(kind, in_dims, hidden)
+    xs = rng.normal(size=(3, batch, in_dims))
+    carry, state = None, None
+    for x_t in xs:
+        (h, carry), _ = cell(x_t if carry is None else (x_t, carry), ps, {})
+        tx = torch.tensor(x_t)
+        state = module(tx) if state is None else module(tx, state)
+        want = state[0] if kind == "lstm" else state
+        assert_close(h, want.detach().numpy(), "h")
+    if kind == "lstm":
+        assert_close(carry[1], state[1].detach().numpy(), "c")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_no_bias_and_trainable_initial_carry_match_torch(torch, kind):
+    rng = np.random.default_rng(6)
+    batch, seq, in_dims, hidden = 3, 4, 2, 5
+    x = rng.normal(size=(batch, seq, in_dims))
+    module = torch_module(torch, kind, in_dims, hidden, bias=False)
+    model = lx.Recurrence(make_cell(kind, in_dims, hidden, use_bias=False, init_carry="trainable"), return_sequence=True)
+    ps = lx.setup(np.random.default_rng(0), model)[0]
+    assert sorted(ps["cell"]) == sorted(["weight_ih", "weight_hh", "h0"] + (["c0"] if kind == "lstm" else []))
+    ps = {"cell": {**copied(module), **{k: rng.normal(size=hidden) for k in ps["cell"] if k in ("h0", "c0")}}}
+    carry = [torch.tensor(ps["cell"][k], requires_grad=True) for k in ("h0", "c0") if k in ps["cell"]]
+    expanded = tuple(c.expand(1, batch, hidden) for c in carry)
+    out = module(torch.tensor(x), expanded if kind == "lstm" else expanded[0])[0]
+    weights = rng.normal(size=out.shape)
+    (out * torch.tensor(weights)).sum().backward()
+    _, (grads, _) = value_and_grads(model, ps, x, weights)
+    assert_close(model(x, ps, {"cell": {}})[0], out.detach().numpy(), "output")
+    for name, c in zip(("h0", "c0"), carry):
+        assert_close(grads["cell"][name], c.grad.numpy(), name)
+    for name, g in torch_grads(module).items():
+        assert_close(grads["cell"][name], g, name)
+
+
+# -- the primitives' VJPs against finite differences ---------------------------------------
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("batch", [2, 32])  # 32: blocks of rows on two threads
+def test_primitive_vjps_match_finite_differences(reverse, batch):
+    r = np.random.default_rng(7)
+    seq, hidden = 3, 2
+    h0, c0 = r.normal(size=(batch, hidden)), r.normal(size=(batch, hidden))
+    for activation in ("tanh", "relu"):
+        xw = r.normal(size=(seq, batch, hidden))
+        xw = np.sign(xw) * (0.2 + np.abs(xw))  # away from relu's kink
+        check_grad(lambda xw, w, h0: rnn_sequence(xw, w, h0, activation=activation, reverse=reverse), xw, r.normal(size=(hidden, hidden)) * 0.3, h0)
+    check_grad(lambda *a: lstm_sequence(*a, reverse=reverse), r.normal(size=(seq, batch, 4 * hidden)), r.normal(size=(hidden, 4 * hidden)), h0, c0)
+    check_grad(lambda *a: gru_sequence(*a, reverse=reverse), r.normal(size=(seq, batch, 3 * hidden)), r.normal(size=(hidden, 3 * hidden)), r.normal(size=3 * hidden), h0)
+    check_grad(lambda xw, w, h0: gru_sequence(xw, w, None, h0, reverse=reverse), r.normal(size=(seq, batch, 3 * hidden)), r.normal(size=(hidden, 3 * hidden)), h0)
+
+
+def test_primitives_reject_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"lstm_sequence: expected xw \(seq >= 1, batch, 4 \* H\).*got shapes \(3, 2, 6\), \(2, 8\)"):
+        lstm_sequence(np.ones((3, 2, 6)), np.ones((2, 8)), np.ones((2, 2)), np.ones((2, 2)))
+    with pytest.raises(ValueError, match="activation must be 'tanh' or 'relu'"):
+        rnn_sequence(np.ones((1, 2, 2)), np.ones((2, 2)), np.ones((2, 2)), activation="gelu")
+    with pytest.raises(ValueError, match=r"expected b_hh of shape \(6,\), got \(5,\)"):
+        gru_sequence(np.ones((1, 2, 6)), np.ones((2, 6)), np.ones(5), np.ones((2, 2)))
+
+
+# -- layers: initialisation, dtypes, errors, a custom cell, training -------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_initialisation_as_pytorch(kind):
+    cell = make_cell(kind, 6, 100)
+    ps = lx.setup(np.random.default_rng(0), cell)[0]
+    gates = {"lstm": 4, "gru": 3}.get(kind, 1)
+    assert {k: v.shape for k, v in ps.items()} == {
+        "weight_ih": (6, gates * 100), "weight_hh": (100, gates * 100), "bias_ih": (gates * 100,), "bias_hh": (gates * 100,),
+    }  # fmt: skip
+    for v in ps.values():
+        assert v.dtype == np.float32 and np.abs(v).max() <= 0.1 and np.abs(v).max() > 0.09
+        assert abs(float(v.std()) - 0.1 / np.sqrt(3)) < 0.01  # uniform in ±1/sqrt(hidden)
+
+
+def test_float32_model_trains_in_float32():
+    model = lx.Chain(lx.Recurrence(lx.LSTMCell(3, 4)), lx.Dense(4, 2))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    x = np.random.default_rng(1).normal(size=(2, 5, 3)).astype(np.float32)
+    y, _ = model(x, ps, st)
+    grads = lx.grad(lambda p: (model(x, p, st)[0] ** 2).sum())(ps)
+    assert y.dtype == np.float32
+    assert all(g.dtype == np.float32 for g in lx.tree.leaves(grads))
+
+
+def test_inputs_and_carries_follow_the_dtype_policy():
+    model = lx.Chain(lx.Recurrence(lx.GRUCell(3, 4)))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    with pytest.warns(lx.DtypeWarning, match=r"layer_1/cell \(GRUCell\) got an input of dtype float64"):
+        y, _ = model(np.ones((2, 5, 3)), ps, st)
+    assert y.dtype == np.float32
+    cell = lx.LSTMCell(3, 4)
+    cps = lx.setup(np.random.default_rng(0), cell)[0]
+    lx.set_dtype_policy("convert")
+    try:
+        (h, (h, c)), _ = cell((np.ones((2, 3)), (np.zeros((2, 4)), np.zeros((2, 4)))), cps, {})
+    finally:
+        lx.set_dtype_policy("warn")
+    assert h.dtype == c.dtype == np.float32
+
+
+def test_bad_input_names_what_was_expected_and_received():
+    model = lx.Chain(lx.Recurrence(lx.LSTMCell(3, 4)))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    with pytest.raises(lx.LayerError, match=r"^layer_1: Recurrence\(LSTMCell\(3 => 4\)\): expected input of shape \(batch, seq >= 1, 3\), got \(2, 5, 2\)"):
+        model(np.ones((2, 5, 2), np.float32), ps, st)
+    with pytest.raises(lx.LayerError, match=r"got \(2, 0, 3\)"):
+        model(np.ones((2, 0, 3), np.float32), ps, st)
+    with pytest.raises(lx.LayerError, match=r"got \(5, 3\)"):
+        model(np.ones((5, 3), np.float32), ps, st)
+    bad = {"layer_1": {"cell": {**ps["layer_1"]["cell"], "weight_hh": np.ones((4, 4), np.float32)}}}
+    with pytest.raises(lx.LayerError, match=r"^layer_1/cell: LSTMCell\(3 => 4\): expected parameter 'weight_hh' of shape \(4, 16\), got \(4, 4\)"):
+        model(np.ones((2, 5, 3), np.float32), bad, st)
+    cell = lx.LSTMCell(3, 4)
+    cps = lx.setup(np.random.default_rng(0), cell)[0]
+    with pytest.raises(lx.LayerError, match=r"expected carry \(h, c\), each of shape \(2, 4\), got \[\(2, 4\)\]"):
+        cell((np.ones((2, 3), np.float32), (np.zeros((2, 4), np.float32),)), cps, {})
+    with pytest.raises(lx.LayerError, match=r"expected x_t of shape \(batch, 3\) or \(x_t, carry\), got \(2, 1, 3\)"):
+        cell(np.ones((2, 1, 3), np.float32), cps, {})
+    with pytest.raises(lx.LayerError, match="expected x_t or \\(x_t, carry\\), got a tuple of 3"):
+        cell((1, 2, 3), cps, {})
+    with pytest.raises(lx.LayerError, match=r"expected Steps of shape \(seq >= 1, batch, 3\), got \(0, 2, 3\)"):
+        cell(lx.Steps(np.ones((0, 2, 3), np.float32)), cps, {})
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="RNNCell: activation must be 'tanh' or 'relu', got 'gelu'"):
+        lx.RNNCell(2, 3, "gelu")
+    with pytest.raises(ValueError, match="LSTMCell: hidden must be a positive integer, got 0"):
+        lx.LSTMCell(2, 0)
+    with pytest.raises(ValueError, match="GRUCell: init_carry must be one of"):
+        lx.GRUCell(2, 3, init_carry="ones")
+    with pytest.raises(ValueError, match="Bidirectional: merge must be one of"):
+        lx.Bidirectional(lx.GRUCell(2, 3), lx.GRUCell(2, 3), merge="max")
+    with pytest.raises(TypeError, match="Recurrence: cell must be a luxnn Layer, got function"):
+        lx.Recurrence(lambda x: x)
+
+
+class ElmanCell(lx.Layer):
+    """A cell written by hand, as a user would: Recurrence runs it step by step."""
+
+    def __init__(self, in_dims, hidden):
+        self.in_dims, self.hidden = in_dims, hidden
+        self.dense = lx.Dense(in_dims + hidden, hidden, activation="tanh")
+
+    def children(self):
+        return iter((("dense", self.dense),))
+
+    def __call__(self, x, ps, st):
+        x_t, h = x if isinstance(x, tuple) else (x, np.zeros((x.shape[0], self.hidden)))
+        h, _ = self.dense(lx.array_namespace(x_t, h).concat([x_t, h], axis=-1), ps["dense"], st["dense"])
+        return (h, h), st
+
+
+def test_recurrence_runs_a_custom_cell_step_by_step():
+    cell = ElmanCell(3, 4)
+    ps = lx.setup(np.random.default_rng(0), cell)[0]
+    w = ps["dense"]["weight"]
+    ours = {"weight_ih": w[:3].astype(np.float64), "weight_hh": w[3:].astype(np.float64), "bias_ih": ps["dense"]["bias"].astype(np.float64), "bias_hh": np.zeros(4)}
+    x = np.random.default_rng(1).normal(size=(2, 5, 3))
+    ps64 = lx.tree.map(lambda a: a.astype(np.float64), ps)
+    for reverse in (False, True):
+        custom = lx.Recurrence(cell, return_sequence=True, reverse=reverse)
+        fused = lx.Recurrence(lx.RNNCell(3, 4), return_sequence=True, reverse=reverse)
+        np.testing.assert_allclose(custom(x, {"cell": ps64}, {"cell": {"dense": {}}})[0], fused(x, {"cell": ours}, {"cell": {}})[0], rtol=1e-12)
+        last = lx.Recurrence(cell, reverse=reverse)(x, {"cell": ps64}, {"cell": {"dense": {}}})[0]
+        np.testing.assert_allclose(last, fused(x, {"cell": ours}, {"cell": {}})[0][:, 0 if reverse else -1], rtol=1e-12)
+
+
+def test_repr_shows_the_configuration():
+    assert repr(lx.Recurrence(lx.RNNCell(2, 3, "relu", use_bias=False), return_sequence=True)) == (
+        "Recurrence(RNNCell(2 => 3, relu, use_bias=False), return_sequence=True)"
+    )
+    assert repr(lx.Bidirectional(lx.LSTMCell(2, 3), lx.LSTMCell(2, 3), merge="sum")) == (
+        "Bidirectional(LSTMCell(2 => 3), LSTMCell(2 => 3), merge='sum')"
+    )
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+def test_a_recurrent_classifier_learns(kind):
+    """Is the first element of the sequence positive? Only a carry that remembers it can
+    tell, since it is read at the end."""
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(128, 8, 2)).astype(np.float32)
+    y = (x[:, 0, 0] > 0).astype(np.int64)
+    model = lx.Chain(lx.Recurrence(make_cell(kind, 2, 16)), lx.Dense(16, 2))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    ts = lx.TrainState(model, ps, st, lx.optim.adam(0.02))
+    loss = lx.losses.CrossEntropyLoss()
+    losses = []
+    for _ in range(60):
+        _, value, _, ts = lx.single_train_step_(lx.AutoTape(), loss, (x, y), ts)
+        losses.append(float(value))
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
