@@ -108,6 +108,19 @@ class TrainState:
             allocator_cache=get_allocator_cache(device) if self.allocator_cache is not None else None,
         )
 
+    # Pickling and copy.copy/deepcopy leave the allocator cache behind (its C core and its
+    # blocks belong to this process and this state): the pickled form says only whether
+    # there was one, and the copy gets a fresh cache for its parameters' device, as
+    # `to_device` does.
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "allocator_cache": self.allocator_cache is not None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from .devices import get_device
+
+        cache = get_allocator_cache(get_device(state["parameters"])) if state["allocator_cache"] else None
+        self.__dict__.update(state, allocator_cache=cache)
+
     def __repr__(self) -> str:
         from .core import parameter_count
 
