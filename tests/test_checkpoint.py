@@ -238,7 +238,7 @@ def _set(key, value):
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        (_drop("others"), "'others' is not valid JSON"),  # was a KeyError
+        (_drop("others"), "no 'others' entry"),  # was a KeyError
         (_set("others", "{not json"), "'others' is not valid JSON"),  # was a JSONDecodeError
         (_set("others", "[" * 100_000), r"'others' is not valid JSON \(RecursionError"),
         (_set("others", "[1, 2]"), "'others' must be a JSON object, got list"),  # was an AttributeError

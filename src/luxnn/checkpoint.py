@@ -281,8 +281,10 @@ def _parse_metadata(path: str, metadata: dict[str, str], content: str) -> tuple[
     step = metadata.get("step")
     if content == "train_state" and not (isinstance(step, str) and _STEP.fullmatch(step)):
         raise _error(path, f"'step' must be a non-negative integer, got {_short.repr(step)}")
+    if "others" not in metadata:
+        raise _error(path, "no 'others' entry (the non-array leaves) in its metadata")
     try:
-        others = json.loads(metadata.get("others", ""))
+        others = json.loads(metadata["others"])
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError, as are over-long ints
         raise _error(path, f"'others' is not valid JSON ({type(e).__name__}: {_short.repr(str(e))})") from None
     if not isinstance(others, dict):
