@@ -52,6 +52,8 @@ def _learning_rate(text: str) -> float:
 
 def _output_file(text: str) -> str:
     """A path that a file can be written to: its directory exists and is writable."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file name, got ''")
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"expected a file name, got the directory {text!r}")
     directory = os.path.dirname(os.path.abspath(text))
