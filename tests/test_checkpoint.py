@@ -128,12 +128,15 @@ def test_a_train_state_file_and_a_pytree_do_not_load_as_each_other(tmp_path):
         lx.load(_saved(tmp_path, ts), like=ts.parameters)
     with pytest.raises(lx.CheckpointError, match="holds a pytree, but like= is a TrainState"):
         lx.load(_saved(tmp_path, ts.parameters), like=ts)
+    path = _saved(tmp_path, ts.parameters)
+    _tamper(path, metadata=lambda meta: meta.update(step="not a step"))  # a pytree has no step to read
+    _leaves_equal(lx.load(path, like=ts.parameters), ts.parameters)
 
 
 # ---- names read from a file select no code --------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["seed", "default_rng", "RandomState", "BitGenerator", "__import__", 7, None])
+@pytest.mark.parametrize("name", ["seed", "default_rng", "RandomState", "BitGenerator", "__import__", 7, None, {"PCG64": 1}])
 def test_a_bit_generator_name_outside_numpys_list_is_refused(tmp_path, name):
     path = _saved(tmp_path)
     _tamper(path, others=lambda o: o[DROPOUT_RNG]["state"].update(bit_generator=name))

@@ -154,7 +154,7 @@ def _decode(entry: Any, like: Any) -> Any:
 
 def _decode_generator(state: Any, bit_generator: type) -> np.random.Generator:
     name = state.get("bit_generator") if isinstance(state, dict) else None
-    if name not in _BIT_GENERATORS:
+    if not isinstance(name, str) or name not in _BIT_GENERATORS:
         raise _Mismatch(f"expected a generator state naming one of NumPy's bit generators {sorted(_BIT_GENERATORS)}, got {_short.repr(name)}")
     if _BIT_GENERATORS[name] is not bit_generator:
         raise _Mismatch(f"expected a generator of {bit_generator.__name__}, got one of {name}")
@@ -289,7 +289,7 @@ def _parse_metadata(path: str, metadata: dict[str, str], content: str) -> tuple[
         raise _error(path, f"'others' is not valid JSON ({type(e).__name__}: {_short.repr(str(e))})") from None
     if not isinstance(others, dict):
         raise _error(path, f"'others' must be a JSON object, got {type(others).__name__}")
-    return (None if step is None else int(step)), others
+    return (int(step) if content == "train_state" else None), others
 
 
 def _check_entry(path: str, leaf: Any, arrays: dict[str, np.ndarray], others: dict[str, Any], problems: list[str]) -> Any:
