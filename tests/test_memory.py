@@ -654,3 +654,34 @@ def test_timeline_records_events_and_plots(tmp_path):
 def test_plot_timeline_needs_a_recording_cache():
     with pytest.raises(ValueError, match="record=True"):
         memory.plot_timeline(memory.AllocCache())
+
+
+def test_a_users_own_memory_error_after_a_caught_refusal_is_left_as_it_is():
+    cache = memory.AllocCache(limit=MiB)
+    with pytest.raises(MemoryError) as info:
+        with memory.cached(cache):
+            try:
+                np.empty(2 * MiB, np.uint8)
+            except MemoryError:
+                pass
+            raise MemoryError("the user's own")
+    assert type(info.value) is MemoryError and str(info.value) == "the user's own"
+    with pytest.raises(memory.CacheMemoryError):  # the cache's refusal itself still is relabelled
+        with memory.cached(cache):
+            np.empty(3 * MiB, np.uint8)
+
+
+@pytest.mark.parametrize("switch", [lambda: memory.cached(memory.AllocCache()), memory.uncached])
+def test_scopes_refuse_to_decorate_generators_and_async_functions(switch):
+    def gen():
+        yield np.ones(3)
+
+    async def coro():
+        return np.ones(3)
+
+    async def agen():
+        yield np.ones(3)
+
+    for func in (gen, coro, agen):
+        with pytest.raises(TypeError, match="generator or async function"):
+            switch()(func)

@@ -20,12 +20,16 @@ figures are in ``cache.stats()``.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from contextvars import ContextVar
 from typing import Any, Callable, TypeVar
 
 from . import _core
 from .cache import AllocCache, ScopeStats, format_bytes
+
+# NumPy's error for an array it could not allocate (a private name; NumPy >= 2.0 is required).
+from numpy._core._exceptions import _ArrayMemoryError
 
 __all__ = ["cached", "uncached", "Scope", "UncachedScope", "CacheMemoryError"]
 
@@ -71,6 +75,14 @@ class _Switch:
         raise NotImplementedError
 
     def __call__(self, func: F) -> F:
+        # A generator's or coroutine's body runs after the call returns, one resumption at a
+        # time, in whatever context resumes it: a scope around the call would close first.
+        if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"{type(self).__name__} cannot decorate {func.__qualname__}, a generator or async "
+                "function: its body runs after the call returns; open the scope inside it (with ...:)"
+            )
+
         @functools.wraps(func)
         def in_scope(*args: Any, **kwargs: Any) -> Any:
             with self._fresh():
@@ -141,10 +153,21 @@ class Scope(_Switch):
             bytes_live_change=d[4], bytes_cached_change=d[5], bytes_reserved_change=d[6],
             peak_live=peak_live, peak_reserved=peak_reserved,
         )  # fmt: skip
-        if isinstance(exc, MemoryError) and not isinstance(exc, CacheMemoryError):
-            latest = _core.last_failure()
-            if latest is not None and (failure is None or latest[0] != failure[0]):
-                raise CacheMemoryError(_failure_message(latest)) from exc
+        latest = _refused(exc, failure)
+        if latest is not None:
+            raise CacheMemoryError(_failure_message(latest)) from exc
+
+
+def _refused(exc: BaseException | None, before: tuple | None) -> tuple | None:
+    """The core's record of the request whose refusal raised `exc`, if it did: NumPy's own
+    error for an array of the bytes of a failure of this thread since `before` (a user's
+    MemoryError, or NumPy's for another request, is left as it is)."""
+    if not isinstance(exc, _ArrayMemoryError):
+        return None
+    latest = _core.last_failure()
+    if latest is None or (before is not None and latest[0] == before[0]):
+        return None
+    return latest if latest[2] == max(int(getattr(exc, "_total_size", -1)), 1) else None
 
 
 def _plan(cache: AllocCache) -> None:
