@@ -168,9 +168,11 @@ def test_plans_take_their_arenas_from_the_driver_and_give_them_back():
     previous = None
     for _ in range(4):
         slot = core.scope_enter()
+        core.step_begin()
         a = core.block(1 << 20)
         result = core.block(2 << 20)  # alive through the next cycle, as a step's result
         del a
+        core.step_end()
         core.scope_exit(slot)
         assert any(base <= result.ptr < base + size for base, size in arenas)
         assert previous is None or result.ptr != previous.ptr  # the other place

@@ -124,18 +124,18 @@ def test_a_child_forked_inside_its_own_scope_keeps_that_scope_open():
     assert scope.stats is not None
 
 
-def test_a_scope_another_thread_held_open_at_fork_is_closed_in_the_child():
-    # In the child the other thread is gone and its scope can never close: the child's own
-    # steps must still be cycles of their own, recorded and planned.
+def test_a_step_another_thread_began_before_fork_ends_in_the_child():
+    # In the child the other thread is gone, with its open scope and step: the child's own
+    # steps must still be steps of their own, recorded and planned.
     cache = memory.AllocCache()
     inside, release = threading.Event(), threading.Event()
 
-    def hold_a_scope():
-        with memory.cached(cache):
+    def hold_a_step():
+        with memory.step(cache):
             inside.set()
             release.wait()
 
-    thread = threading.Thread(target=hold_a_scope)
+    thread = threading.Thread(target=hold_a_step)
     thread.start()
     inside.wait()
     pid = os.fork()
@@ -143,7 +143,7 @@ def test_a_scope_another_thread_held_open_at_fork_is_closed_in_the_child():
         code = 1
         try:
             for _ in range(8):
-                with memory.cached(cache):
+                with memory.step(cache):
                     a = np.ones(300_000)
                     b = a * 2.0
                     del a

@@ -59,12 +59,12 @@ def test_a_fixed_shape_loop_is_planned_and_holds_its_working_set():
     cache = memory.AllocCache()
     expected = _step(x)
     for _ in range(4):  # two cycles to plan from, a third that the plan serves first
-        with memory.cached(cache):
+        with memory.step(cache):
             assert _step(x) == expected
     cache.reset_peaks()
     before = cache.stats()
     for _ in range(10):
-        with memory.cached(cache):
+        with memory.step(cache):
             assert _step(x) == expected
     s = cache.stats()
     assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits - before.plan_hits == 10 * 4
@@ -79,7 +79,7 @@ def test_results_that_outlive_each_step_alternate_between_two_places():
     result, value = np.full(128 * KiB, 4.0), 4.0  # 1 MiB
     for step in range(12):
         previous = result
-        with memory.cached(cache):
+        with memory.step(cache):
             result = previous * 0.5 + step
         value = value * 0.5 + step
         assert np.all(result == value) and np.all(previous == (value - step) * 2)
@@ -97,7 +97,7 @@ def test_arrays_kept_past_their_planned_lifetime_are_never_overlapped():
     cache = memory.AllocCache()
     kept, values = [], []
     for step in range(30):
-        with memory.cached(cache):
+        with memory.step(cache):
             _step(x, keep=kept if step % 3 == 2 else None)
         values = [k.copy() for k in kept]
         for k, v in zip(kept, values):
@@ -113,12 +113,12 @@ def test_arrays_kept_past_their_planned_lifetime_are_never_overlapped():
 def test_a_plan_whose_requests_stop_coming_is_dropped_and_its_arena_released():
     cache = memory.AllocCache()
     for n in [MiB] * 4 + [2 * MiB, 3 * MiB]:
-        with memory.cached(cache):
+        with memory.step(cache):
             np.ones(n // 8) + 1.0
     s = cache.stats()
     assert s.plans == 1 and s.plan_misses == 2 and s.upstream_frees >= 1  # dropped after two
     for _ in range(3):
-        with memory.cached(cache):
+        with memory.step(cache):
             np.ones(3 * MiB // 8) + 1.0
     assert cache.stats().plans == 2  # the new shape repeats: a new plan
 
@@ -126,7 +126,7 @@ def test_a_plan_whose_requests_stop_coming_is_dropped_and_its_arena_released():
 def test_an_evaluation_step_now_and_then_keeps_the_training_plan():
     cache = memory.AllocCache()
     for step in range(12):
-        with memory.cached(cache):
+        with memory.step(cache):
             np.ones((MiB if step % 4 else 2 * MiB) // 8) * 2.0
     assert cache.stats().plans == 1
 
@@ -134,7 +134,7 @@ def test_an_evaluation_step_now_and_then_keeps_the_training_plan():
 def test_no_plan_without_plan_true_or_a_repeat():
     cache = memory.AllocCache(plan=False)
     for _ in range(5):
-        with memory.cached(cache):
+        with memory.step(cache):
             np.ones(MiB // 8) + 1.0
     assert cache.stats().plans == 0
     with pytest.raises(TypeError, match="plan must be True or False"):
@@ -145,7 +145,7 @@ def test_free_trim_and_eviction_release_a_plans_arenas_once_nothing_lives_in_the
     cache = memory.AllocCache(evict_after=3)
     kept = None
     for step in range(5):
-        with memory.cached(cache):
+        with memory.step(cache):
             a = np.ones(MiB // 8) + 1.0
             if step == 4:
                 kept = a  # alive in the arena when the plan is dropped
@@ -159,16 +159,16 @@ def test_free_trim_and_eviction_release_a_plans_arenas_once_nothing_lives_in_the
     assert cache.stats().upstream_frees == frees + 1 and cache.stats().bytes_reserved == 0
     cache._core.audit()
     for _ in range(3):
-        with memory.cached(cache):
+        with memory.step(cache):
             np.ones(MiB // 8) + 1.0
     assert cache.stats().plans == 2
     cache.trim()
     assert cache.stats().bytes_reserved == 0
     for _ in range(3):
-        with memory.cached(cache):
+        with memory.step(cache):
             np.ones(MiB // 8) + 1.0
     for _ in range(4):  # scopes of other caches' sizes: the plan goes unused, then evicted
-        with memory.cached(cache):
+        with memory.step(cache):
             pass
     assert cache.stats().bytes_reserved == 0
 
@@ -176,11 +176,11 @@ def test_free_trim_and_eviction_release_a_plans_arenas_once_nothing_lives_in_the
 def test_trim_keeps_a_plan_whose_arenas_are_in_use_and_drops_one_with_an_idle_arena():
     cache = memory.AllocCache()
     for _ in range(3):
-        with memory.cached(cache):
+        with memory.step(cache):
             a = np.empty(MiB, np.uint8)  # one block, planned to die in its cycle
     assert cache.stats().plans == 1
     cache.trim()  # `a` lives in the plan's only arena: nothing to release there
-    with memory.cached(cache):
+    with memory.step(cache):
         b = np.empty(MiB, np.uint8)
     assert cache.stats().plan_hits == 2 and not np.shares_memory(a, b)
     del a, b
@@ -191,13 +191,13 @@ def test_trim_keeps_a_plan_whose_arenas_are_in_use_and_drops_one_with_an_idle_ar
 def test_under_the_limit_a_step_of_other_shapes_gets_the_idle_plans_memory():
     cache = memory.AllocCache(limit=6 * MiB)
     for _ in range(4):
-        with memory.cached(cache):
+        with memory.step(cache):
             scratch = np.empty(2 * MiB, np.uint8)  # dies in its cycle
             scratch.fill(1)
             result = scratch[:MiB].copy()  # outlives it
             del scratch
     assert cache.stats().plans == 1 and cache.stats().bytes_reserved >= 4 * MiB  # two arenas
-    with memory.cached(cache):
+    with memory.step(cache):
         big = np.empty(4 * MiB, np.uint8)  # fits only once the idle cycle arena goes
     s = cache.stats()
     assert big.nbytes == 4 * MiB and result[0] == 1 and s.bytes_reserved <= 6 * MiB, s
@@ -208,30 +208,12 @@ def test_scopes_without_large_requests_between_steps_change_nothing():
     cache = memory.AllocCache()
     result = np.zeros(MiB // 8)
     for _ in range(12):
-        with memory.cached(cache):
+        with memory.step(cache):
             result = result + 1.0  # outlives its step
         with memory.cached(cache):
             np.ones(10) * 2  # a scope with small requests only
     s = cache.stats()
     assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits == 10 and result[0] == 12
-
-
-def test_a_period_set_during_a_cycle_ends_it_unrecorded():
-    cache = memory.AllocCache(plan=False)
-    core = cache._core
-    with memory.cached(cache):
-        first = np.empty(MiB, np.uint8)
-    assert core.take_record() is not None and core.set_period(2)
-    with memory.cached(cache):
-        half = np.empty(MiB, np.uint8)  # the first scope of a cycle of two
-    assert core.take_record() is None and core.set_period(1)  # that cycle ends unrecorded
-    with memory.cached(cache):
-        third = np.empty(2 * MiB, np.uint8)
-        assert not core.set_period(3)  # not while a scope is open
-    rows = core.take_record()[0]
-    assert np.frombuffer(rows, np.int64).reshape(-1, 3)[:, 0].tolist() == [2 * MiB]
-    del first, half, third
-    core.audit()
 
 
 def test_a_planner_that_fails_warns_once_and_the_cache_goes_on_without_plans(monkeypatch):
@@ -244,17 +226,17 @@ def test_a_planner_that_fails_warns_once_and_the_cache_goes_on_without_plans(mon
     cache = memory.AllocCache()
     with pytest.warns(RuntimeWarning, match="stops planning steps after an error: ArithmeticError") as warned:
         for _ in range(5):
-            with memory.cached(cache):
+            with memory.step(cache):
                 y = np.ones(MiB // 8) + 1.0
     assert len(warned) == 1 and cache.stats().plans == 0 and cache._planner is None and y[0] == 2.0
 
 
 def test_a_plan_over_the_limit_is_not_installed():
     cache = memory.AllocCache(limit=3 * MiB)
-    with memory.cached(cache):
+    with memory.step(cache):
         held = np.ones(3 * MiB // 16)  # 1.5 MiB, alive throughout
     for _ in range(5):
-        with memory.cached(cache):
+        with memory.step(cache):
             a = np.ones(MiB // 8)
             b = a + 1.0  # a plan would need an arena of 2 MiB: 3.5 MiB with `held`
             del a, b
@@ -267,7 +249,7 @@ def test_a_plan_waits_while_the_cycle_arena_it_must_replace_is_in_use():
     core = cache._core
     one = [np.array(c, dtype=np.int64) for c in ([MiB], [0], [0], [0])]
     assert core.install_plan(MiB, 0, *one) == "installed"
-    with memory.cached(cache):
+    with memory.step(cache):
         kept = np.empty(MiB, np.uint8)  # at its planned place, and it outlives the cycle
     assert core.stats()[10] == 1
     two = [np.array(c, dtype=np.int64) for c in ([MiB, MiB], [0, MiB], [0, MiB], [0, 0])]
@@ -304,7 +286,7 @@ class FakeCore:
     """The two calls a Planner makes, answering install_plan with the statuses given."""
 
     def __init__(self, *statuses):
-        self.statuses, self.installed, self.dropped, self.periods = list(statuses), [], 0, []
+        self.statuses, self.installed, self.dropped = list(statuses), [], 0
 
     def install_plan(self, cycle_bytes, kept_bytes, sizes, even, odd, which):
         self.installed.append((cycle_bytes, kept_bytes, sizes.tolist()))
@@ -312,10 +294,6 @@ class FakeCore:
 
     def drop_plan(self):
         self.dropped += 1
-
-    def set_period(self, period):
-        self.periods.append(period)
-        return True
 
 
 ROOMY = 1 << 40  # the split pool's peak: more than any plan here
@@ -330,16 +308,16 @@ def _record(sizes, born=None, died=None):
 def test_the_planner_plans_a_repeat_widens_on_misses_and_waits_when_told_later():
     core = FakeCore("later", "installed")
     planner = Planner(core)
-    planner.cycle_closed(_record([MiB, MiB]), 0, False, ROOMY)
+    planner.step_ended(_record([MiB, MiB]), 0, False, ROOMY)
     assert core.installed == []  # one cycle: nothing to compare with
-    planner.cycle_closed(_record([MiB, MiB]), 0, False, ROOMY)
+    planner.step_ended(_record([MiB, MiB]), 0, False, ROOMY)
     assert len(core.installed) == 1 and not planner.served(0, True)  # "later": no plan yet
-    planner.cycle_closed(_record([MiB, MiB], born=[0, 0]), 0, False, ROOMY)  # the repeat kept waiting
+    planner.step_ended(_record([MiB, MiB], born=[0, 0]), 0, False, ROOMY)  # the repeat kept waiting
     assert len(core.installed) == 2 and planner.served(0, True)
     assert core.installed[-1][0] == 2 * MiB  # the union of lifetimes: both alive at 0
-    planner.cycle_closed(_record([MiB, MiB], born=[0, 0]), 1, True, ROOMY)  # a miss, nothing new
+    planner.step_ended(_record([MiB, MiB], born=[0, 0]), 1, True, ROOMY)  # a miss, nothing new
     assert len(core.installed) == 2
-    planner.cycle_closed(_record([MiB, MiB], born=[0, 0], died=[3, 3]), 1, True, ROOMY)  # a miss, longer lives
+    planner.step_ended(_record([MiB, MiB], born=[0, 0], died=[3, 3]), 1, True, ROOMY)  # a miss, longer lives
     assert len(core.installed) == 3 and core.installed[-1][0] == 2 * MiB
 
 
@@ -347,9 +325,9 @@ def test_the_planner_retries_a_plan_without_room_only_after_a_while():
     core = FakeCore("no room")
     planner = Planner(core)
     for _ in range(1 + Planner.RETRY_AFTER):  # the repeat at the 2nd finds no room
-        planner.cycle_closed(_record([MiB]), 0, False, ROOMY)
+        planner.step_ended(_record([MiB]), 0, False, ROOMY)
     assert len(core.installed) == 1
-    planner.cycle_closed(_record([MiB]), 0, False, ROOMY)
+    planner.step_ended(_record([MiB]), 0, False, ROOMY)
     assert len(core.installed) == 2 and planner.served(0, True)
 
 
@@ -357,29 +335,11 @@ def test_the_planner_forgets_a_plan_the_cache_dropped():
     core = FakeCore()
     planner = Planner(core)
     for _ in range(2):
-        planner.cycle_closed(_record([MiB]), 0, False, ROOMY)
+        planner.step_ended(_record([MiB]), 0, False, ROOMY)
     assert planner.served(0, True) and not planner.served(0, False)
-    planner.cycle_closed(_record([MiB]), 0, False, ROOMY)  # trimmed away: the next repeat plans again
-    planner.cycle_closed(_record([MiB]), 0, False, ROOMY)
+    planner.step_ended(_record([MiB]), 0, False, ROOMY)  # trimmed away: the next repeat plans again
+    planner.step_ended(_record([MiB]), 0, False, ROOMY)
     assert len(core.installed) == 2 and core.dropped == 0
-
-
-def test_the_planner_spans_cycles_over_steps_of_several_scopes_and_back():
-    core = FakeCore()
-    planner = Planner(core)
-    a, b = _record([MiB, 2 * MiB]), _record([MiB])
-    for rows in (a, b, a):  # each unlike the one before, `a` like the one two before
-        planner.cycle_closed(rows, 0, False, ROOMY)
-    assert core.periods == []  # not yet: one more to see the pattern repeat
-    planner.cycle_closed(b, 0, False, ROOMY)
-    assert core.periods == [2] and core.installed == []
-    ab = _record([MiB, MiB, 2 * MiB])  # the core's cycles now span both scopes
-    planner.cycle_closed(ab, 0, False, ROOMY)
-    planner.cycle_closed(ab, 0, False, ROOMY)
-    assert len(core.installed) == 1 and core.installed[0][2] == [MiB, MiB, 2 * MiB]
-    planner.cycle_closed(_record([4 * MiB]), 0, True, ROOMY)
-    planner.cycle_closed(_record([8 * MiB]), 0, True, ROOMY)  # two strangers: dropped, one scope again
-    assert core.dropped == 1 and core.periods == [2, 1]
 
 
 def test_the_planner_makes_no_plan_that_would_hold_more_than_the_split_pool():
@@ -387,10 +347,10 @@ def test_the_planner_makes_no_plan_that_would_hold_more_than_the_split_pool():
     planner = Planner(core)
     kept = _record([MiB, MiB], died=[-1, -1])  # two places each: 4 MiB
     for _ in range(2):
-        planner.cycle_closed(kept, 0, False, 3 * MiB)
+        planner.step_ended(kept, 0, False, 3 * MiB)
     for _ in range(Planner.RETRY_AFTER - 1):  # not tried again meanwhile
-        planner.cycle_closed(kept, 0, False, 4 * MiB)
+        planner.step_ended(kept, 0, False, 4 * MiB)
     assert core.installed == []
     for _ in range(2):
-        planner.cycle_closed(kept, 0, False, 4 * MiB)
+        planner.step_ended(kept, 0, False, 4 * MiB)
     assert len(core.installed) == 1  # as much as the pool held: a plan (it is steadier)

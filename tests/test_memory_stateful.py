@@ -87,9 +87,17 @@ class CacheMachine(RuleBasedStateMachine):
         del self.arrays[key]
 
     @precondition(lambda self: len(self.scopes) < 6)
-    @rule(which=st.sampled_from([0, 1, None]))
-    def enter(self, which):
-        scope = memory.uncached() if which is None else memory.cached(self.caches[which])
+    @rule(which=st.sampled_from([0, 1, None]), marks=st.sampled_from(["none", "step", "begins", "ends"]))
+    def enter(self, which, marks="none"):
+        # A plain scope, or one of the training verbs' (a whole step, the first or the last
+        # part of one: the step's marks may come in any order and nest any way).
+        step = {"none": None, "step": (True, True), "begins": (True, False), "ends": (False, True)}[marks]
+        if which is None:
+            scope = memory.uncached()
+        elif step is None:
+            scope = memory.cached(self.caches[which])
+        else:
+            scope = memory.step(self.caches[which], begins=step[0], ends=step[1])
         scope.__enter__()
         # uncached routes around every open cache: to NumPy's allocator
         self.scopes.append((scope, which))
@@ -142,10 +150,10 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.scopes) < 6)
     @rule(which=st.sampled_from([0, 1]), sizes=st.lists(st.sampled_from(PLANNED), min_size=1, max_size=6))
     def a_cycle(self, which, sizes):
-        # A scope of a cache none of whose scopes is open: a cycle, which its plan serves.
+        # A step of a cache none of whose scopes is open: a cycle, which its plan serves.
         if any(index == which for _, index in self.scopes):
             return
-        self.enter(which)
+        self.enter(which, "step")
         for size in sizes:
             self.allocate(size)
         del self.arrays[self.next_key - 1]

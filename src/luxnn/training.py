@@ -1,8 +1,9 @@
 """The training API: a `TrainState` and four verbs, as in Lux.jl.
 
-Every verb runs inside ``memory.cached(ts.allocator_cache)`` (a no-op for ``None``), so a
-step's temporaries come from the cache; escaping results (gradients, new parameters) are
-safe because a block is reused only after its last array dies.
+Every verb runs inside ``memory.step(ts.allocator_cache)`` (a `memory.cached` scope that
+marks the training step for the cache's plans; a no-op for ``None``), so a step's
+temporaries come from the cache; escaping results (gradients, new parameters) are safe
+because a block is reused only after its last array dies.
 
 >>> import numpy as np, luxnn as lx
 >>> model = lx.Dense(3, 2)
@@ -23,7 +24,7 @@ from . import optim
 from .ad import AutoTape, value_and_grad
 from .core import Layer
 from .devices import check_same_device
-from .memory import cached, get_allocator_cache
+from .memory import cached, get_allocator_cache, step
 
 __all__ = [
     "TrainState", "compute_gradients", "apply_gradients", "apply_gradients_",
@@ -135,8 +136,10 @@ def _check_ad(ad: Any) -> None:
         raise TypeError(f"expected an AD backend such as luxnn.AutoTape(), got {type(ad).__name__}")
 
 
-# The verbs below enter the cache once; the single_train_step variants enter it once for
-# both halves of the step (a scope costs a few microseconds, and counts towards eviction).
+# The verbs below enter the cache once, in a scope that marks the training step: a
+# compute_gradients begins one, the apply_gradients after it ends it, and the
+# single_train_step variants are one (a scope costs a few microseconds, and counts towards
+# eviction).
 
 
 def _compute_gradients(objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
@@ -161,27 +164,27 @@ def compute_gradients(ad: AutoTape, objective: Objective, data: Any, ts: TrainSt
     Parameters and `data` must be on one device (`ValueError` naming both otherwise).
     """
     _check_ad(ad)
-    with cached(ts.allocator_cache):
+    with step(ts.allocator_cache, ends=False):
         return _compute_gradients(objective, data, ts)
 
 
 def apply_gradients(ts: TrainState, grads: Any) -> TrainState:
     """One optimizer update with `grads`; returns a new `TrainState` with new parameter
     arrays (the old ones are left untouched)."""
-    with cached(ts.allocator_cache):
+    with step(ts.allocator_cache, begins=False):
         return _apply_gradients(ts, grads, optim.apply_updates)
 
 
 def apply_gradients_(ts: TrainState, grads: Any) -> TrainState:
     """One optimizer update with `grads`, written into the parameter arrays in place."""
-    with cached(ts.allocator_cache):
+    with step(ts.allocator_cache, begins=False):
         return _apply_gradients(ts, grads, optim.apply_updates_)
 
 
 def single_train_step(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
     """`compute_gradients` then `apply_gradients`: ``(grads, loss, stats, ts)``."""
     _check_ad(ad)
-    with cached(ts.allocator_cache):
+    with step(ts.allocator_cache):
         grads, loss, stats, ts = _compute_gradients(objective, data, ts)
         return grads, loss, stats, _apply_gradients(ts, grads, optim.apply_updates)
 
@@ -189,6 +192,6 @@ def single_train_step(ad: AutoTape, objective: Objective, data: Any, ts: TrainSt
 def single_train_step_(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
     """`compute_gradients` then `apply_gradients_` (parameters updated in place)."""
     _check_ad(ad)
-    with cached(ts.allocator_cache):
+    with step(ts.allocator_cache):
         grads, loss, stats, ts = _compute_gradients(objective, data, ts)
         return grads, loss, stats, _apply_gradients(ts, grads, optim.apply_updates_)

@@ -23,11 +23,11 @@ This module imports only NumPy and its own C core.
 from .cache import (
     DEFAULT_EVICT_AFTER, EVENT_KINDS, AllocCache, CacheStats, ScopeStats, bin_size, get_allocator_cache,
 )  # fmt: skip
-from .scope import CacheMemoryError, Scope, UncachedScope, cached, uncached
+from .scope import CacheMemoryError, Scope, UncachedScope, cached, step, uncached
 from .timeline import plot_timeline
 
 __all__ = [
     "AllocCache", "CacheStats", "ScopeStats", "CacheMemoryError", "Scope", "UncachedScope",
-    "cached", "uncached", "plot_timeline", "bin_size", "get_allocator_cache", "DEFAULT_EVICT_AFTER",
+    "cached", "step", "uncached", "plot_timeline", "bin_size", "get_allocator_cache", "DEFAULT_EVICT_AFTER",
     "EVENT_KINDS",
 ]  # fmt: skip

@@ -166,10 +166,11 @@ floor_bin(size_t s)
  * benchmark suite's training steps, against the design's 1.1x. The figures
  * with plans are in the module docstring of luxnn/memory/plan.py.
  *
- * - A cycle runs from the opening of a scope while none is open to the
- *   closing of the last (or of the period-th such outermost scope, where the
- *   planner found that a step is several scopes in turn: lx_set_period).
- *   Each records its split-pool requests: the block size, and a clock
+ * - A cycle is one training step, as the training verbs mark it
+ *   (lx_step_begin, lx_step_end; luxnn/training.py): scopes, the user's own
+ *   included, neither open nor close one, so none left open (around a loop,
+ *   in a suspended generator) can stop planning or grow a record. Each
+ *   records its split-pool requests: the block size, and a clock
  *   (counting those allocations and deaths) at the allocation and at the
  *   death; -1 for a block still alive when the next cycle opens; and the most
  *   bytes the split pool held meanwhile (a plan that would hold more is not
@@ -627,7 +628,7 @@ typedef struct lx_core {
     int64_t span_group;         /* spans a full row holds */
     lx_span open_span;          /* the span open now, while depth > 0 */
     /* Step plans (section 1c). */
-    size_t depth;               /* scopes open: a cycle is open while depth > 0 */
+    size_t depth;               /* scopes open */
     uint64_t cycle;             /* cycles opened */
     uint64_t cycle_misses;      /* plan misses of the open (or last) cycle */
     lx_plan *plan;              /* NULL: none */
@@ -637,10 +638,8 @@ typedef struct lx_core {
     int64_t tick;               /* the record's clock */
     int rec_lost;               /* the record ran out of memory: incomplete */
     int pending;                /* the last cycle closed; its record not yet taken */
-    uint32_t period;            /* outermost scopes a cycle spans (set_period) */
-    uint32_t closed_in_cycle;   /* outermost scopes of the open cycle closed so far (those
-                                   that made a split-pool request) */
-    size_t scope_nrec;          /* nrec when the outermost scope open now opened */
+    int stepping;               /* a step is open: the cycle */
+    pthread_t step_owner;       /* the thread that began it */
     struct lx_core *fork_prev, *fork_next; /* every core, for fork (section 4b); guarded
                                               by cores_lock, not by lock */
 } lx_core;
@@ -1236,8 +1235,8 @@ note_failure_locked(lx_core *c, lx_status status, size_t request)
  * operation. So (pthread_atfork, the standard pattern) the forking thread takes
  * every core's lock before the fork, and parent and child release them after
  * it: no core is mid-operation in the child. In the child, the scopes that
- * other threads had open can never close: they are closed there, and a cycle
- * that only they held open ends unrecorded, so the child's own scopes record
+ * other threads had open can never close: they are closed there, and a step
+ * that another thread began ends unrecorded, so the child's own steps record
  * and plan afresh. Lock order: cores_lock, then the cores' locks in list
  * order; nothing else holds two core locks, nor cores_lock with a core lock.
  */
@@ -1295,7 +1294,6 @@ static void
 close_foreign_scopes_locked(lx_core *c)
 {
     pthread_t me = pthread_self();
-    size_t depth = c->depth;
     for (size_t i = 0; i < c->watch_hi; i++) {
         lx_watcher *w = &c->watchers[i];
         if (w->in_use && !pthread_equal(w->owner, me)) {
@@ -1306,10 +1304,10 @@ close_foreign_scopes_locked(lx_core *c)
     while (c->watch_hi > 0 && !c->watchers[c->watch_hi - 1].in_use) {
         c->watch_hi--;
     }
-    if (depth > 0 && c->depth == 0) { /* the open cycle ends unrecorded */
+    if (c->stepping && !pthread_equal(c->step_owner, me)) { /* it ends unrecorded */
         finish_record_locked(c);
         c->nrec = 0;
-        c->closed_in_cycle = 0;
+        c->stepping = 0;
     }
 }
 
@@ -1347,7 +1345,6 @@ lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap
         return NULL;
     }
     c->event_cap = event_cap;
-    c->period = 1;
     c->up = up;
     c->limit = limit;
     c->evict_after = evict_after;
@@ -1421,7 +1418,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         }
     }
     else {
-        if (c->plan != NULL && c->depth > 0) {
+        if (c->plan != NULL && c->stepping) {
             b = take_planned_locked(c, bin, size);
         }
         if (b == NULL) {
@@ -1511,7 +1508,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     }
     b->live = 1;
     c->fig.bytes_live += size;
-    if (split && c->depth > 0) {
+    if (split && c->stepping) {
         note_birth_locked(c, b);
     }
     note_peaks_locked(c);
@@ -1639,14 +1636,8 @@ lx_scope_enter(lx_core *c)
         c->watch_hi = slot + 1;
     }
     c->fig.scopes++;
-    if (c->depth++ == 0) {
-        if (c->closed_in_cycle == 0) {
-            open_cycle_locked(c);
-        }
-        c->scope_nrec = c->nrec;
-        if (c->spans != NULL) {
-            open_span_locked(c);
-        }
+    if (c->depth++ == 0 && c->spans != NULL) {
+        open_span_locked(c);
     }
     record_locked(c, LX_EV_SCOPE_ENTER);
     pthread_mutex_unlock(&c->lock);
@@ -1691,16 +1682,7 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
     if (c->evict_after && c->plan != NULL && now - c->plan->last_used >= c->evict_after) {
         drop_plan_locked(c);
     }
-    /* An outermost scope with no split-pool request is no part of a cycle. */
-    if (--c->depth == 0 && (c->nrec > c->scope_nrec || c->rec_lost) &&
-        ++c->closed_in_cycle == c->period) {
-        c->closed_in_cycle = 0;
-        c->pending = 1;
-        if (c->plan != NULL) {
-            release_split_wholes_locked(c, c->plan->installed);
-        }
-    }
-    if (c->depth == 0 && c->spans != NULL) {
+    if (--c->depth == 0 && c->spans != NULL) {
         close_span_locked(c);
     }
     record_locked(c, LX_EV_SCOPE_EXIT);
@@ -1708,24 +1690,43 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
     return 0;
 }
 
-/* From the next outermost scope on, a cycle spans `period` of them (a step
- * made of several scopes in turn, each unlike the last: the planner finds the
- * period). A cycle in progress ends unrecorded. -1 while a scope is open. */
-static int
-lx_set_period(lx_core *c, uint32_t period)
+/* The open step ends: its record waits for the planner if it holds a request
+ * (a step with none is no cycle to plan). */
+static void
+end_step_locked(lx_core *c)
+{
+    c->stepping = 0;
+    if (c->nrec > 0 || c->rec_lost) {
+        c->pending = 1;
+        if (c->plan != NULL) {
+            release_split_wholes_locked(c, c->plan->installed);
+        }
+    }
+}
+
+/* A training step begins (one still open ends first): a cycle opens. */
+static void
+lx_step_begin(lx_core *c)
 {
     pthread_mutex_lock(&c->lock);
-    int ok = c->depth == 0;
-    if (ok) {
-        if (c->closed_in_cycle > 0) {
-            finish_record_locked(c);
-            c->nrec = 0;
-        }
-        c->closed_in_cycle = 0;
-        c->period = period;
+    if (c->stepping) {
+        end_step_locked(c);
+    }
+    open_cycle_locked(c);
+    c->stepping = 1;
+    c->step_owner = pthread_self();
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* The training step ends, if one is open. */
+static void
+lx_step_end(lx_core *c)
+{
+    pthread_mutex_lock(&c->lock);
+    if (c->stepping) {
+        end_step_locked(c);
     }
     pthread_mutex_unlock(&c->lock);
-    return ok ? 0 : -1;
 }
 
 /* The record of the last cycle, if it closed, no cycle is open and it holds a
@@ -1739,7 +1740,7 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *pla
                size_t *split_peak)
 {
     pthread_mutex_lock(&c->lock);
-    int pending = c->pending && c->depth == 0 && (c->nrec > 0 || c->rec_lost);
+    int pending = c->pending && !c->stepping && (c->nrec > 0 || c->rec_lost);
     *rows = NULL;
     *n = 0;
     *misses = c->cycle_misses;
@@ -2281,17 +2282,17 @@ Core_scope_exit(CoreObject *self, PyObject *arg)
 }
 
 static PyObject *
-Core_set_period(CoreObject *self, PyObject *arg)
+Core_step_begin(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
-    Py_ssize_t period = PyLong_AsSsize_t(arg);
-    if (period == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (period < 1 || period > 64) {
-        return PyErr_Format(PyExc_ValueError, "set_period: a period of 1 to 64 scopes, got %zd",
-                            period);
-    }
-    return PyBool_FromLong(lx_set_period(self->core, (uint32_t)period) == 0);
+    lx_step_begin(self->core);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Core_step_end(CoreObject *self, PyObject *Py_UNUSED(ignored))
+{
+    lx_step_end(self->core);
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -2694,9 +2695,10 @@ static PyMethodDef Core_methods[] = {
      "or 'no room'"},
     {"scope_exit", (PyCFunction)Core_scope_exit, METH_O,
      "scope_exit(slot) -> (peak_live, peak_reserved) of the scope; evicts unused bins"},
-    {"set_period", (PyCFunction)Core_set_period, METH_O,
-     "set_period(n) -> False while a scope is open, else True: from the next scope on, a "
-     "cycle spans n outermost scopes"},
+    {"step_begin", (PyCFunction)Core_step_begin, METH_NOARGS,
+     "A training step begins (one still open ends first): its requests are recorded"},
+    {"step_end", (PyCFunction)Core_step_end, METH_NOARGS,
+     "The training step ends: its record waits for take_record"},
     {"drop_plan", (PyCFunction)Core_drop_plan, METH_NOARGS,
      "drop_plan(): the step plan, if any, serves no more (its arenas go upstream when idle)"},
     {"take_record", (PyCFunction)Core_take_record, METH_NOARGS,

@@ -11,10 +11,10 @@ traces of those steps: greedy placement of one step reaches 1.00-1.005 of its pe
 rest is the small-block pool, blocks kept for two steps, and the lifetimes widened to
 cover how threads interleave.)
 
-The core records each cycle (a scope opened while none is open, to the close of the last):
-every request above 64 KiB, with a clock at its allocation and at its death (-1: still
-alive when the next cycle opened). `Planner` turns two consecutive cycles with the same requests into a
-plan (`layout`), and widens it when a later cycle's lifetimes reach beyond it (threads
+The core records each training step, as the verbs mark it (`luxnn.memory.step`): every
+request above 64 KiB, with a clock at its allocation and at its death (-1: still alive when
+the next step began). `Planner` turns two consecutive steps with the same requests into a
+plan (`layout`), and widens it when a later step's lifetimes reach beyond it (threads
 interleave differently from step to step) and the plan missed. The core serves a request at
 its planned place only when every byte there is free, so a plan can cost misses but never
 an overlap.
@@ -88,48 +88,43 @@ def layout(sizes: np.ndarray, born: np.ndarray, died: np.ndarray) -> tuple[int, 
 
 
 class Planner:
-    """When a cache plans: `cycle_closed` gets each cycle's record from the core and has
-    the core install (``install_plan``) or drop (``drop_plan``) a plan, or make its cycles
-    span several scopes (``set_period``). Thread safe: cycles may close in any thread.
+    """When a cache plans: `step_ended` gets each step's record from the core and has the
+    core install (``install_plan``) or drop (``drop_plan``) a plan. Thread safe: steps may
+    end in any thread.
 
-    - A plan is made when a cycle repeats the requests (their sizes) of the cycle before
-      it, from the lifetimes of both.
-    - A step of several scopes in turn (``compute_gradients``, then ``apply_gradients``)
-      makes cycles unlike the one before but like the one `k` before: once two cycles in a
-      row are like the ones k before them (k up to `RECENT` - 1), the core's cycles span k
-      scopes, whose records repeat, and are planned whole; when they stop repeating, cycles are one scope again.
-      Scopes with no request above 64 KiB are no part of a cycle.
-    - A cycle with the plan's requests that the plan missed, and whose lifetimes reach
+    - A step is what the training verbs mark (`luxnn.memory.step`): one
+      ``single_train_step``, or a ``compute_gradients`` and the ``apply_gradients`` after it.
+    - A plan is made when a step repeats the requests (their sizes) of the step before it,
+      from the lifetimes of both. Steps with no request above 64 KiB are no part of it.
+    - A step with the plan's requests that the plan missed, and whose lifetimes reach
       beyond those the plan was made from, widens it: every block's lifetime becomes the
-      union of what the cycles showed, so a few steps cover the ways threads interleave.
-    - A cycle with other requests (an evaluation step, a short last batch) leaves the plan
-      alone: the split pool serves it. Two such cycles in a row drop the plan: the loop's
+      union of what the steps showed, so a few steps cover the ways threads interleave.
+    - A step with other requests (an evaluation step, a short last batch) leaves the plan
+      alone: the split pool serves it. Two such steps in a row drop the plan: the loop's
       shapes changed, and the next repeat makes a new one.
-    - A first plan that would hold more than the split pool held for the same cycle (the
-      blocks that outlive a cycle have two places each, for its whole length, where the
+    - A first plan that would hold more than the split pool held for the same step (the
+      blocks that outlive a step have two places each, for its whole length, where the
       split pool can reuse a dead one's bytes) is not made; neither is one that found no
       room (the cache's limit, out of memory). Either is not tried again for the same
-      requests during `RETRY_AFTER` cycles. One that had to wait ("later": the arena it
-      replaces was in use) is tried again with the next cycle's record.
+      requests during `RETRY_AFTER` steps. One that had to wait ("later": the arena it
+      replaces was in use) is tried again with the next step's record.
     """
 
     RETRY_AFTER = 64
-    RECENT = 6
 
     def __init__(self, core: Any) -> None:
         self._core = core
-        self._lock = threading.RLock()  # before_cycle holds it around cycle_closed
+        self._lock = threading.RLock()  # before_step holds it around step_ended
         with _planners_lock:
             _planners.add(self)
         self._planned: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # what the plan covers
-        self._recent: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # the last cycles, unplanned
-        self._period = 1  # outermost scopes a cycle of the core spans
-        self._strangers = 0  # cycles in a row unlike the plan's
-        self._refused: tuple[np.ndarray, int] | None = None  # sizes, cycles left before a retry
+        self._last: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # the last step, unplanned
+        self._strangers = 0  # steps in a row unlike the plan's
+        self._refused: tuple[np.ndarray, int] | None = None  # sizes, steps left before a retry
 
     def served(self, misses: int, planned: bool) -> bool:
-        """Whether a cycle was served whole by this planner's plan (`planned`: a plan is
-        installed; `misses`: the cycle's requests it did not serve): then its record holds
+        """Whether a step was served whole by this planner's plan (`planned`: a plan is
+        installed; `misses`: the step's requests it did not serve): then its record holds
         nothing new."""
         with self._lock:
             if misses or not planned or self._planned is None:
@@ -137,11 +132,11 @@ class Planner:
             self._strangers = 0
             return True
 
-    def before_cycle(self, outside: Callable[[], ContextManager[Any]]) -> None:
-        """Before a scope of the cache opens: take the record of the cycle that closed last,
-        if any, and plan from it. Its arrays are made inside ``outside()`` (the `uncached`
-        scope: none of them comes from a cache). A cycle the plan served whole holds nothing
-        new, and costs no more than taking its record."""
+    def before_step(self, outside: Callable[[], ContextManager[Any]]) -> None:
+        """Before a step begins: take the record of the step that ended last, if any, and
+        plan from it. Its arrays are made inside ``outside()`` (the `uncached` scope: none of
+        them comes from a cache). A step the plan served whole holds nothing new, and costs
+        no more than taking its record."""
         with self._lock:  # records are taken and read in one order
             record = self._core.take_record()
             if record is None:
@@ -150,12 +145,12 @@ class Planner:
             if self.served(misses, planned):
                 return
             with outside():
-                self.cycle_closed(rows, misses, planned, split_peak)
+                self.step_ended(rows, misses, planned, split_peak)
 
-    def cycle_closed(self, rows: bytes, misses: int, planned: bool, split_peak: int) -> None:
-        """Take a closed cycle's record (the core's ``take_record``): native int64 rows of
+    def step_ended(self, rows: bytes, misses: int, planned: bool, split_peak: int) -> None:
+        """Take an ended step's record (the core's ``take_record``): native int64 rows of
         (size, born, died), its plan misses, whether a plan is installed, and the most bytes
-        the split pool held during the cycle."""
+        the split pool held during the step."""
         record = np.frombuffer(rows, dtype=np.int64).reshape(-1, 3)
         # By size, then by birth: the core matches a bin's requests to its slots in that
         # order, whatever order threads made requests of different sizes in.
@@ -182,48 +177,23 @@ class Planner:
                         return
                     self._core.drop_plan()
                     self._planned = None
-                    self._set_period(1)
-                widened = self._repeat(record)
-                if widened is None:
+                last, self._last = self._last, (record[0], record[1], record[2])
+                if last is None or not np.array_equal(sizes, last[0]):
                     return
+                widened = _union(last, record)
             if self._refused is not None and np.array_equal(sizes, self._refused[0]):
                 return
             cycle_bytes, kept_bytes, even, odd, which = layout(*widened)
             if self._planned is None and cycle_bytes + kept_bytes > split_peak:
-                status = "no gain"  # the split pool held less for these cycles
+                status = "no gain"  # the split pool held less for these steps
             else:
                 status = self._core.install_plan(cycle_bytes, kept_bytes, widened[0], even, odd, which)
             if status == "installed":
-                self._planned, self._recent, self._strangers = widened, [], 0
+                self._planned, self._last, self._strangers = widened, None, 0
             elif status in ("no room", "no gain"):
                 self._planned, self._refused = None, (sizes, self.RETRY_AFTER)
             elif self._planned is None:
-                self._recent.append(widened)  # "later": what this cycle showed waits with the next
-
-    def _repeat(self, record: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """With no plan serving: the lifetimes to plan from if `record` repeats the cycle
-        before it; else None, after remembering it and, if it repeats the cycle k before,
-        making the core's cycles span k scopes."""
-        sizes = record[0]
-        if self._recent and np.array_equal(sizes, self._recent[-1][0]):
-            return _union(self._recent.pop(), record)
-        # A period of k scopes once the last 2k repeat: this one is like the one k before,
-        # and the one before it like the one k before that.
-        back = [
-            k for k in range(2, len(self._recent))
-            if np.array_equal(sizes, self._recent[-k][0]) and np.array_equal(self._recent[-1][0], self._recent[-1 - k][0])
-        ]  # fmt: skip
-        if self._period > 1 and self._recent:
-            self._set_period(1)  # cycles of several scopes that did not repeat: one scope again
-        elif self._period == 1 and back:
-            self._set_period(back[0])
-        else:
-            self._recent = [*self._recent[1 - self.RECENT :], (record[0], record[1], record[2])]
-        return None
-
-    def _set_period(self, period: int) -> None:
-        if period != self._period and self._core.set_period(period):
-            self._period, self._recent = period, []
+                self._last = widened  # "later": what this step showed waits with the next
 
 
 def _union(a: tuple[np.ndarray, ...], b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -31,7 +31,7 @@ from .cache import AllocCache, ScopeStats, format_bytes
 # NumPy's error for an array it could not allocate (a private name; NumPy >= 2.0 is required).
 from numpy._core._exceptions import _ArrayMemoryError
 
-__all__ = ["cached", "uncached", "Scope", "UncachedScope", "CacheMemoryError"]
+__all__ = ["cached", "step", "uncached", "Scope", "UncachedScope", "CacheMemoryError"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -93,17 +93,19 @@ class _Switch:
 
 class Scope(_Switch):
     """An open (or closed) `cached` scope; ``stats`` holds its `ScopeStats` after exit
-    (None for ``cached(None)``)."""
+    (None for ``cached(None)``). `begins` / `ends`: whether it begins and ends a training
+    step (`step`)."""
 
-    def __init__(self, cache: AllocCache | None) -> None:
+    def __init__(self, cache: AllocCache | None, *, begins: bool = False, ends: bool = False) -> None:
         if cache is not None and not isinstance(cache, AllocCache):
             raise TypeError(f"cached() takes an AllocCache or None, got {cache!r}")
         self.cache = cache
         self.stats: ScopeStats | None = None
+        self._begins, self._ends = begins, ends
         self._open: tuple | None = None  # what exit undoes, while open
 
     def _fresh(self) -> Scope:
-        return Scope(self.cache)
+        return Scope(self.cache, begins=self._begins, ends=self._ends)
 
     def __enter__(self) -> Scope:
         if self._open is not None:
@@ -112,7 +114,9 @@ class Scope(_Switch):
             self._open = ()
             return self
         core = self.cache._core
-        _plan(self.cache)
+        if self._begins:
+            _plan(self.cache)
+            core.step_begin()
         if self.cache._cupy is not None:
             return self._enter_cupy(core)
         failure = _core.last_failure()
@@ -139,12 +143,16 @@ class Scope(_Switch):
             return
         failure, before, slot, previous, token = opened
         core = self.cache._core
-        if self.cache._cupy is not None:
-            _outside_cupy.reset(token)
-            previous.__exit__(None, None, None)  # CuPy's hook: its allocator before the scope
-        else:
-            _outside_handler.reset(token)
-            _core.set_handler(previous)
+        # Closed in another context (a generator that yielded inside the scope, closed or
+        # resumed elsewhere): the allocator of the context it opened in is not this one's to
+        # change; the core's scope closes all the same.
+        if _reset(_outside_handler if self.cache._cupy is None else _outside_cupy, token):
+            if self.cache._cupy is not None:
+                previous.__exit__(None, None, None)  # CuPy's hook: its allocator before the scope
+            else:
+                _core.set_handler(previous)
+        if self._ends:
+            core.step_end()
         peak_live, peak_reserved = core.scope_exit(slot)
         after = core.stats()
         d = [a - b for a, b in zip(after, before)]
@@ -156,6 +164,15 @@ class Scope(_Switch):
         latest = _refused(exc, failure)
         if latest is not None:
             raise CacheMemoryError(_failure_message(latest)) from exc
+
+
+def _reset(var: ContextVar[Any], token: Any) -> bool:
+    """Undo a context variable's `token` if it was made in this context."""
+    try:
+        var.reset(token)
+    except ValueError:  # made in another context
+        return False
+    return True
 
 
 def _refused(exc: BaseException | None, before: tuple | None) -> tuple | None:
@@ -171,19 +188,18 @@ def _refused(exc: BaseException | None, before: tuple | None) -> tuple | None:
 
 
 def _plan(cache: AllocCache) -> None:
-    # Before a scope opens: the cache's planner plans from the cycle that closed last, if
-    # no scope has been open since (luxnn.memory.plan). Plans only save memory: should
-    # planning fail, the cache goes on without them.
+    # Before a step begins: the cache's planner plans from the step that ended last, if no
+    # step began since (luxnn.memory.plan). Plans only save memory: should planning fail,
+    # the cache goes on without them.
     planner = cache._planner
     if planner is None:
         return
     try:
-        planner.before_cycle(uncached)
+        planner.before_step(uncached)
     except Exception as err:  # noqa: BLE001 - any failure: no plans, said once
         if cache._planner is planner:
             cache._planner = None
             cache._core.drop_plan()
-            cache._core.set_period(1)
             warnings.warn(f"AllocCache stops planning steps after an error: {err!r}", RuntimeWarning, stacklevel=3)
 
 
@@ -206,6 +222,27 @@ def cached(cache: AllocCache | None) -> Scope:
     ...     return x + 1
     """
     return Scope(cache)
+
+
+def step(cache: AllocCache | None, *, begins: bool = True, ends: bool = True) -> Scope:
+    """A `cached` scope that is a training step of the cache's (or, with ``ends=False``,
+    its first part; with ``begins=False``, its last). The training verbs run in these
+    (``compute_gradients`` begins a step, ``apply_gradients`` ends it, a
+    ``single_train_step`` is one); a loop of steps is what the cache plans
+    (`luxnn.memory.plan`). A step that begins while one is open ends that one first. Plain
+    `cached` scopes, open or not, neither begin nor end a step.
+
+    >>> import numpy as np
+    >>> from luxnn import memory
+    >>> cache = memory.AllocCache()
+    >>> for _ in range(4):
+    ...     with memory.step(cache):
+    ...         y = np.ones((256, 256)) * 2.0
+    ...         del y
+    >>> cache.stats().plan_hits > 0
+    True
+    """
+    return Scope(cache, begins=begins, ends=ends)
 
 
 class UncachedScope(_Switch):
