@@ -10,6 +10,8 @@ A `Group` is set up once in a process and its variants are timed in interleaved 
   the peers, where they exist and PyTorch is installed;
 - ``training/transformer-quick`` and ``training/large-activations-quick``: ``--quick``'s
   smaller sizes (their rows are never compared with the full ones);
+- ``distributed/allreduce-25MiB (...)`` and ``distributed/mlp (...)``: steps run in the
+  ranks of an ``mpiexec`` job through a proxy (`distributed` says how, and what each row runs);
 - ``time_to_load``: ``import luxnn`` in a fresh process, one per round (at least 5).
 """
 
@@ -20,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import models
+from . import distributed, models
 
 TIME_TO_LOAD = "time_to_load"
 MIN_LOAD_ROUNDS = 5
@@ -77,6 +79,27 @@ def _training(name: str, model: Any, params: dict) -> Group:
     return Group(name, tuple(variants), params)
 
 
+def _distributed() -> list[Group]:
+    def row(group: str, label: str, ranks: int, step: str) -> Variant:
+        return Variant(f"{group} ({label})", lambda _cache: distributed.proxy(ranks, step), None, needs="mpi4py")
+
+    allreduce, mlp = "distributed/allreduce-25MiB", "distributed/mlp"
+    return [
+        Group(allreduce, (
+            row(allreduce, "mpi4py Allreduce", 2, "allreduce-raw"),
+            row(allreduce, "DistributedOptimizer bucket", 2, "allreduce-bucket"),
+            row(allreduce, "DistributedOptimizer update", 2, "allreduce-update"),
+        ), {"ranks": 2, "bytes": distributed.BUCKET_BYTES, "dtype": "float32"}),
+        Group(mlp, (
+            row(mlp, "2 ranks, batch split", 2, "mlp-ranks"),
+            row(mlp, "2 ranks, gradient allreduce", 2, "mlp-allreduce"),
+            row(mlp, "1 process, whole batch", 1, "mlp-whole"),
+            row(mlp, "round trip, 2 ranks", 2, "noop"),
+            row(mlp, "round trip, 1 process", 1, "noop"),
+        ), {"batch": 128, "sizes": [784, 256, 10], "optimizer": "sgd", "ranks": 2}),
+    ]  # fmt: skip
+
+
 def groups(quick: bool) -> list[Group]:
     """The suite's groups, in the order they run and print."""
     suffix = "-quick" if quick else ""
@@ -104,6 +127,7 @@ def groups(quick: bool) -> list[Group]:
             {"batch": lstm.batch, "length": lstm.length, "inputs": lstm.inputs, "hidden": lstm.hidden,
              "classes": lstm.classes, "optimizer": "adam"},
         ),  # fmt: skip
+        *_distributed(),
     ]
 
 
