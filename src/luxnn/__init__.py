@@ -19,6 +19,7 @@ from .memory import get_allocator_cache
 from .nn import *  # noqa: F403 - the layers are the package's vocabulary
 from .nn import __all__ as _layers
 from .parallel import num_threads, set_num_threads
+from .summary import outputsize, summary
 from .training import (
     TrainState, apply_gradients, apply_gradients_, compute_gradients, single_train_step,
     single_train_step_,
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ad", "data", "init", "losses", "memory", "nn", "ops", "optim", "parallel", "tree", "load", "save", "CheckpointError",
-    "num_threads", "set_num_threads",
+    "num_threads", "set_num_threads", "summary", "outputsize",
     "DataLoader", "get_allocator_cache", "TrainState", "apply_gradients", "apply_gradients_",
     "compute_gradients", "single_train_step", "single_train_step_", "AutoTape", "array_namespace", "grad", "stop_gradient",
     "value_and_grad", "Layer", "LayerError", "apply", "parameter_count", "setup", "testmode",

@@ -3,15 +3,18 @@
 from .activations import ACTIVATIONS, get_activation
 from .containers import Chain
 from .conv import Conv, ConvTranspose
-from .pooling import AvgPool, GlobalAvgPool, GlobalMaxPool, MaxPool
+from .pooling import AdaptiveAvgPool, AdaptiveMaxPool, AvgPool, GlobalAvgPool, GlobalMaxPool, MaxPool
+from .upsampling import PixelShuffle, Upsample
 from .shape import Flatten, Reshape
 from .dense import Dense
 from .attention import MultiHeadAttention
 from .containers import Parallel, SkipConnection
-from .dropout import Dropout
+from .dropout import AlphaDropout, Dropout
 from .embedding import Embedding
-from .normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm
+from .normalization import BatchNorm, GroupNorm, InstanceNorm, LayerNorm, RMSNorm
 from .stateful import StatefulLayer
+from .basic import Bilinear, NoOpLayer, Scale, WrappedFunction
+from .containers import BranchLayer, Maxout, PairwiseFusion, RepeatedLayer
 from .recurrent import Bidirectional, GRUCell, LSTMCell, Recurrence, RecurrentCell, RNNCell, Steps
 from .positional import RotaryPositionalEmbedding, SinusoidalPositionalEmbedding
 
@@ -21,5 +24,10 @@ __all__ += [
     "GroupNorm", "LayerNorm", "RMSNorm", "StatefulLayer",
 ]  # fmt: skip
 __all__ += ["Conv", "ConvTranspose", "MaxPool", "AvgPool", "GlobalMaxPool", "GlobalAvgPool", "Flatten", "Reshape"]
+__all__ += [
+    "WrappedFunction", "NoOpLayer", "Scale", "Bilinear", "BranchLayer", "Maxout", "PairwiseFusion",
+    "RepeatedLayer", "InstanceNorm", "AlphaDropout", "AdaptiveAvgPool", "AdaptiveMaxPool", "Upsample",
+    "PixelShuffle",
+]  # fmt: skip
 __all__ += ["Steps", "RecurrentCell", "RNNCell", "LSTMCell", "GRUCell", "Recurrence", "Bidirectional"]
 __all__ += ["SinusoidalPositionalEmbedding", "RotaryPositionalEmbedding"]

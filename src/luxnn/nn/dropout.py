@@ -19,7 +19,7 @@ from ..ad.tape import Traced
 from ..backend import module_of
 from ..core import Layer, LayerError
 
-__all__ = ["Dropout", "dropout_mask", "fork_generator", "child_generator"]
+__all__ = ["Dropout", "AlphaDropout", "dropout_mask", "fork_generator", "child_generator"]
 
 
 def child_generator(rng: Any) -> Any:
@@ -71,7 +71,36 @@ def dropout_mask(rng: Any, shape: tuple[int, ...], dtype: Any, p: float, xp: Any
     return mask
 
 
-class Dropout(Layer):
+class _RandomLayer(Layer):
+    """A layer that draws from a generator kept in its state ``{"rng", "training"}`` in
+    training mode and is the identity in test mode (or when ``p == 0``)."""
+
+    def __init__(self, p: float) -> None:
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p < 1.0:
+            raise ValueError(f"{type(self).__name__}: p must be a probability in [0, 1), got {p!r}")
+        self.p = float(p)
+
+    def init_state(self, rng: Any) -> dict[str, Any]:
+        return {"rng": child_generator(rng), "training": True}
+
+    def _draw(self, x: Any, rng: Any, xp: Any) -> Any:
+        """The output in training mode, drawing from `rng` (the state's, forked)."""
+        raise NotImplementedError
+
+    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if not isinstance(st, dict) or st.keys() != {"rng", "training"}:
+            raise LayerError(f"{self}: expected state keys ['rng', 'training'], got {sorted(st) if isinstance(st, dict) else type(st).__name__}")
+        if not st["training"] or self.p == 0.0:
+            return x, st
+        rng = fork_generator(st["rng"])
+        xp = module_of(x.value if type(x) is Traced else x)
+        return self._draw(x, rng, xp), {"rng": rng, "training": True}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.p})"
+
+
+class Dropout(_RandomLayer):
     """Zero each entry with probability `p` in training mode and scale the rest by
     ``1 / (1 - p)``; the identity in test mode (`luxnn.testmode`).
 
@@ -90,22 +119,33 @@ class Dropout(Layer):
     (True, True)
     """
 
-    def __init__(self, p: float) -> None:
-        if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-            raise ValueError(f"Dropout: p must be a probability in [0, 1), got {p!r}")
-        self.p = float(p)
+    def _draw(self, x: Any, rng: Any, xp: Any) -> Any:
+        return x * dropout_mask(rng, x.shape, x.dtype, self.p, xp)
 
-    def init_state(self, rng: Any) -> dict[str, Any]:
-        return {"rng": child_generator(rng), "training": True}
 
-    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        if not isinstance(st, dict) or st.keys() != {"rng", "training"}:
-            raise LayerError(f"{self}: expected state keys ['rng', 'training'], got {sorted(st) if isinstance(st, dict) else type(st).__name__}")
-        if not st["training"] or self.p == 0.0:
-            return x, st
-        rng = fork_generator(st["rng"])
-        xp = module_of(x.value if type(x) is Traced else x)
-        return x * dropout_mask(rng, x.shape, x.dtype, self.p, xp), {"rng": rng, "training": True}
+# SELU's -alpha * scale: the value a dropped SELU activation takes (Klambauer et al. 2017).
+_SELU_NEGATIVE_SATURATION = -1.7580993408473766
 
-    def __repr__(self) -> str:
-        return f"Dropout({self.p})"
+
+class AlphaDropout(_RandomLayer):
+    """Dropout for self-normalising (SELU) networks, as ``torch.nn.AlphaDropout``: in
+    training mode each entry is set with probability `p` to SELU's negative saturation
+    value, and the result is mapped by ``a * y + b`` so that inputs of zero mean and unit
+    variance keep them; the identity in test mode. State and generator as `Dropout`.
+
+    >>> import luxnn as lx
+    >>> drop = lx.AlphaDropout(0.2)
+    >>> ps, st = lx.setup(np.random.default_rng(0), drop)
+    >>> y, _ = drop(np.random.default_rng(1).standard_normal((1000, 100)), ps, st)
+    >>> abs(float(y.mean())) < 0.05, round(float(y.std()), 1)
+    (True, 1.0)
+    """
+
+    def _draw(self, x: Any, rng: Any, xp: Any) -> Any:
+        p, alpha = self.p, _SELU_NEGATIVE_SATURATION
+        a = 1.0 / np.sqrt((alpha * alpha * p + 1) * (1 - p))
+        keep = dropout_mask(rng, x.shape, x.dtype, p, xp) != 0
+        scale = (a * keep).astype(x.dtype, copy=False)
+        # a * (x * keep + alpha * (1 - keep)) + b with b = -a * alpha * p, as one multiply-add
+        shift = (a * alpha * (1 - p - keep)).astype(x.dtype, copy=False)
+        return x * scale + shift

@@ -1,17 +1,23 @@
-"""Normalisation layers: BatchNorm, LayerNorm, GroupNorm, RMSNorm (channel-last inputs)."""
+"""Normalisation layers: BatchNorm, InstanceNorm, LayerNorm, GroupNorm, RMSNorm
+(channel-last inputs). BatchNorm, InstanceNorm, LayerNorm and GroupNorm take an
+``activation`` applied after the affine map, as Lux's."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ..ad import stop_gradient
 from ..core import Layer, LayerError, check_params
+from ..dtypes import match_eltype
 from ..ops.norm import moments, normalize, rms_normalize, scale_shift
+from .activations import get_activation
 
-__all__ = ["BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "InstanceNorm", "LayerNorm", "GroupNorm", "RMSNorm"]
+
+Activation = str | Callable[[Any], Any] | None
 
 
 def _positive_int(owner: str, name: str, n: Any) -> int:
@@ -38,16 +44,27 @@ def _options(**flags: Any) -> str:
 
 
 class _Norm(Layer):
-    """What the normalisation layers share: epsilon, and the optional learned affine map
-    ``y * scale (+ bias)`` over `_affine_shape` (without a bias where `with_bias` is False)."""
+    """What the normalisation layers share: epsilon, the optional learned affine map
+    ``y * scale (+ bias)`` over `_affine_shape` (without a bias where `with_bias` is False),
+    and the activation after it."""
 
     default_epsilon = 1e-5
+    default_affine = True
     with_bias = True
 
-    def _init_affine(self, epsilon: float, affine: bool, shape: tuple[int, ...]) -> None:
+    def _init_affine(self, epsilon: float, affine: bool, shape: tuple[int, ...], activation: Activation = None) -> None:
         self.epsilon = _non_negative(type(self).__name__, "epsilon", epsilon)
         self.affine = bool(affine)
         self._affine_shape = shape
+        self.activation = get_activation(activation)
+
+    def _input(self, x: Any, ps: dict[str, Any]) -> Any:
+        """`x` after the parameter check, in the parameters' dtype (the dtype policy)."""
+        self._check_params(ps)
+        return match_eltype(self, x, ps["scale"] if self.affine else None)
+
+    def _activate(self, y: Any) -> Any:
+        return y if self.activation is None else self.activation(y)
 
     def init_params(self, rng: np.random.Generator) -> dict[str, Any]:
         if not self.affine:
@@ -69,8 +86,10 @@ class _Norm(Layer):
     def _flags(self) -> dict[str, Any]:
         """The repr's keyword options that differ from their defaults."""
         flags: dict[str, Any] = {"epsilon": self.epsilon} if self.epsilon != self.default_epsilon else {}
-        if not self.affine:
-            flags["affine"] = False
+        if self.affine != self.default_affine:
+            flags["affine"] = self.affine
+        if self.activation is not None:
+            flags["activation"] = getattr(self.activation, "__name__", self.activation)
         return flags
 
 
@@ -81,9 +100,83 @@ def _check_channels_last(layer: Layer, x: Any, channels: int) -> tuple[int, ...]
     return shape
 
 
-class BatchNorm(_Norm):
+class _RunningNorm(_Norm):
+    """A norm over statistics of the batch that can keep running averages of them, as
+    PyTorch's BatchNorm and InstanceNorm: in training mode the batch's statistics, and
+    ``running = (1 - momentum) * running + momentum * batch`` with the unbiased variance;
+    in test mode the running statistics. Subclasses say which axes a statistic spans."""
+
+    default_track_stats = True
+    statistic_of = "channel"  # what one statistic is of, for messages
+
+    def _init_running(self, num_features: int, momentum: float, track_stats: bool) -> None:
+        owner = type(self).__name__
+        self.num_features = _positive_int(owner, "num_features", num_features)
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{owner}: momentum must be in [0, 1], got {momentum!r}")
+        self.momentum = float(momentum)
+        self.track_stats = bool(track_stats)
+
+    def _statistic_axes(self, x: Any) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def init_state(self, rng: np.random.Generator) -> dict[str, Any]:
+        if not self.track_stats:
+            return {"training": True}
+        c = self.num_features
+        return {"running_mean": np.zeros(c, np.float32), "running_var": np.ones(c, np.float32), "training": True}
+
+    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        axes = self._statistic_axes(x)
+        x = self._input(x, ps)
+        expected_state = {"running_mean", "running_var", "training"} if self.track_stats else {"training"}
+        if not isinstance(st, dict) or st.keys() != expected_state:
+            raise LayerError(f"{self}: expected state keys {sorted(expected_state)}, got {sorted(st) if isinstance(st, dict) else type(st).__name__}")
+        training = st["training"]
+        if training or not self.track_stats:
+            y, st = self._batch_statistics(x, st, axes, update=training and self.track_stats)
+            return self._activate(self._scale_and_shift(y, ps)), st
+        # Test mode: the running statistics fold into one per-channel scale and shift.
+        inv_std = 1.0 / np.sqrt(st["running_var"] + self.epsilon)
+        if not self.affine:
+            return self._activate((x - st["running_mean"]) * inv_std), st
+        scale = ps["scale"] * inv_std
+        return self._activate(x * scale + (ps["bias"] - st["running_mean"] * scale)), st
+
+    def _batch_statistics(self, x: Any, st: dict[str, Any], axes: tuple[int, ...], update: bool) -> tuple[Any, dict[str, Any]]:
+        count = math.prod(x.shape[a] for a in axes)
+        if count < 2 and update:
+            raise LayerError(f"{self}: expected more than 1 value per {self.statistic_of} in training mode, got input of shape {x.shape}")
+        # The statistics come from the raw values: the running statistics must never hold
+        # (or keep alive) traced values, and normalize's VJP already accounts for them.
+        mean, var = moments(stop_gradient(x), axes)
+        y = normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var))
+        if not update:
+            return y, st
+        m, c = self.momentum, self.num_features
+        rm, rv = st["running_mean"], st["running_var"]
+        # One statistic per channel (BatchNorm) or per sample and channel (InstanceNorm,
+        # whose running statistics are the means over the batch, as PyTorch's).
+        new_mean = (1 - m) * rm + m * mean.reshape(-1, c).mean(axis=0)
+        new_var = (1 - m) * rv + (m * count / (count - 1)) * var.reshape(-1, c).mean(axis=0)
+        return y, {
+            "running_mean": new_mean.astype(rm.dtype, copy=False),
+            "running_var": new_var.astype(rv.dtype, copy=False),
+            "training": True,
+        }
+
+    def __repr__(self) -> str:
+        flags = {"momentum": self.momentum} if self.momentum != 0.1 else {}
+        flags.update(self._flags())
+        if self.track_stats != self.default_track_stats:
+            flags["track_stats"] = self.track_stats
+        return f"{type(self).__name__}({self.num_features}{_options(**flags)})"
+
+
+class BatchNorm(_RunningNorm):
     """Batch normalisation over the last (channel) axis: input ``(N, C)``, ``(N, L, C)`` or
-    ``(N, H, W, C)`` (any rank >= 2), statistics over every axis but the last.
+    ``(N, H, W, C)`` (any rank >= 2), statistics over every axis but the last, then
+    `activation` (a name, a function or None).
 
     Parameters ``{"scale": (C,), "bias": (C,)}`` (when `affine`); state
     ``{"running_mean": (C,), "running_var": (C,), "training": True}`` (without the running
@@ -94,85 +187,79 @@ class BatchNorm(_Norm):
     ``track_stats=False`` it always uses the batch statistics.
 
     >>> import luxnn as lx
-    >>> bn = lx.BatchNorm(3)
+    >>> bn = lx.BatchNorm(3, "relu")
     >>> ps, st = lx.setup(np.random.default_rng(0), bn)
     >>> y, st = bn(np.random.default_rng(1).normal(size=(8, 4, 4, 3)).astype(np.float32), ps, st)
-    >>> y.shape, sorted(st)
-    ((8, 4, 4, 3), ['running_mean', 'running_var', 'training'])
+    >>> y.shape, sorted(st), bool(y.min() >= 0)
+    ((8, 4, 4, 3), ['running_mean', 'running_var', 'training'], True)
     """
 
     def __init__(
         self,
         num_features: int,
+        activation: Activation = None,
         *,
         momentum: float = 0.1,
         epsilon: float = 1e-5,
         affine: bool = True,
         track_stats: bool = True,
     ) -> None:
-        self.num_features = _positive_int("BatchNorm", "num_features", num_features)
-        if not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"BatchNorm: momentum must be in [0, 1], got {momentum!r}")
-        self.momentum = float(momentum)
-        self._init_affine(epsilon, affine, (self.num_features,))
-        self.track_stats = bool(track_stats)
+        self._init_running(num_features, momentum, track_stats)
+        self._init_affine(epsilon, affine, (self.num_features,), activation)
 
-    def init_state(self, rng: np.random.Generator) -> dict[str, Any]:
-        if not self.track_stats:
-            return {"training": True}
-        c = self.num_features
-        return {"running_mean": np.zeros(c, np.float32), "running_var": np.ones(c, np.float32), "training": True}
-
-    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    def _statistic_axes(self, x: Any) -> tuple[int, ...]:
         _check_channels_last(self, x, self.num_features)
-        self._check_params(ps)
-        expected_state = {"running_mean", "running_var", "training"} if self.track_stats else {"training"}
-        if not isinstance(st, dict) or st.keys() != expected_state:
-            raise LayerError(f"{self}: expected state keys {sorted(expected_state)}, got {sorted(st) if isinstance(st, dict) else type(st).__name__}")
-        training = st["training"]
-        if training or not self.track_stats:
-            y, st = self._batch_statistics(x, st, update=training and self.track_stats)
-            return self._scale_and_shift(y, ps), st
-        # Test mode: the running statistics fold into one per-channel scale and shift.
-        inv_std = 1.0 / np.sqrt(st["running_var"] + self.epsilon)
-        if not self.affine:
-            return (x - st["running_mean"]) * inv_std, st
-        scale = ps["scale"] * inv_std
-        return x * scale + (ps["bias"] - st["running_mean"] * scale), st
+        return tuple(range(x.ndim - 1))
 
-    def _batch_statistics(self, x: Any, st: dict[str, Any], update: bool) -> tuple[Any, dict[str, Any]]:
-        axes = tuple(range(x.ndim - 1))
-        count = math.prod(x.shape[:-1])
-        if count < 2 and update:
-            raise LayerError(f"{self}: expected more than 1 value per channel in training mode, got input of shape {x.shape}")
-        # The statistics come from the raw values: the running statistics must never hold
-        # (or keep alive) traced values, and normalize's VJP already accounts for them.
-        mean, var = moments(stop_gradient(x), axes)
-        y = normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var))
-        if not update:
-            return y, st
-        m = self.momentum
-        rm, rv = st["running_mean"], st["running_var"]
-        new_mean = (1 - m) * rm + m * mean.reshape(rm.shape)
-        new_var = (1 - m) * rv + (m * count / (count - 1)) * var.reshape(rv.shape)
-        return y, {
-            "running_mean": new_mean.astype(rm.dtype, copy=False),
-            "running_var": new_var.astype(rv.dtype, copy=False),
-            "training": True,
-        }
 
-    def __repr__(self) -> str:
-        flags = {"momentum": self.momentum} if self.momentum != 0.1 else {}
-        flags.update(self._flags())
-        if not self.track_stats:
-            flags["track_stats"] = False
-        return f"BatchNorm({self.num_features}{_options(**flags)})"
+class InstanceNorm(_RunningNorm):
+    """Instance normalisation, as ``torch.nn.InstanceNorm1d/2d/3d``: each sample's each
+    channel normalised over the spatial axes of channel-last input ``(N, *spatial, C)``
+    (at least one spatial axis), then `activation`.
+
+    PyTorch's defaults: no affine map and no running statistics. ``affine=True`` adds
+    parameters ``{"scale": (C,), "bias": (C,)}``; ``track_stats=True`` keeps
+    ``running_mean``/``running_var`` (the batch means of the samples' statistics, with
+    the unbiased variance, updated by `momentum`) and uses them in test mode, as
+    PyTorch's ``track_running_stats=True``. State ``{"training": True}`` otherwise.
+
+    >>> import luxnn as lx
+    >>> norm = lx.InstanceNorm(3)
+    >>> ps, st = lx.setup(np.random.default_rng(0), norm)
+    >>> y, _ = norm(np.random.default_rng(1).normal(size=(2, 5, 5, 3)), ps, st)
+    >>> bool(np.allclose(y.mean(axis=(1, 2)), 0))
+    True
+    """
+
+    default_affine = False
+    default_track_stats = False
+    statistic_of = "channel of a sample"
+
+    def __init__(
+        self,
+        num_features: int,
+        activation: Activation = None,
+        *,
+        momentum: float = 0.1,
+        epsilon: float = 1e-5,
+        affine: bool = False,
+        track_stats: bool = False,
+    ) -> None:
+        self._init_running(num_features, momentum, track_stats)
+        self._init_affine(epsilon, affine, (self.num_features,), activation)
+
+    def _statistic_axes(self, x: Any) -> tuple[int, ...]:
+        shape = _check_channels_last(self, x, self.num_features)
+        if len(shape) < 3:
+            raise LayerError(f"{self}: expected input of shape (N, *spatial, {self.num_features}) with a spatial axis, got {shape}")
+        return tuple(range(1, len(shape) - 1))
 
 
 class LayerNorm(_Norm):
     """Layer normalisation over the trailing dimensions `shape` (an int or a tuple), as
     ``torch.nn.LayerNorm(shape)``: input ``(..., *shape)`` -> same shape; parameters
-    ``{"scale": shape, "bias": shape}`` (when `affine`), initialised to ones and zeros.
+    ``{"scale": shape, "bias": shape}`` (when `affine`), initialised to ones and zeros;
+    then `activation` (a name, a function or None).
 
     >>> import luxnn as lx
     >>> ln = lx.LayerNorm(4)
@@ -181,14 +268,16 @@ class LayerNorm(_Norm):
     (2, 4)
     """
 
-    def __init__(self, shape: int | tuple[int, ...], *, epsilon: float = 1e-5, affine: bool = True) -> None:
+    def __init__(
+        self, shape: int | tuple[int, ...], activation: Activation = None, *, epsilon: float = 1e-5, affine: bool = True
+    ) -> None:
         self.shape = _shape_arg("LayerNorm", shape)
-        self._init_affine(epsilon, affine, self.shape)
+        self._init_affine(epsilon, affine, self.shape, activation)
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         axes = _trailing_axes(self, x, self.shape)
-        self._check_params(ps)
-        return self._scale_and_shift(normalize(x, axis=axes, epsilon=self.epsilon), ps), st
+        x = self._input(x, ps)
+        return self._activate(self._scale_and_shift(normalize(x, axis=axes, epsilon=self.epsilon), ps)), st
 
     def __repr__(self) -> str:
         return f"LayerNorm({_shape_repr(self.shape)}{_options(**self._flags())})"
@@ -216,7 +305,7 @@ class RMSNorm(_Norm):
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         axes = _trailing_axes(self, x, self.shape)
-        self._check_params(ps)
+        x = self._input(x, ps)
         return self._scale_and_shift(rms_normalize(x, axis=axes, epsilon=self.epsilon), ps), st
 
     def __repr__(self) -> str:
@@ -227,7 +316,8 @@ class GroupNorm(_Norm):
     """Group normalisation of channel-last input ``(N, ..., num_channels)``: the channels
     split into `num_groups` groups of consecutive channels, each normalised over its
     channels and all spatial positions of one sample (as ``torch.nn.GroupNorm`` on the
-    channel-first layout). Parameters ``{"scale": (C,), "bias": (C,)}`` (when `affine`).
+    channel-first layout). Parameters ``{"scale": (C,), "bias": (C,)}`` (when `affine`);
+    then `activation` (a name, a function or None).
 
     >>> import luxnn as lx
     >>> gn = lx.GroupNorm(2, 4)
@@ -236,21 +326,23 @@ class GroupNorm(_Norm):
     (2, 3, 3, 4)
     """
 
-    def __init__(self, num_groups: int, num_channels: int, *, epsilon: float = 1e-5, affine: bool = True) -> None:
+    def __init__(
+        self, num_groups: int, num_channels: int, activation: Activation = None, *, epsilon: float = 1e-5, affine: bool = True
+    ) -> None:
         self.num_groups = _positive_int("GroupNorm", "num_groups", num_groups)
         self.num_channels = _positive_int("GroupNorm", "num_channels", num_channels)
         if self.num_channels % self.num_groups:
             raise ValueError(f"GroupNorm: num_channels ({num_channels}) must be divisible by num_groups ({num_groups})")
-        self._init_affine(epsilon, affine, (self.num_channels,))
+        self._init_affine(epsilon, affine, (self.num_channels,), activation)
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         c, g = self.num_channels, self.num_groups
         shape = _check_channels_last(self, x, c)
-        self._check_params(ps)
+        x = self._input(x, ps)
         grouped = x.reshape((*shape[:-1], g, c // g))
         axes = (*range(1, len(shape) - 1), len(shape))
         y = normalize(grouped, axis=axes, epsilon=self.epsilon).reshape(shape)
-        return self._scale_and_shift(y, ps), st
+        return self._activate(self._scale_and_shift(y, ps)), st
 
     def __repr__(self) -> str:
         return f"GroupNorm({self.num_groups}, {self.num_channels}{_options(**self._flags())})"

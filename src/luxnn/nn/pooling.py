@@ -1,4 +1,5 @@
-"""Pooling layers over channels-last input: windowed max and mean, and their global forms."""
+"""Pooling layers over channels-last input: windowed max and mean, their adaptive forms
+(to a given output size) and their global forms."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from typing import Any
 from ..ad import array_namespace
 from ..core import Layer, LayerError
 from ..ops.conv import conv_output_size
-from ..ops.pool import avg_pool, max_pool
+from ..ops.pool import adaptive_avg_pool, adaptive_max_pool, avg_pool, max_pool
 from .conv import PaddingSpec, check_input, format_padding, padding_spec, same_padding, spatial_tuple, window_tuple
 
-__all__ = ["MaxPool", "AvgPool", "GlobalMaxPool", "GlobalAvgPool"]
+__all__ = ["MaxPool", "AvgPool", "AdaptiveMaxPool", "AdaptiveAvgPool", "GlobalMaxPool", "GlobalAvgPool"]
 
 
 class _Pool(Layer):
@@ -101,6 +102,45 @@ class AvgPool(_Pool):
 
     def _options(self) -> str:
         return super()._options() + ("" if self.count_include_pad else ", count_include_pad=False")
+
+
+class _AdaptivePool(Layer):
+    # The adaptive pooling op of `luxnn.ops.pool`; the subclasses differ only in it.
+    pool: Any
+
+    def __init__(self, out_size: int | tuple[int, ...]) -> None:
+        self.out_size = window_tuple(type(self).__name__, "out_size", out_size)
+
+    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        check_input(self, x, len(self.out_size), None)
+        return type(self).pool(x, self.out_size), st
+
+
+class AdaptiveAvgPool(_AdaptivePool):
+    """Mean pooling to a fixed output size, as ``torch.nn.AdaptiveAvgPool1d/2d/3d``:
+    ``(N, *spatial, C)`` -> ``(N, *out_size, C)``, output i of an axis of size n averaging
+    inputs ``floor(i * n / out)`` to ``ceil((i + 1) * n / out) - 1``. `out_size` is an int
+    (2-D, both axes) or one size per spatial axis, which sets the rank.
+
+    >>> import numpy as np, luxnn as lx
+    >>> lx.AdaptiveAvgPool((2, 3))(np.ones((2, 7, 9, 4), np.float32), {}, {})[0].shape
+    (2, 2, 3, 4)
+    """
+
+    pool = adaptive_avg_pool
+
+
+class AdaptiveMaxPool(_AdaptivePool):
+    """Max pooling to a fixed output size, as ``torch.nn.AdaptiveMaxPool1d/2d/3d``; bins
+    and shapes as `AdaptiveAvgPool`. The gradient goes to each window's first maximum in
+    row-major order, as PyTorch's.
+
+    >>> import numpy as np, luxnn as lx
+    >>> lx.AdaptiveMaxPool(1)(np.ones((2, 7, 9, 4), np.float32), {}, {})[0].shape
+    (2, 1, 1, 4)
+    """
+
+    pool = adaptive_max_pool
 
 
 class _GlobalPool(Layer):

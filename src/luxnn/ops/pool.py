@@ -8,6 +8,9 @@ operations on strided views of the padded input), never over output positions.
 - `avg_pool` pads with zeros and by default divides by the full window size, counting the
   padding (PyTorch's ``count_include_pad=True`` default); ``count_include_pad=False``
   divides by the number of real elements in each window instead.
+- `adaptive_avg_pool` and `adaptive_max_pool` pool to a given output size with PyTorch's
+  bins (`adaptive_bins`), one axis at a time (a box's mean or max is that of its rows'),
+  one whole-array operation per output index of the axis.
 
 >>> import numpy as np
 >>> x = np.arange(16, dtype=np.float32).reshape(1, 4, 4, 1)
@@ -28,7 +31,7 @@ from ..backend import module_of
 from .conv import Pairs, conv_output_size, crop_spatial, pad_spatial, per_axis, per_side, window_slices
 from ..parallel import for_blocks
 
-__all__ = ["max_pool", "avg_pool"]
+__all__ = ["max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool", "adaptive_bins"]
 
 
 def _config(x: Any, window: Any, stride: Any, padding: Any) -> tuple[tuple[int, ...], tuple[int, ...], Pairs]:
@@ -151,5 +154,99 @@ def _avg_pool(x, *, window, stride, padding, count_include_pad):
 
         for_blocks(backward, share)
         return (crop_spatial(dxpad, in_sizes, padding),)
+
+    return y, vjp
+
+
+def adaptive_bins(size: int, out: int) -> tuple[tuple[int, int], ...]:
+    """PyTorch's adaptive pooling windows ``[floor(i * size / out), ceil((i + 1) * size / out))``
+    for ``i < out``: they cover the axis, neighbours overlapping when `out` does not divide
+    `size`.
+
+    >>> adaptive_bins(5, 3)
+    ((0, 2), (1, 4), (3, 5))
+    """
+    return tuple((i * size // out, -(-(i + 1) * size // out)) for i in range(out))
+
+
+def _adaptive_config(x: Any, out_size: Any, owner: str) -> tuple[int, ...]:
+    rank = getattr(x, "ndim", 0) - 2
+    if rank < 1:
+        raise ValueError(f"{owner}: expected input (N, *spatial, C) with a spatial axis, got shape {getattr(x, 'shape', None)}")
+    out = per_axis(out_size, rank)
+    if len(out) != rank or any(o < 1 for o in out):
+        raise ValueError(f"{owner}: expected {rank} positive output sizes for input of shape {x.shape}, got {out_size!r}")
+    return out
+
+
+def adaptive_avg_pool(x: Any, out_size: Any) -> Any:
+    """Mean over PyTorch's adaptive windows: ``(N, *spatial, C)`` -> ``(N, *out_size, C)``
+    (`out_size` an int for every spatial axis, or one per axis).
+
+    >>> adaptive_avg_pool(np.arange(5.0).reshape(1, 5, 1), 3)[0, :, 0].tolist()
+    [0.5, 2.0, 3.5]
+    """
+    y = x
+    for axis, out in enumerate(_adaptive_config(x, out_size, "adaptive_avg_pool"), 1):
+        if out != x.shape[axis]:
+            y = _adaptive_mean_axis(y, axis=axis, bins=adaptive_bins(x.shape[axis], out))
+    return y
+
+
+def adaptive_max_pool(x: Any, out_size: Any) -> Any:
+    """Maximum over PyTorch's adaptive windows; shapes as `adaptive_avg_pool`. The
+    gradient goes to each window's first maximum in row-major order, as PyTorch's: the
+    last axis is reduced first, so the earlier axes pick among the rows' first maxima."""
+    out = _adaptive_config(x, out_size, "adaptive_max_pool")
+    y = x
+    for axis in range(len(out), 0, -1):
+        if out[axis - 1] != x.shape[axis]:
+            y = _adaptive_max_axis(y, axis=axis, bins=adaptive_bins(x.shape[axis], out[axis - 1]))
+    return y
+
+
+def _at(axis: int, index: Any) -> tuple[Any, ...]:
+    return (slice(None),) * axis + (index,)
+
+
+def _bin_shape(shape: tuple[int, ...], axis: int, n: int) -> tuple[int, ...]:
+    return (*shape[:axis], n, *shape[axis + 1 :])
+
+
+@primitive
+def _adaptive_mean_axis(x, *, axis, bins):
+    y = module_of(x).empty(_bin_shape(x.shape, axis, len(bins)), x.dtype)
+    for i, (lo, hi) in enumerate(bins):
+        np.mean(x[_at(axis, slice(lo, hi))], axis=axis, keepdims=True, out=y[_at(axis, slice(i, i + 1))])
+    shape = x.shape
+
+    def vjp(g, needs):
+        gx = module_of(g).zeros(shape, g.dtype)
+        for i, (lo, hi) in enumerate(bins):
+            gx[_at(axis, slice(lo, hi))] += g[_at(axis, slice(i, i + 1))] / (hi - lo)
+        return (gx,)
+
+    return y, vjp
+
+
+@primitive
+def _adaptive_max_axis(x, *, axis, bins):
+    xp = module_of(x)
+    y = xp.empty(_bin_shape(x.shape, axis, len(bins)), x.dtype)
+    # Per bin: where along the bin its (first) maximum lies.
+    args = []
+    for i, (lo, hi) in enumerate(bins):
+        window = x[_at(axis, slice(lo, hi))]
+        arg = xp.argmax(window, axis=axis)[_at(axis, None)]
+        args.append(arg)
+        y[_at(axis, slice(i, i + 1))] = xp.take_along_axis(window, arg, axis=axis)
+    shape = x.shape
+
+    def vjp(g, needs):
+        gx = module_of(g).zeros(shape, g.dtype)
+        for i, ((lo, hi), arg) in enumerate(zip(bins, args)):
+            offsets = xp.arange(hi - lo).reshape(_bin_shape((1,) * g.ndim, axis, hi - lo))
+            gx[_at(axis, slice(lo, hi))] += (offsets == arg) * g[_at(axis, slice(i, i + 1))]
+        return (gx,)
 
     return y, vjp
