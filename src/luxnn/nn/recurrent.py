@@ -26,7 +26,8 @@ class Steps(NamedTuple):
     batch, in_dims)``, the carry to start from (None: the cell's initial carry), and
     `reverse` (last step first; outputs stay aligned with the input positions). The cell
     returns every step's output packed in one array ``(seq, batch, P)``: h_t in its first
-    `hidden` columns (for the LSTM, c_t in the next `hidden`). `Recurrence` calls cells so.
+    `hidden` columns (for the LSTM, c_t in the next `hidden`); with `last_only`, only the
+    last step taken's, ``(batch, P)``. `Recurrence` calls cells so.
 
     >>> import luxnn as lx
     >>> cell = lx.LSTMCell(3, 5)
@@ -38,6 +39,7 @@ class Steps(NamedTuple):
     xs: Any
     carry: Any = None
     reverse: bool = False
+    last_only: bool = False
 
 
 class RecurrentCell(Layer):
@@ -87,9 +89,9 @@ class RecurrentCell(Layer):
 
     # -- what each cell defines ---------------------------------------------------------
 
-    def _scan(self, xs: Any, ps: dict[str, Any], carry: tuple, reverse: bool) -> Any:
-        """The cell's primitive over time-major `xs` ``(seq, batch, in_dims)``: every
-        step's packed output ``(seq, batch, P)``, h_t in its first `hidden` columns."""
+    def _scan(self, xs: Any, ps: dict[str, Any], carry: tuple, reverse: bool, last_only: bool) -> Any:
+        """The cell's primitive over time-major `xs` ``(seq, batch, in_dims)`` from the
+        checked `carry` (see `Steps`)."""
         raise NotImplementedError
 
     def _carry_of(self, packed: Any) -> Any:
@@ -103,18 +105,18 @@ class RecurrentCell(Layer):
             shape = getattr(x.xs, "shape", None)
             if shape is None or len(shape) != 3 or shape[0] < 1 or shape[2] != self.in_dims:
                 raise LayerError(f"{self}: expected Steps of shape (seq >= 1, batch, {self.in_dims}), got {shape}")
-            return self._steps(x.xs, ps, x.carry, x.reverse), st
+            return self._steps(x.xs, ps, x.carry, x.reverse, x.last_only), st
         if isinstance(x, tuple) and len(x) != 2:
             raise LayerError(f"{self}: expected x_t or (x_t, carry), got a tuple of {len(x)}")
         x_t, carry = x if isinstance(x, tuple) else (x, None)
         shape = getattr(x_t, "shape", None)
         if shape is None or len(shape) != 2 or shape[1] != self.in_dims:
             raise LayerError(f"{self}: expected x_t of shape (batch, {self.in_dims}) or (x_t, carry), got {shape}")
-        packed = self._steps(array_namespace(x_t).expand_dims(x_t, 0), ps, carry, False)[0]
+        packed = self._steps(array_namespace(x_t).expand_dims(x_t, 0), ps, carry, False, True)
         h = packed if packed.shape[1] == self.hidden else packed[:, : self.hidden]
         return (h, self._carry_of(packed)), st
 
-    def _steps(self, xs: Any, ps: dict[str, Any], carry: Any, reverse: bool) -> Any:
+    def _steps(self, xs: Any, ps: dict[str, Any], carry: Any, reverse: bool, last_only: bool) -> Any:
         check_params(self, ps, self._shapes)
         weight = ps["weight_ih"]
         xs = match_eltype(self, xs, weight)
@@ -123,7 +125,7 @@ class RecurrentCell(Layer):
             carry = self._initial_carry(ps, batch)
         else:
             carry = tuple(match_eltype(self, c, weight) for c in self._checked_carry(carry, batch))
-        return self._scan(xs, ps, carry, reverse)
+        return self._scan(xs, ps, carry, reverse, last_only)
 
     def _initial_carry(self, ps: dict[str, Any], batch: int) -> tuple:
         if self.init_carry == "trainable":
@@ -179,9 +181,9 @@ class RNNCell(RecurrentCell):
         self.activation = activation
         super().__init__(in_dims, hidden, use_bias=use_bias, init_carry=init_carry)
 
-    def _scan(self, xs, ps, carry, reverse):
+    def _scan(self, xs, ps, carry, reverse, last_only):
         xw = self._input_projection(xs, ps, self._both_biases(ps))
-        return rnn_sequence(xw, ps["weight_hh"], carry[0], activation=self.activation, reverse=reverse)
+        return rnn_sequence(xw, ps["weight_hh"], carry[0], activation=self.activation, reverse=reverse, last_only=last_only)
 
     def _repr_extra(self) -> str:
         return "" if self.activation == "tanh" else ", relu"
@@ -203,9 +205,9 @@ class LSTMCell(RecurrentCell):
     gates = 4
     carry_names = ("h0", "c0")
 
-    def _scan(self, xs, ps, carry, reverse):
+    def _scan(self, xs, ps, carry, reverse, last_only):
         xw = self._input_projection(xs, ps, self._both_biases(ps))
-        return lstm_sequence(xw, ps["weight_hh"], *carry, reverse=reverse)
+        return lstm_sequence(xw, ps["weight_hh"], *carry, reverse=reverse, last_only=last_only)
 
     def _carry_of(self, packed):
         return packed[:, : self.hidden], packed[:, self.hidden :]
@@ -225,9 +227,9 @@ class GRUCell(RecurrentCell):
 
     gates = 3
 
-    def _scan(self, xs, ps, carry, reverse):
+    def _scan(self, xs, ps, carry, reverse, last_only):
         xw = self._input_projection(xs, ps, ps["bias_ih"] if self.use_bias else None)
-        return gru_sequence(xw, ps["weight_hh"], ps.get("bias_hh"), carry[0], reverse=reverse)
+        return gru_sequence(xw, ps["weight_hh"], ps.get("bias_hh"), carry[0], reverse=reverse, last_only=last_only)
 
 
 class Recurrence(Layer):
@@ -266,11 +268,12 @@ class Recurrence(Layer):
         xp = array_namespace(x)
         if not isinstance(self.cell, RecurrentCell):
             return self._step_by_step(x, ps, st, xp)
-        packed, st_cell = call_child("cell", self.cell, Steps(xp.permute_dims(x, (1, 0, 2)), reverse=self.reverse), ps, st)
+        steps = Steps(xp.permute_dims(x, (1, 0, 2)), reverse=self.reverse, last_only=not self.return_sequence)
+        packed, st_cell = call_child("cell", self.cell, steps, ps, st)
         st = {"cell": st_cell}
         hidden = self.cell.hidden
         if not self.return_sequence:
-            return packed[0 if self.reverse else -1, :, :hidden], st
+            return packed if packed.shape[1] == hidden else packed[:, :hidden], st
         hs = packed if packed.shape[2] == hidden else packed[:, :, :hidden]
         return xp.permute_dims(hs, (1, 0, 2)), st
 

@@ -12,6 +12,8 @@ weights copy over from ``torch.nn.RNN/LSTM/GRU`` by a transpose.
 Shapes are time-major, ``(seq, batch, features)``, so that each step's rows are one
 contiguous block. ``reverse=True`` runs from the last step to the first; outputs stay
 aligned with the inputs' positions (as the backward half of PyTorch's bidirectional RNNs).
+``last_only=True`` returns only the output of the last step taken, ``(batch, P)``, whose
+cotangent then seeds the backward pass (no cotangent of zeros for every other step).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from ..parallel import for_blocks, matmul, num_threads
+from ..parallel import matmul
 
 __all__ = ["rnn_sequence", "lstm_sequence", "gru_sequence"]
 
@@ -49,16 +51,15 @@ def _previous(hs, h0, t, seq, reverse):
     return h0 if p < 0 or p == seq else hs[p]
 
 
-# The rows of a batch are independent all along the sequence, so the steps run on blocks of
-# rows, one per thread, each with its own single-threaded BLAS products: a step's
-# elementwise work is too small to cut, but the whole sequence of a block is not. Blocks
-# of fewer rows cost more in calls than they save.
-_MIN_ROWS = 16
+def _result(outputs, last_only, reverse):
+    """A primitive's output: every step's `outputs`, or a copy of the last step taken's."""
+    return outputs[0 if reverse else -1].copy() if last_only else outputs
 
 
-def _by_rows(kernel, like):
-    """``kernel(lo, hi)`` for blocks of the batch rows of `like` ``(batch, ...)``."""
-    for_blocks(kernel, like, rows=max(_MIN_ROWS, -(-like.shape[0] // num_threads())), blas=True)
+def _carried(g, shape, dtype, last_only, xp):
+    """The cotangent carried back from step to step, before the last step taken: that
+    step's output cotangent for `last_only`, else zeros (each step then adds its own)."""
+    return g.astype(dtype, copy=True) if last_only else xp.zeros(shape, dtype)
 
 
 def _hidden_weight_grad(hs, h0, d, reverse):
@@ -78,7 +79,7 @@ def _hidden_weight_grad(hs, h0, d, reverse):
 
 
 @primitive
-def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False):
+def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False, last_only=False):
     """Elman RNN over a sequence: ``h_t = act(xw[t] + h_{t-1} @ w_hh)``, `act` tanh or relu.
 
     Shapes: xw ``(seq, batch, H)`` (``x_t @ W_ih + b_ih + b_hh``), w_hh ``(H, H)``, h0
@@ -94,60 +95,50 @@ def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False):
     xp = module_of(xw)
     seq = xw.shape[0]
     hs = xp.empty(xw.shape, np.result_type(xw, w_hh, h0))
-
-    def forward(lo, hi):
-        rows = slice(lo, hi)
-        h_prev = h0[rows]
-        for t in _order(seq, reverse):
-            h = hs[t, rows]
-            np.matmul(h_prev, w_hh, out=h)
-            h += xw[t, rows]
-            if activation == "tanh":
-                np.tanh(h, out=h)
-            else:
-                np.maximum(h, 0, out=h)
-            h_prev = h
-
-    _by_rows(forward, h0)
+    for t in _order(seq, reverse):
+        h = hs[t]
+        np.matmul(_previous(hs, h0, t, seq, reverse), w_hh, out=h)
+        h += xw[t]
+        if activation == "tanh":
+            np.tanh(h, out=h)
+        else:
+            np.maximum(h, 0, out=h)
 
     def vjp(g, needs):
         d = xp.empty_like(hs)  # the cotangent of each step's pre-activation
-        dh = xp.zeros_like(hs[0])
-
-        def backward(lo, hi):
-            rows = slice(lo, hi)
-            for t in reversed(_order(seq, reverse)):
-                y, dt = hs[t, rows], d[t, rows]
-                dh[rows] += g[t, rows]
-                if activation == "tanh":
-                    np.multiply(y, y, out=dt)
-                    np.subtract(1, dt, out=dt)
-                    dt *= dh[rows]
-                else:
-                    np.multiply(dh[rows], y > 0, out=dt)
-                np.matmul(dt, w_hh.T, out=dh[rows])
-
-        _by_rows(backward, h0)
+        dh = _carried(g, hs[0].shape, hs.dtype, last_only, xp)
+        for t in reversed(_order(seq, reverse)):
+            y, dt = hs[t], d[t]
+            if not last_only:
+                dh += g[t]
+            if activation == "tanh":
+                np.multiply(y, y, out=dt)
+                np.subtract(1, dt, out=dt)
+                dt *= dh
+            else:
+                np.multiply(dh, y > 0, out=dt)
+            np.matmul(dt, w_hh.T, out=dh)
         gw = _hidden_weight_grad(hs, h0, d, reverse) if needs[1] else None
         return d, gw, dh
 
-    return hs, vjp
+    return _result(hs, last_only, reverse), vjp
 
 
 # The LSTM's gates i, f, g, o are sigmoid, sigmoid, tanh, sigmoid. sigmoid(x) =
 # (1 + tanh(x / 2)) / 2, so all four are one tanh over the step's gate buffer between two
-# per-column affine maps: tanh(x * _PRE) * _POST + _SHIFT. It never overflows, and the
-# derivative of every gate is (1 - tanh^2) * _PRE * _POST.
+# per-column affine maps, tanh(x * half) * half + shift, which never overflows; the
+# derivative of every gate is then (1 - tanh^2) * half^2.
 def _lstm_constants(hidden, dtype, xp):
+    """(half, shift), each ``(4H,)``: 0.5 and 0.5 in the sigmoid gates' columns, 1 and 0 in g's."""
     half = xp.full(4 * hidden, 0.5, dtype)
     half[2 * hidden : 3 * hidden] = 1.0
     shift = half.copy()
     shift[2 * hidden : 3 * hidden] = 0.0
-    return half, shift  # _PRE == _POST == half; _SHIFT == shift
+    return half, shift
 
 
 @primitive
-def lstm_sequence(xw, w_hh, h0, c0, *, reverse=False):
+def lstm_sequence(xw, w_hh, h0, c0, *, reverse=False, last_only=False):
     """LSTM over a sequence, as PyTorch (gates i, f, g, o)::
 
         i, f, g, o = sigmoid, sigmoid, tanh, sigmoid of (xw[t] + h_{t-1} @ w_hh)
@@ -172,68 +163,55 @@ def lstm_sequence(xw, w_hh, h0, c0, *, reverse=False):
     out = xp.empty((seq, batch, 2 * H), dtype)
     tanh_c = xp.empty((seq, batch, H), dtype)
     hs, cs = out[:, :, :H], out[:, :, H:]
-
-    def forward(lo, hi):
-        rows = slice(lo, hi)
-        h_prev, c_prev = h0[rows], c0[rows]
-        for t in _order(seq, reverse):
-            tg, a, h, c, tc = tanh_gates[t, rows], gates[t, rows], hs[t, rows], cs[t, rows], tanh_c[t, rows]
-            np.matmul(h_prev, w_hh, out=tg)
-            tg += xw[t, rows]
-            tg *= half
-            np.tanh(tg, out=tg)
-            np.multiply(tg, half, out=a)
-            a += shift
-            np.multiply(a[:, H : 2 * H], c_prev, out=c)
-            np.multiply(a[:, :H], a[:, 2 * H : 3 * H], out=h)  # i * g, with h_t as scratch
-            c += h
-            np.tanh(c, out=tc)
-            np.multiply(a[:, 3 * H :], tc, out=h)
-            h_prev, c_prev = h, c
-
-    _by_rows(forward, h0)
+    for t in _order(seq, reverse):
+        tg, a, h, c = tanh_gates[t], gates[t], hs[t], cs[t]
+        np.matmul(_previous(hs, h0, t, seq, reverse), w_hh, out=tg)
+        tg += xw[t]
+        tg *= half
+        np.tanh(tg, out=tg)
+        np.multiply(tg, half, out=a)
+        a += shift
+        np.multiply(a[:, H : 2 * H], _previous(cs, c0, t, seq, reverse), out=c)
+        np.multiply(a[:, :H], a[:, 2 * H : 3 * H], out=h)  # i * g, with h_t as scratch
+        c += h
+        np.tanh(c, out=tanh_c[t])
+        np.multiply(a[:, 3 * H :], tanh_c[t], out=h)
 
     def vjp(g, needs):
-        slope = half * half  # d gate / d pre-activation = (1 - tanh^2) * slope
+        slope = half * half
         d = xp.empty(xw.shape, dtype)  # the cotangent of each step's pre-activation
-        dhc = xp.zeros((batch, 2 * H), dtype)  # [dh | dc], carried back from step to step
-        dh0c0 = xp.empty((batch, 2 * H), dtype)
-
-        def backward(lo, hi):
-            rows = slice(lo, hi)
-            dh, dc = dhc[rows, :H], dhc[rows, H:]
-            scratch = xp.empty((hi - lo, H), dtype)
-            for t in reversed(_order(seq, reverse)):
-                a, tc, dt, tg = gates[t, rows], tanh_c[t, rows], d[t, rows], tanh_gates[t, rows]
-                dhc[rows] += g[t, rows]
-                # dc += dh * o * (1 - tanh(c)^2)
-                np.multiply(tc, tc, out=scratch)
-                np.subtract(1, scratch, out=scratch)
-                scratch *= a[:, 3 * H :]
-                scratch *= dh
-                dc += scratch
-                np.multiply(dh, tc, out=dt[:, 3 * H :])  # do
-                np.multiply(dc, a[:, 2 * H : 3 * H], out=dt[:, :H])  # di
-                np.multiply(dc, _previous(cs, c0, t, seq, reverse)[rows], out=dt[:, H : 2 * H])  # df
-                np.multiply(dc, a[:, :H], out=dt[:, 2 * H : 3 * H])  # dg
-                dc *= a[:, H : 2 * H]
-                # times (1 - tanh^2) * slope, formed in place: the tape runs a VJP once,
-                # and the forward's tanh values are not needed again
-                np.multiply(tg, tg, out=tg)
-                np.subtract(1, tg, out=tg)
-                tg *= slope
-                dt *= tg
-                np.matmul(dt, w_hh.T, out=dh)
-
-        _by_rows(backward, h0)
+        dhc = _carried(g, (batch, 2 * H), dtype, last_only, xp)  # [dh | dc]
+        dh, dc = dhc[:, :H], dhc[:, H:]
+        scratch = xp.empty((batch, H), dtype)
+        for t in reversed(_order(seq, reverse)):
+            a, tc, dt, tg = gates[t], tanh_c[t], d[t], tanh_gates[t]
+            if not last_only:
+                dhc += g[t]
+            # dc += dh * o * (1 - tanh(c)^2), and o * (1 - tanh(c)^2) = o - h * tanh(c)
+            np.multiply(hs[t], tc, out=scratch)
+            np.subtract(a[:, 3 * H :], scratch, out=scratch)
+            scratch *= dh
+            dc += scratch
+            np.multiply(dh, tc, out=dt[:, 3 * H :])  # do
+            np.multiply(dc, a[:, 2 * H : 3 * H], out=dt[:, :H])  # di
+            np.multiply(dc, _previous(cs, c0, t, seq, reverse), out=dt[:, H : 2 * H])  # df
+            np.multiply(dc, a[:, :H], out=dt[:, 2 * H : 3 * H])  # dg
+            dc *= a[:, H : 2 * H]
+            # times each gate's derivative, (1 - tanh^2) * slope, formed in place: the tape
+            # runs a VJP once, and the forward's tanh values are not needed again
+            np.multiply(tg, tg, out=tg)
+            np.subtract(1, tg, out=tg)
+            tg *= slope
+            dt *= tg
+            np.matmul(dt, w_hh.T, out=dh)
         gw = _hidden_weight_grad(hs, h0, d, reverse) if needs[1] else None
-        return d, gw, dhc[:, :H], dhc[:, H:]
+        return d, gw, dh, dc
 
-    return out, vjp
+    return _result(out, last_only, reverse), vjp
 
 
 @primitive
-def gru_sequence(xw, w_hh, b_hh, h0, *, reverse=False):
+def gru_sequence(xw, w_hh, b_hh, h0, *, reverse=False, last_only=False):
     """GRU over a sequence, as PyTorch (gates r, z, n; the reset gate scales the hidden
     projection with its bias)::
 
@@ -247,82 +225,69 @@ def gru_sequence(xw, w_hh, b_hh, h0, *, reverse=False):
     >>> gru_sequence(np.ones((3, 2, 6)), np.zeros((2, 6)), np.zeros(6), np.zeros((2, 2))).shape
     (3, 2, 2)
     """
-    hidden = _check("gru_sequence", xw, w_hh, 3, (h0,))
-    if b_hh is not None and b_hh.shape != (3 * hidden,):
-        raise ValueError(f"gru_sequence: expected b_hh of shape ({3 * hidden},), got {b_hh.shape}")
+    H = _check("gru_sequence", xw, w_hh, 3, (h0,))
+    if b_hh is not None and b_hh.shape != (3 * H,):
+        raise ValueError(f"gru_sequence: expected b_hh of shape ({3 * H},), got {b_hh.shape}")
     xp = module_of(xw)
     seq, batch, _ = xw.shape
-    H = hidden
     dtype = np.result_type(xw, w_hh, h0, *(() if b_hh is None else (b_hh,)))
     hidden_proj = xp.empty(xw.shape, dtype)  # h_{t-1} @ w_hh + b_hh
     gates = xp.empty(xw.shape, dtype)  # r, z, n
     hs = xp.empty((seq, batch, H), dtype)
-
-    def forward(lo, hi):
-        rows = slice(lo, hi)
-        h_prev = h0[rows]
-        for t in _order(seq, reverse):
-            gh, a, h, x_t = hidden_proj[t, rows], gates[t, rows], hs[t, rows], xw[t, rows]
-            np.matmul(h_prev, w_hh, out=gh)
-            if b_hh is not None:
-                gh += b_hh
-            rz = a[:, : 2 * H]
-            np.add(x_t[:, : 2 * H], gh[:, : 2 * H], out=rz)
-            rz *= 0.5  # sigmoid(x) = (1 + tanh(x / 2)) / 2, which never overflows
-            np.tanh(rz, out=rz)
-            rz += 1
-            rz *= 0.5
-            n = a[:, 2 * H :]
-            np.multiply(a[:, :H], gh[:, 2 * H :], out=n)
-            n += x_t[:, 2 * H :]
-            np.tanh(n, out=n)
-            np.subtract(h_prev, n, out=h)  # h_t = n + z * (h_prev - n)
-            h *= a[:, H : 2 * H]
-            h += n
-            h_prev = h
-
-    _by_rows(forward, h0)
+    for t in _order(seq, reverse):
+        gh, a, h, x_t, h_prev = hidden_proj[t], gates[t], hs[t], xw[t], _previous(hs, h0, t, seq, reverse)
+        np.matmul(h_prev, w_hh, out=gh)
+        if b_hh is not None:
+            gh += b_hh
+        rz = a[:, : 2 * H]
+        np.add(x_t[:, : 2 * H], gh[:, : 2 * H], out=rz)
+        rz *= 0.5  # sigmoid(x) = (1 + tanh(x / 2)) / 2, which never overflows
+        np.tanh(rz, out=rz)
+        rz += 1
+        rz *= 0.5
+        n = a[:, 2 * H :]
+        np.multiply(a[:, :H], gh[:, 2 * H :], out=n)
+        n += x_t[:, 2 * H :]
+        np.tanh(n, out=n)
+        np.subtract(h_prev, n, out=h)  # h_t = n + z * (h_prev - n)
+        h *= a[:, H : 2 * H]
+        h += n
 
     def vjp(g, needs):
         d_in = xp.empty(xw.shape, dtype)  # the cotangent of xw's pre-activations
         d_hid = xp.empty(xw.shape, dtype)  # the cotangent of the hidden projection
-        dh_all = xp.zeros((batch, H), dtype)
-
-        def backward(lo, hi):
-            rows = slice(lo, hi)
-            dh = dh_all[rows]
-            scratch = xp.empty((hi - lo, H), dtype)
-            for t in reversed(_order(seq, reverse)):
-                a, gh, di, dhid = gates[t, rows], hidden_proj[t, rows], d_in[t, rows], d_hid[t, rows]
-                r, z, n = a[:, :H], a[:, H : 2 * H], a[:, 2 * H :]
-                h_prev = _previous(hs, h0, t, seq, reverse)[rows]
-                dh += g[t, rows]
-                dr, dz, dn = di[:, :H], di[:, H : 2 * H], di[:, 2 * H :]
-                # dn_pre = dh * (1 - z) * (1 - n^2)
-                np.subtract(1, z, out=dn)
-                dn *= dh
-                np.multiply(n, n, out=scratch)
-                np.subtract(1, scratch, out=scratch)
-                dn *= scratch
-                # dz_pre = dh * (h_prev - n) * z * (1 - z)
-                np.subtract(h_prev, n, out=dz)
-                dz *= dh
-                dz *= z
-                np.subtract(1, z, out=scratch)
-                dz *= scratch
-                # dr_pre = dn_pre * gh_n * r * (1 - r)
-                np.multiply(dn, gh[:, 2 * H :], out=dr)
-                dr *= r
-                np.subtract(1, r, out=scratch)
-                dr *= scratch
-                dhid[:, : 2 * H] = di[:, : 2 * H]
-                np.multiply(dn, r, out=dhid[:, 2 * H :])
-                dh *= z
-                dh += np.matmul(dhid, w_hh.T, out=scratch)
-
-        _by_rows(backward, h0)
+        dh = _carried(g, (batch, H), dtype, last_only, xp)
+        scratch = xp.empty((batch, H), dtype)
+        for t in reversed(_order(seq, reverse)):
+            a, gh, di, dhid = gates[t], hidden_proj[t], d_in[t], d_hid[t]
+            r, z, n = a[:, :H], a[:, H : 2 * H], a[:, 2 * H :]
+            dr, dz, dn = di[:, :H], di[:, H : 2 * H], di[:, 2 * H :]
+            h_prev = _previous(hs, h0, t, seq, reverse)
+            if not last_only:
+                dh += g[t]
+            # dn_pre = dh * (1 - z) * (1 - n^2)
+            np.subtract(1, z, out=dn)
+            dn *= dh
+            np.multiply(n, n, out=scratch)
+            np.subtract(1, scratch, out=scratch)
+            dn *= scratch
+            # dz_pre = dh * (h_prev - n) * z * (1 - z)
+            np.subtract(h_prev, n, out=dz)
+            dz *= dh
+            dz *= z
+            np.subtract(1, z, out=scratch)
+            dz *= scratch
+            # dr_pre = dn_pre * gh_n * r * (1 - r)
+            np.multiply(dn, gh[:, 2 * H :], out=dr)
+            dr *= r
+            np.subtract(1, r, out=scratch)
+            dr *= scratch
+            dhid[:, : 2 * H] = di[:, : 2 * H]
+            np.multiply(dn, r, out=dhid[:, 2 * H :])
+            dh *= z
+            dh += np.matmul(dhid, w_hh.T, out=scratch)
         gw = _hidden_weight_grad(hs, h0, d_hid, reverse) if needs[1] else None
         gb = d_hid.reshape(-1, 3 * H).sum(axis=0) if b_hh is not None and needs[2] else None
-        return d_in, gw, gb, dh_all
+        return d_in, gw, gb, dh
 
-    return hs, vjp
+    return _result(hs, last_only, reverse), vjp
