@@ -3,6 +3,10 @@ the last output into a Dense layer of 10 classes), training step = forward + bac
 Adam update with softmax cross-entropy, luxnn against ``torch.nn.LSTM`` in PyTorch eager
 on the CPU, interleaved rounds, medians. The target: at most 1.3x PyTorch's step.
 
+PyTorch's LSTM on the CPU runs oneDNN's fused RNN primitive (forward and backward);
+``--no-onednn`` also times it with oneDNN off, PyTorch's own ATen LSTM (a GEMM per step
+and a fused cell kernel, autograd through the steps), the peer a NumPy step is closest to.
+
     python benchmarks/lstm_step.py [--rounds 7] [--per-round 3] [--no-cache]
 """
 
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import warnings
 
 from luxnn.bench import models
 from luxnn.bench.machine import blas, blas_summary
@@ -19,16 +24,32 @@ from luxnn.bench.runner import interleaved_rounds
 MODEL = models.LSTM()
 
 
+def without_onednn(step):
+    """`step` with PyTorch's oneDNN (mkldnn) kernels turned off while it runs."""
+    import torch
+
+    def run() -> None:
+        with warnings.catch_warnings():  # flags() warns that TF32 needs an Intel GPU
+            warnings.simplefilter("ignore", UserWarning)
+            with torch.backends.mkldnn.flags(enabled=False):
+                step()
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--per-round", type=int, default=3)
     parser.add_argument("--no-cache", action="store_true", help="train without the allocator cache")
+    parser.add_argument("--no-onednn", action="store_true", help="also time PyTorch with oneDNN off")
     args = parser.parse_args()
 
     steps = {"luxnn": MODEL.luxnn(cache=None if args.no_cache else "default")}
     try:
         steps["pytorch (torch.nn.LSTM)"] = MODEL.torch()
+        if args.no_onednn:
+            steps["pytorch (oneDNN off)"] = without_onednn(MODEL.torch())
     except ImportError:
         pass
     print(

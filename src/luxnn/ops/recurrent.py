@@ -126,8 +126,9 @@ def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False, last_only=Fa
 
 # The LSTM's gates i, f, g, o are sigmoid, sigmoid, tanh, sigmoid. sigmoid(x) =
 # (1 + tanh(x / 2)) / 2, so all four are one tanh over the step's gate buffer between two
-# per-column affine maps, tanh(x * half) * half + shift, which never overflows; the
-# derivative of every gate is then (1 - tanh^2) * half^2.
+# per-column affine maps, tanh(x * half) * half + shift, which never overflows. Their
+# derivatives come from the gates themselves (s * (1 - s), 1 - g^2): the pre-activations
+# are not kept, which halves what the forward pass writes for the backward one to read.
 def _lstm_constants(hidden, dtype, xp):
     """(half, shift), each ``(4H,)``: 0.5 and 0.5 in the sigmoid gates' columns, 1 and 0 in g's."""
     half = xp.full(4 * hidden, 0.5, dtype)
@@ -158,18 +159,17 @@ def lstm_sequence(xw, w_hh, h0, c0, *, reverse=False, last_only=False):
     seq, batch, _ = xw.shape
     dtype = np.result_type(xw, w_hh, h0, c0)
     half, shift = _lstm_constants(H, dtype, xp)
-    tanh_gates = xp.empty(xw.shape, dtype)  # tanh of each gate's scaled pre-activation
     gates = xp.empty(xw.shape, dtype)  # i, f, g, o
     out = xp.empty((seq, batch, 2 * H), dtype)
     tanh_c = xp.empty((seq, batch, H), dtype)
     hs, cs = out[:, :, :H], out[:, :, H:]
     for t in _order(seq, reverse):
-        tg, a, h, c = tanh_gates[t], gates[t], hs[t], cs[t]
-        np.matmul(_previous(hs, h0, t, seq, reverse), w_hh, out=tg)
-        tg += xw[t]
-        tg *= half
-        np.tanh(tg, out=tg)
-        np.multiply(tg, half, out=a)
+        a, h, c = gates[t], hs[t], cs[t]
+        np.matmul(_previous(hs, h0, t, seq, reverse), w_hh, out=a)
+        a += xw[t]
+        a *= half
+        np.tanh(a, out=a)
+        a *= half
         a += shift
         np.multiply(a[:, H : 2 * H], _previous(cs, c0, t, seq, reverse), out=c)
         np.multiply(a[:, :H], a[:, 2 * H : 3 * H], out=h)  # i * g, with h_t as scratch
@@ -178,13 +178,13 @@ def lstm_sequence(xw, w_hh, h0, c0, *, reverse=False, last_only=False):
         np.multiply(a[:, 3 * H :], tanh_c[t], out=h)
 
     def vjp(g, needs):
-        slope = half * half
         d = xp.empty(xw.shape, dtype)  # the cotangent of each step's pre-activation
         dhc = _carried(g, (batch, 2 * H), dtype, last_only, xp)  # [dh | dc]
         dh, dc = dhc[:, :H], dhc[:, H:]
         scratch = xp.empty((batch, H), dtype)
+        slopes = xp.empty((batch, 4 * H), dtype)  # each gate's derivative
         for t in reversed(_order(seq, reverse)):
-            a, tc, dt, tg = gates[t], tanh_c[t], d[t], tanh_gates[t]
+            a, tc, dt = gates[t], tanh_c[t], d[t]
             if not last_only:
                 dhc += g[t]
             # dc += dh * o * (1 - tanh(c)^2), and o * (1 - tanh(c)^2) = o - h * tanh(c)
@@ -197,12 +197,12 @@ def lstm_sequence(xw, w_hh, h0, c0, *, reverse=False, last_only=False):
             np.multiply(dc, _previous(cs, c0, t, seq, reverse), out=dt[:, H : 2 * H])  # df
             np.multiply(dc, a[:, :H], out=dt[:, 2 * H : 3 * H])  # dg
             dc *= a[:, H : 2 * H]
-            # times each gate's derivative, (1 - tanh^2) * slope, formed in place: the tape
-            # runs a VJP once, and the forward's tanh values are not needed again
-            np.multiply(tg, tg, out=tg)
-            np.subtract(1, tg, out=tg)
-            tg *= slope
-            dt *= tg
+            np.subtract(1, a, out=slopes)  # s * (1 - s), then 1 - g^2 in g's columns
+            slopes *= a
+            g_slope = slopes[:, 2 * H : 3 * H]
+            np.multiply(a[:, 2 * H : 3 * H], a[:, 2 * H : 3 * H], out=g_slope)
+            np.subtract(1, g_slope, out=g_slope)
+            dt *= slopes
             np.matmul(dt, w_hh.T, out=dh)
         gw = _hidden_weight_grad(hs, h0, d, reverse) if needs[1] else None
         return d, gw, dh, dc
