@@ -122,7 +122,7 @@ def test_pickling_round_trips_every_tree_and_gives_a_fresh_cache(cache):
 
 @pytest.mark.xfail(
     raises=(AttributeError, pickle.PicklingError, TypeError),
-    reason="the library's initialisers and optimisers pickle once issue 12, item 6 lands for them (local closures today)",
+    reason="optimisers pickle once issue 12, item 6 lands for them (chain's init and update are local closures today)",
     strict=False,
 )
 def test_a_train_state_of_the_librarys_own_layers_and_optimiser_pickles():
