@@ -83,7 +83,7 @@ def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False, last_only=Fa
     """Elman RNN over a sequence: ``h_t = act(xw[t] + h_{t-1} @ w_hh)``, `act` tanh or relu.
 
     Shapes: xw ``(seq, batch, H)`` (``x_t @ W_ih + b_ih + b_hh``), w_hh ``(H, H)``, h0
-    ``(batch, H)`` -> ``(seq, batch, H)``, every step's h.
+    ``(batch, H)`` -> ``(seq, batch, H)``, every step's h (``(batch, H)`` with `last_only`).
 
     >>> hs = rnn_sequence(np.ones((3, 2, 4)), np.zeros((4, 4)), np.zeros((2, 4)))
     >>> hs.shape, round(float(hs[-1, 0, 0]), 4)
@@ -147,8 +147,9 @@ def lstm_sequence(xw, w_hh, h0, c0, *, reverse=False, last_only=False):
         h_t = o * tanh(c_t)
 
     Shapes: xw ``(seq, batch, 4H)`` (``x_t @ W_ih + b_ih + b_hh``), w_hh ``(H, 4H)``, h0 and
-    c0 ``(batch, H)`` -> ``(seq, batch, 2H)``: ``[h_t | c_t]`` at every step (the cell's
-    carry is part of the output so that a cell step is the one-step sequence).
+    c0 ``(batch, H)`` -> ``(seq, batch, 2H)``: ``[h_t | c_t]`` at every step (``(batch,
+    2H)`` with `last_only`; the carry is part of the output, so a cell step is the
+    one-step sequence).
 
     >>> out = lstm_sequence(np.ones((3, 2, 8)), np.zeros((2, 8)), np.zeros((2, 2)), np.zeros((2, 2)))
     >>> out.shape
@@ -220,7 +221,8 @@ def gru_sequence(xw, w_hh, b_hh, h0, *, reverse=False, last_only=False):
         h_t = (1 - z) * n + z * h_{t-1}
 
     Shapes: xw ``(seq, batch, 3H)`` (``x_t @ W_ih + b_ih``), w_hh ``(H, 3H)``, b_hh
-    ``(3H,)`` (or None: no hidden bias), h0 ``(batch, H)`` -> ``(seq, batch, H)``.
+    ``(3H,)`` (or None: no hidden bias), h0 ``(batch, H)`` -> ``(seq, batch, H)``
+    (``(batch, H)`` with `last_only`).
 
     >>> gru_sequence(np.ones((3, 2, 6)), np.zeros((2, 6)), np.zeros(6), np.zeros((2, 2))).shape
     (3, 2, 2)
