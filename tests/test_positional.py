@@ -34,6 +34,16 @@ def test_sinusoidal_table_is_the_formula(dim):
     np.testing.assert_allclose(y, x + want[:, :dim], rtol=1e-6, atol=1e-6)
 
 
+def test_sinusoidal_table_for_token_ids():
+    layer = lx.SinusoidalPositionalEmbedding(4, mode="return")
+    table, _ = layer(np.zeros((2, 3), np.int64), {}, {})
+    want, _ = layer(np.zeros((2, 3, 4), np.float32), {}, {})
+    assert table.dtype == np.float32 and table.shape == (3, 4)
+    np.testing.assert_array_equal(table, want)
+    with pytest.raises(lx.LayerError, match=r"expected input of shape \(batch, seq <= 4096, 4\), got \(2, 3\)"):
+        lx.SinusoidalPositionalEmbedding(4)(np.zeros((2, 3)), {}, {})
+
+
 def test_sinusoidal_embedding_passes_gradients_through():
     x = np.random.default_rng(2).normal(size=(2, 3, 4))
     g = lx.grad(lambda x: (lx.SinusoidalPositionalEmbedding(4)(x, {}, {})[0] ** 2).sum())(x)

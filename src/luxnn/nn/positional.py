@@ -44,8 +44,9 @@ class SinusoidalPositionalEmbedding(Layer):
     """The Transformer's sinusoidal positional embedding (Vaswani et al. 2017) for ``(batch,
     seq, dim)`` inputs: ``T[pos, 2i] = sin(pos / base^(2i / dim))``, ``T[pos, 2i + 1] =
     cos(pos / base^(2i / dim))``. ``mode="add"`` returns ``x + T[:seq]``; ``mode="return"``
-    returns the table ``T[:seq]`` ``(seq, dim)`` itself, in x's floating dtype, for the caller
-    to combine. No parameters and no state; sequences up to `max_len` long.
+    returns the table ``T[:seq]`` ``(seq, dim)`` itself, for the caller to combine, given
+    x ``(batch, seq, dim)`` or token ids ``(batch, seq)`` (in x's floating dtype, else
+    float32). No parameters and no state; sequences up to `max_len` long.
 
     >>> import luxnn as lx
     >>> pe = lx.SinusoidalPositionalEmbedding(8)
@@ -66,8 +67,10 @@ class SinusoidalPositionalEmbedding(Layer):
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         shape = getattr(x, "shape", None)
-        if shape is None or len(shape) != 3 or shape[2] != self.dim or shape[1] > self.max_len:
-            raise LayerError(f"{self}: expected input of shape (batch, seq <= {self.max_len}, {self.dim}), got {shape}")
+        ids = self.mode == "return" and shape is not None and len(shape) == 2
+        if shape is None or not (ids or (len(shape) == 3 and shape[2] == self.dim)) or shape[1] > self.max_len:
+            also = " or token ids (batch, seq)" if self.mode == "return" else ""
+            raise LayerError(f"{self}: expected input of shape (batch, seq <= {self.max_len}, {self.dim}){also}, got {shape}")
         x = match_eltype(self, x, None)
         table = _on_device_of(sinusoidal_table(shape[1], self.dim, self.base, _floating_dtype(x)), x)
         if self.mode == "return":
