@@ -364,3 +364,77 @@ class LSTM:
         model = Classifier(self.inputs, self.hidden, self.classes)
         x, y = self.data()
         return torch_train_step(model, torch.optim.Adam(model.parameters(), lr=self.lr), nn.CrossEntropyLoss(), x, y)
+
+
+# ---- optimisers ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptimAdam:
+    """``optim/adam``: one Adam update (``update`` then ``apply_updates_``) over the
+    parameter tree of ``training/transformer`` with fixed float32 gradients; the peer is the
+    same update as a hand-written per-leaf NumPy loop (moments updated in place, one scratch
+    buffer per leaf, no allocation); the wrapped variants put the same Adam inside
+    ``masked`` (every leaf selected), ``multi_transform`` (two groups, matrices and the
+    rest) and ``inject_hyperparams``."""
+
+    transformer: Transformer = Transformer()
+    lr: float = 1e-3
+
+    def tree(self) -> tuple[Any, Any]:
+        ps, _ = lx.setup(np.random.default_rng(0), self.transformer.luxnn_model())
+        rng = np.random.default_rng(1)
+        return ps, lx.tree.map(lambda p: rng.standard_normal(p.shape).astype(p.dtype), ps)
+
+    def optimizer(self, wrapper: str) -> Any:
+        optim = lx.optim
+        if wrapper == "adam":
+            return optim.adam(self.lr)
+        if wrapper == "masked":
+            return optim.masked(optim.adam(self.lr), True)
+        if wrapper == "multi_transform":
+            labels = lambda ps: lx.tree.map(lambda p: "matrices" if p.ndim > 1 else "vectors", ps)  # noqa: E731
+            return optim.multi_transform({"matrices": optim.adam(self.lr), "vectors": optim.adam(self.lr)}, labels)
+        if wrapper == "inject_hyperparams":
+            return optim.inject_hyperparams(optim.adam)(learning_rate=self.lr)
+        raise ValueError(f"OptimAdam: unknown wrapper {wrapper!r}")
+
+    def luxnn(self, wrapper: str = "adam") -> Step:
+        ps, grads = self.tree()
+        opt = self.optimizer(wrapper)
+        state = opt.init(ps)
+
+        def step() -> None:
+            nonlocal state
+            updates, state = opt.update(grads, state, ps)
+            lx.optim.apply_updates_(ps, updates)
+
+        return step
+
+    def numpy(self) -> Step:
+        ps, grads = self.tree()
+        params, gs = lx.tree.leaves(ps), lx.tree.leaves(grads)
+        mus, nus, scratch = ([np.zeros_like(p) for p in params] for _ in range(3))
+        b1, b2, eps, lr = 0.9, 0.999, 1e-8, self.lr
+        t = 0
+
+        def step() -> None:
+            nonlocal t
+            t += 1
+            c1, c2 = 1.0 / (1.0 - b1**t), 1.0 / (1.0 - b2**t)
+            for p, g, m, v, s in zip(params, gs, mus, nus, scratch):
+                m *= b1
+                np.multiply(g, 1.0 - b1, out=s)
+                m += s
+                v *= b2
+                np.multiply(g, g, out=s)
+                s *= 1.0 - b2
+                v += s
+                np.multiply(v, c2, out=s)  # s <- sqrt(v_hat) + eps
+                np.sqrt(s, out=s)
+                s += eps
+                np.divide(m, s, out=s)
+                s *= lr * c1
+                p -= s
+
+        return step

@@ -12,6 +12,9 @@ A `Group` is set up once in a process and its variants are timed in interleaved 
   smaller sizes (their rows are never compared with the full ones);
 - ``distributed/allreduce-25MiB (...)`` and ``distributed/mlp (...)``: steps run in the
   ranks of an ``mpiexec`` job through a proxy (`distributed` says how, and what each row runs);
+- ``optim/adam (luxnn)``, ``(numpy by hand)``, ``(masked)``, ``(multi_transform)``,
+  ``(inject_hyperparams)``: one Adam update over the transformer row's parameter tree, the
+  hand-written loop, and the same Adam inside each wrapper (``optim/adam-quick``: the quick tree);
 - ``time_to_load``: ``import luxnn`` in a fresh process, one per round (at least 5).
 """
 
@@ -79,6 +82,17 @@ def _training(name: str, model: Any, params: dict) -> Group:
     return Group(name, tuple(variants), params)
 
 
+def _optim(model: models.OptimAdam, suffix: str) -> Group:
+    name = f"optim/adam{suffix}"
+    variants = [Variant(f"{name} (luxnn)", lambda _cache: model.luxnn(), "wrapped"),
+                Variant(f"{name} (numpy by hand)", lambda _cache: model.numpy(), "wrapped")]
+    variants += [Variant(f"{name} ({w})", lambda _cache, w=w: model.luxnn(w), "wrapped")
+                 for w in ("masked", "multi_transform", "inject_hyperparams")]
+    t = model.transformer
+    return Group(name, tuple(variants), {"tree": "training/transformer", "dim": t.dim, "heads": t.heads,
+                                         "dtype": "float32", "optimizer": "adam"})
+
+
 def _distributed() -> list[Group]:
     def row(group: str, label: str, ranks: int, step: str) -> Variant:
         return Variant(f"{group} ({label})", lambda _cache: distributed.proxy(ranks, step), None, needs="mpi4py")
@@ -127,6 +141,7 @@ def groups(quick: bool) -> list[Group]:
             {"batch": lstm.batch, "length": lstm.length, "inputs": lstm.inputs, "hidden": lstm.hidden,
              "classes": lstm.classes, "optimizer": "adam"},
         ),  # fmt: skip
+        _optim(models.OptimAdam(transformer), suffix),
         *_distributed(),
     ]
 

@@ -1,0 +1,428 @@
+"""The interface every optimiser shares, applying updates, and the helpers the
+transformations of this package have in common.
+
+A `GradientTransformation` is a pair of functions, ``init(params) -> opt_state`` and
+``update(grads, opt_state, params=None) -> (updates, opt_state)``; `chain` composes them.
+The functions are bound methods of small module-level classes (never local closures), so
+an optimiser pickles and deep-copies with its configuration.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from types import ModuleType
+from typing import Any, Callable, NamedTuple, Union
+
+import numpy as np
+
+from luxnn import tree
+from luxnn.backend import module_of
+
+__all__ = [
+    "GradientTransformation", "Schedule", "ScalarOrSchedule", "EmptyState",
+    "apply_updates", "apply_updates_", "incremental_update", "periodic_update", "global_norm",
+    "identity", "set_to_zero", "chain",
+]  # fmt: skip
+
+Schedule = Callable[[Any], Any]
+ScalarOrSchedule = Union[float, Schedule]
+OptState = Any
+Updates = Any
+Params = Any
+
+
+class GradientTransformation(NamedTuple):
+    """An optimiser: ``init(params) -> opt_state`` and
+    ``update(grads, opt_state, params=None) -> (updates, opt_state)``.
+
+    >>> import numpy as np
+    >>> from luxnn import optim
+    >>> opt = optim.sgd(0.1)
+    >>> state = opt.init({"w": np.zeros(2)})
+    >>> updates, state = opt.update({"w": np.ones(2)}, state)
+    >>> updates["w"]
+    array([-0.1, -0.1])
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Updates, OptState]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that remembers nothing."""
+
+
+def transformation(stage: Any) -> GradientTransformation:
+    """The `GradientTransformation` of `stage`, an object with `init` and `update` methods
+    whose configuration lives in its fields (so that it pickles)."""
+    return GradientTransformation(stage.init, stage.update)
+
+
+class Stateless:
+    """Base of the stages that remember nothing: `init` returns `EmptyState`."""
+
+
+# Stages may take part in two protocols of `chain`, which save arrays and passes over
+# memory (a chain's updates are its own until it returns them; the results are those of
+# the stages one after the other):
+# - ``fresh_updates = True``: the stage's updates are arrays it has just made, held by
+#   nothing else (not the gradients, not a buffer of its state);
+#   ``update_owned(updates, state, params)``: as ``update``, and free to write into
+#   `updates`; `chain` calls it after a stage with fresh updates.
+# - ``folded_factor(state) -> (factor, new_state)``: a stage that only multiplies the
+#   updates by a scalar (a learning rate); ``update_scaled(grads, state, params, factor)``:
+#   as ``update`` with the updates multiplied by `factor`, folded into its last product.
+#   `chain` folds the first into the second when they follow each other (Adam's
+#   direction and the learning rate: one pass over memory fewer per leaf).
+
+    def init(self, params: Params) -> EmptyState:
+        return EmptyState()
+
+
+# ----------------------------------------------------------------------------------------
+# Arrays: modules, counts, dtypes
+
+
+def module_of_tree(t: Any) -> ModuleType:
+    """The array module (NumPy or CuPy) of `t`'s first leaf; NumPy for an empty tree."""
+    leaves = tree.leaves(t)
+    return module_of(leaves[0]) if leaves else np
+
+
+def zero_count(params: Params) -> Any:
+    """A 0-d int64 step count of the parameters' array module."""
+    return module_of_tree(params).zeros((), dtype=np.int64)
+
+
+def next_count(count: Any) -> Any:
+    """``count + 1`` as a 0-d array of the count's module (NumPy would return a scalar).
+    The count never leaves its device: no Python int is made of it."""
+    return module_of(count).asarray(count + 1)
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """The dtype an optimiser computes and stores moments in for leaves of `dtype`: at
+    least float32 (half-precision moments underflow and eps=1e-8 rounds to 0 in float16)."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.kind == "f" and dtype.itemsize < 4 else dtype
+
+
+def upcast(x: Any) -> Any:
+    """`x` in its `compute_dtype` (`x` itself for float32 and float64)."""
+    dtype = compute_dtype(x.dtype)
+    return x if dtype == x.dtype else x.astype(dtype)
+
+
+def cast_like(x: Any, like: Any) -> Any:
+    """`x` in `like`'s dtype, without a copy when it already is."""
+    return x if x.dtype == like.dtype else x.astype(like.dtype)
+
+
+def zeros_for(p: Any) -> Any:
+    """Zeros of `p`'s shape in its `compute_dtype`: a fresh moment buffer."""
+    return module_of(p).zeros(p.shape, dtype=compute_dtype(p.dtype))
+
+
+def zeros_like_tree(params: Params) -> Any:
+    return tree.map(zeros_for, params)
+
+
+def scalar_as(value: Any, dtype: Any) -> Any:
+    """A scalar to multiply arrays of `dtype` by without promoting them: a Python number
+    as it is (NEP 50 keeps the array's dtype), a NumPy scalar or 0-d array in `dtype`."""
+    if isinstance(value, (int, float)):
+        return value
+    return value.astype(dtype)
+
+
+def leafwise(fn: Callable[..., tuple], first: Any, *others: Any, outputs: int) -> tuple:
+    """Apply `fn` to matching leaves of `first` and `others` (same structure, checked by the
+    caller) and return its `outputs` results as trees shaped like `first`.
+
+    0-d leaves are passed to `fn` as 1-element arrays and come back 0-d: NumPy turns the
+    result of an operation on 0-d arrays into a scalar, which cannot be written into with
+    ``out=`` and is no array to keep in a state.
+    """
+    leaves, struct = tree.flatten(first)
+    other_leaves = [tree.leaves(o) for o in others]
+    results = []
+    for args in zip(leaves, *other_leaves):
+        if getattr(args[0], "ndim", None) == 0:
+            out = fn(*(a.reshape(1) if hasattr(a, "reshape") else a for a in args))
+            results.append(tuple(r.reshape(()) for r in out))
+        else:
+            results.append(fn(*args))
+    columns = list(zip(*results)) if results else [()] * outputs
+    return tuple(tree.unflatten(struct, list(column)) for column in columns)
+
+
+def map_arrays(fn: Callable[..., Any], first: Any, *others: Any) -> Any:
+    """`tree.map` for leaf arithmetic: as `leafwise` with one result, arrays in and out."""
+    return leafwise(lambda *args: (fn(*args),), first, *others, outputs=1)[0]
+
+
+# ----------------------------------------------------------------------------------------
+# Validation
+
+
+def check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.inf,
+                low_open: bool = False, high_open: bool = False) -> float:
+    """`value` as a Python float, or a ValueError naming `name` and the allowed range."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a real number, got {value!r}") from None
+    too_low = number <= low if low_open else number < low
+    too_high = number >= high if high_open else number > high
+    if math.isnan(number) or too_low or too_high:
+        left = "(" if low_open else "["
+        right = ")" if high_open or high == math.inf else "]"
+        raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")
+    return number
+
+
+def check_decay(name: str, value: Any) -> float:
+    """A decay rate or beta: in [0, 1)."""
+    return check_float(name, value, high=1.0, high_open=True)
+
+
+def check_learning_rate(name: str, learning_rate: ScalarOrSchedule) -> ScalarOrSchedule:
+    if callable(learning_rate):
+        return learning_rate
+    return check_float(name, learning_rate)
+
+
+def check_steps(name: str, value: Any, *, positive: bool) -> int:
+    try:
+        steps = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if steps < (1 if positive else 0):
+        raise ValueError(f"{name} must be {'>= 1' if positive else '>= 0'}, got {steps}")
+    return steps
+
+
+def check_transformation(name: str, value: Any) -> GradientTransformation:
+    if not isinstance(value, GradientTransformation):
+        raise ValueError(f"{name} must be a GradientTransformation, got {type(value).__name__}")
+    return value
+
+
+def tree_mismatch(expected: Any, got: Any, path: tuple = ()) -> str | None:
+    """Where and how `got` differs from `expected` in structure or leaf shapes, or None.
+    (It runs on every update: the path is only formatted once something differs.)"""
+    if isinstance(expected, dict):
+        if not isinstance(got, dict):
+            return f"{where(path)}: expected a dict with keys {list(expected)}, got {type(got).__name__}"
+        if expected.keys() != got.keys():
+            return f"{where(path)}: expected keys {sorted(map(str, expected))}, got {sorted(map(str, got))}"
+        children = [(k, expected[k], got[k]) for k in expected]
+    elif isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+            size = f" of length {len(got)}" if isinstance(got, (list, tuple)) else ""
+            return f"{where(path)}: expected a sequence of length {len(expected)}, got {type(got).__name__}{size}"
+        children = list(zip(range(len(expected)), expected, got))
+    else:
+        if isinstance(got, (dict, list, tuple)):
+            return f"{where(path)}: expected an array, got a {type(got).__name__}"
+        expected_shape, got_shape = getattr(expected, "shape", None), getattr(got, "shape", None)
+        if expected_shape is not None and got_shape is not None and tuple(expected_shape) != tuple(got_shape):
+            return f"{where(path)}: expected shape {tuple(expected_shape)}, got {tuple(got_shape)}"
+        return None
+    for key, e, g in children:
+        problem = tree_mismatch(e, g, (*path, key))
+        if problem:
+            return problem
+    return None
+
+
+def where(path: tuple) -> str:
+    """``at 'a/b'`` for a path of keys, ``at the root`` for the empty path."""
+    return f"at '{'/'.join(map(str, path))}'" if path else "at the root"
+
+
+def check_match(expected: Any, expected_name: str, got: Any, got_name: str) -> None:
+    problem = tree_mismatch(expected, got)
+    if problem:
+        raise ValueError(f"{got_name} do not match {expected_name} {problem}")
+
+
+def check_params(name: str, params: Params) -> None:
+    if params is None:
+        raise ValueError(f"{name} needs the parameters: call update(grads, opt_state, params)")
+
+
+# ----------------------------------------------------------------------------------------
+# Applying updates
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """New parameters ``params + updates``; each result keeps its parameter's dtype.
+
+    >>> import numpy as np
+    >>> apply_updates({"w": np.ones(2, np.float32)}, {"w": np.full(2, -0.5)})["w"]
+    array([0.5, 0.5], dtype=float32)
+    """
+    check_match(params, "params", updates, "updates")
+    return tree.map(lambda p, u: (p + u).astype(p.dtype, copy=False), params, updates)
+
+
+def apply_updates_(params: Params, updates: Updates) -> Params:
+    """Add `updates` to `params` in place (``p += u``) and return the same `params` tree.
+
+    Every array keeps its identity and dtype. Every leaf is checked before the first is
+    written (same structure and shapes, a writable array, an update dtype that casts into
+    the parameter's), so a bad update raises `ValueError` and leaves every parameter as it was.
+
+    >>> import numpy as np
+    >>> w = np.ones(2, np.float32)
+    >>> apply_updates_({"w": w}, {"w": np.full(2, -0.5)})["w"] is w
+    True
+    """
+    check_match(params, "params", updates, "updates")
+    pairs = list(zip(tree.leaves(params), tree.leaves(updates)))
+    for i, (p, u) in enumerate(pairs):
+        problem = _in_place_problem(p, u)
+        if problem:
+            raise ValueError(f"apply_updates_: the parameter at '{tree.paths(params)[i][0]}' {problem}; nothing was updated")
+    for p, u in pairs:
+        p += u
+    return params
+
+
+def _in_place_problem(p: Any, u: Any) -> str | None:
+    if not hasattr(p, "dtype") or not hasattr(p, "shape") or isinstance(p, np.generic):
+        return f"is a {type(p).__name__}, not an array that can be updated in place"
+    flags = getattr(p, "flags", None)
+    if flags is not None and not getattr(flags, "writeable", True):
+        return "is read-only"
+    u_dtype = u.dtype if hasattr(u, "dtype") else np.result_type(u)
+    if not np.can_cast(u_dtype, p.dtype, casting="same_kind"):
+        return f"has dtype {p.dtype}, which an update of dtype {u_dtype} cannot be cast into"
+    return None
+
+
+def incremental_update(new_tensors: Params, old_tensors: Params, step_size: float) -> Params:
+    """Polyak averaging: ``step_size * new + (1 - step_size) * old`` leaf by leaf (optax),
+    in the dtype of `old_tensors`; e.g. a target network tracking the online one.
+
+    >>> import numpy as np
+    >>> incremental_update({"w": np.ones(2)}, {"w": np.zeros(2)}, 0.25)["w"]
+    array([0.25, 0.25])
+    """
+    step_size = check_float("incremental_update: step_size", step_size, high=1.0)
+    check_match(old_tensors, "old_tensors", new_tensors, "new_tensors")
+
+    def average(new: Any, old: Any) -> Any:
+        out = new * step_size
+        out += old * (1.0 - step_size)
+        return cast_like(out, old)
+
+    return tree.map(average, new_tensors, old_tensors)
+
+
+def periodic_update(new_tensors: Params, old_tensors: Params, steps: Any, update_period: int) -> Params:
+    """`new_tensors` when ``steps`` is a multiple of `update_period`, else `old_tensors`
+    (optax): a target network copied every `update_period` steps.
+
+    >>> periodic_update({"w": 1.0}, {"w": 0.0}, steps=10, update_period=5)
+    {'w': 1.0}
+    """
+    update_period = check_steps("periodic_update: update_period", update_period, positive=True)
+    check_match(old_tensors, "old_tensors", new_tensors, "new_tensors")
+    return new_tensors if steps % update_period == 0 else old_tensors
+
+
+def global_norm(updates: Updates) -> Any:
+    """The L2 norm of all leaves of `updates` taken together: a NumPy scalar, or a 0-d
+    CuPy array that stays on the device (no host synchronisation). Half-precision leaves
+    are summed in float32 so that their squares do not overflow.
+
+    >>> import numpy as np
+    >>> float(global_norm({"a": np.array([3.0]), "b": np.array([4.0])}))
+    5.0
+    """
+    leaves = tree.leaves(updates)
+    if not leaves:
+        return np.zeros(())
+    squares = [module_of(g).vdot(g, g) for g in (upcast(g) for g in leaves)]
+    return module_of(leaves[0]).sqrt(sum(squares[1:], squares[0]))
+
+
+# ----------------------------------------------------------------------------------------
+# The simplest transformations and their composition
+
+
+class _Identity(Stateless):
+    def update(self, grads: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
+        return grads, state
+
+
+def identity() -> GradientTransformation:
+    """Pass the updates through unchanged.
+
+    >>> identity().update({"w": 1.0}, EmptyState())
+    ({'w': 1.0}, EmptyState())
+    """
+    return transformation(_Identity())
+
+
+class _SetToZero(Stateless):
+    def update(self, grads: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
+        # -0.0, not +0.0: x + (-0.0) is x for every x including -0.0, so a frozen leaf
+        # stays bit-identical (and the update equals optax's zeros).
+        return tree.map(lambda g: module_of(g).full_like(g, -0.0), grads), state
+
+
+def set_to_zero() -> GradientTransformation:
+    """Updates of zeros: with `multi_transform`, it freezes a part of the model.
+
+    >>> import numpy as np
+    >>> set_to_zero().update({"w": np.ones(2)}, EmptyState())[0]["w"]
+    array([-0., -0.])
+    """
+    return transformation(_SetToZero())
+
+
+class _Chain:
+    def __init__(self, transforms: tuple[GradientTransformation, ...]) -> None:
+        self.transforms = transforms
+
+    def init(self, params: Params) -> tuple:
+        return tuple(t.init(params) for t in self.transforms)
+
+    def update(self, grads: Updates, state: tuple, params: Params = None) -> tuple[Updates, tuple]:
+        transforms = self.transforms
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            size = len(state) if isinstance(state, tuple) else type(state).__name__
+            raise ValueError(f"chain of {len(transforms)} transformations got an optimizer state of {size} entries")
+        stages = [getattr(t.update, "__self__", None) for t in transforms]
+        new_states: list = []
+        owned = False  # whether `grads` are arrays the previous stage made and nothing else holds
+        i = 0
+        while i < len(transforms):
+            stage, follower = stages[i], stages[i + 1] if i + 1 < len(stages) else None
+            if hasattr(stage, "update_scaled") and hasattr(follower, "folded_factor"):
+                factor, follower_state = follower.folded_factor(state[i + 1])
+                grads, s = stage.update_scaled(grads, state[i], params, factor)
+                new_states += [s, follower_state]
+                i += 2
+            else:
+                in_place = getattr(stage, "update_owned", None) if owned else None
+                grads, s = (in_place or transforms[i].update)(grads, state[i], params)
+                new_states.append(s)
+                i += 1
+            owned = getattr(stages[i - 1], "fresh_updates", False)
+        return grads, tuple(new_states)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply `transforms` one after the other; the state is the tuple of their states.
+
+    >>> from luxnn import optim
+    >>> opt = chain(optim.clip_by_global_norm(1.0), optim.scale_by_adam(), optim.scale_by_learning_rate(1e-3))
+    """
+    for i, t in enumerate(transforms):
+        check_transformation(f"chain: argument {i}", t)
+    return transformation(_Chain(transforms))
