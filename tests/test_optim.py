@@ -289,3 +289,118 @@ def test_training_a_quadratic_converges():
         updates, state = opt.update({"x": 2 * (params["x"] - target)}, state, params)
         params = optim.apply_updates_(params, updates)
     np.testing.assert_allclose(params["x"], target, atol=1e-3)
+
+
+LONG_CASES = [  # 12 steps: radam's rectification starts at step 6 with b2=0.9
+    ("radam", lambda: optim.radam(1e-2, b2=0.9, eps=0.0),  # torch scales eps by sqrt(1 - b2**t): alike at 0
+     lambda t, ps: t.optim.RAdam(ps, lr=1e-2, betas=(0.9, 0.9), eps=0.0)),
+    ("nadam", lambda: optim.nadam(1e-2, b1=0.8),  # torch's momentum schedule is constant b1 once 0.96**(t*psi) is 0
+     lambda t, ps: t.optim.NAdam(ps, lr=1e-2, betas=(0.8, 0.999), momentum_decay=1e9)),
+    ("adamax", lambda: optim.adamax(1e-2, b1=0.8, b2=0.95),
+     lambda t, ps: t.optim.Adamax(ps, lr=1e-2, betas=(0.8, 0.95))),
+    ("adadelta", lambda: optim.adadelta(1.0, rho=0.8, eps=1e-4, weight_decay=0.1),
+     lambda t, ps: t.optim.Adadelta(ps, lr=1.0, rho=0.8, eps=1e-4, weight_decay=0.1)),
+]
+
+
+@pytest.mark.parametrize("name, make_ours, make_theirs", LONG_CASES, ids=[c[0] for c in LONG_CASES])
+def test_matches_torch_optim_over_12_steps(name, make_ours, make_theirs):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    params = make_params(rng)
+    grads = [tree.map(lambda p: rng.normal(size=p.shape), params) for _ in range(12)]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # NAdam keeps its momentum product in the default dtype
+    try:
+        expected = run_torch(lambda ps: make_theirs(torch, ps), params, grads)
+    finally:
+        torch.set_default_dtype(default)
+    assert_trees_close(run_luxnn(make_ours(), params, grads), expected)
+
+
+SCHEDULERS = [
+    ("StepLR", lambda: optim.exponential_decay(0.1, transition_steps=3, decay_rate=0.5, staircase=True),
+     lambda t, opt: t.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)),
+    ("ExponentialLR", lambda: optim.exponential_decay(0.1, transition_steps=1, decay_rate=0.9),
+     lambda t, opt: t.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)),
+    ("MultiStepLR", lambda: optim.piecewise_constant_schedule(0.1, {4: 0.1, 9: 0.1}),
+     lambda t, opt: t.optim.lr_scheduler.MultiStepLR(opt, milestones=[4, 9], gamma=0.1)),
+    ("CosineAnnealingLR", lambda: optim.cosine_decay_schedule(0.1, decay_steps=12, alpha=0.05),
+     lambda t, opt: t.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12, eta_min=0.005)),
+    ("LinearLR", lambda: optim.linear_schedule(0.05, 0.1, transition_steps=6),
+     lambda t, opt: t.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, end_factor=1.0, total_iters=6)),
+    ("PolynomialLR", lambda: optim.polynomial_schedule(0.1, 0.0, power=2.0, transition_steps=10),
+     lambda t, opt: t.optim.lr_scheduler.PolynomialLR(opt, total_iters=10, power=2.0)),
+]
+
+
+@pytest.mark.parametrize("name, make_ours, make_theirs", SCHEDULERS, ids=[c[0] for c in SCHEDULERS])
+def test_schedules_match_torch_lr_schedulers(name, make_ours, make_theirs):
+    torch = pytest.importorskip("torch")
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = make_theirs(torch, optimizer)
+    ours = make_ours()
+    for step in range(13):  # CosineAnnealingLR climbs again after T_max
+        assert ours(step) == pytest.approx(scheduler.get_last_lr()[0], rel=1e-12, abs=1e-15), step
+        optimizer.step()
+        scheduler.step()
+
+
+def test_noisy_sgd_noise_is_seeded_and_annealed():
+    params = {"w": np.zeros(20000)}
+    zero = {"w": np.zeros(20000)}
+    opt = optim.noisy_sgd(1.0, eta=0.04, gamma=0.55, seed=7)
+    state = opt.init(params)
+    for step in range(1, 4):
+        updates, state = opt.update(zero, state, params)
+        assert np.std(updates["w"]) == pytest.approx(np.sqrt(0.04 / step**0.55), rel=0.03)
+    again = optim.noisy_sgd(1.0, eta=0.04, gamma=0.55, seed=7)
+    np.testing.assert_array_equal(again.update(zero, again.init(params), params)[0]["w"],
+                                  opt.update(zero, opt.init(params), params)[0]["w"])
+    other = optim.noisy_sgd(1.0, eta=0.04, seed=8)
+    assert not np.array_equal(other.update(zero, other.init(params), params)[0]["w"],
+                              opt.update(zero, opt.init(params), params)[0]["w"])
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: optim.lion(1e-3, b1=1.0), "b1"),
+    (lambda: optim.radam(1e-3, b2=-0.1), "b2"),
+    (lambda: optim.lamb(-1.0), "learning_rate"),
+    (lambda: optim.lars(0.1, momentum=-1.0), "momentum"),
+    (lambda: optim.adafactor(decay_rate=float("nan")), "decay_rate"),
+    (lambda: optim.adamaxw(1e-3, weight_decay=-1e-2), "weight_decay"),
+    (lambda: optim.nadamw(1e-3, eps=-1.0), "eps"),
+    (lambda: optim.adadelta(rho=1.0), "rho"),
+    (lambda: optim.amsgrad(1e-3, eps_root=-1.0), "eps_root"),
+    (lambda: optim.adabelief(1e-3, b1=2.0), "b1"),
+    (lambda: optim.noisy_sgd(0.1, eta=-1.0), "eta"),
+    (lambda: optim.ema(1.5), "decay"),
+    (lambda: optim.clip(-1.0), "max_delta"),
+    (lambda: optim.adaptive_grad_clip(-0.1), "clipping"),
+    (lambda: optim.MultiSteps(optim.sgd(0.1), 0), "every_k_schedule"),
+    (lambda: optim.apply_if_finite(optim.sgd(0.1), -1), "max_consecutive_errors"),
+    (lambda: optim.masked("adam", True), "masked: inner"),
+    (lambda: optim.multi_transform({}, {}), "transforms"),
+    (lambda: optim.exponential_decay(1.0, transition_steps=0, decay_rate=0.5), "transition_steps"),
+    (lambda: optim.exponential_decay(1.0, transition_steps=2, decay_rate=0.0), "decay_rate"),
+    (lambda: optim.piecewise_constant_schedule(1.0, {3: -0.5}), "scale at step 3"),
+    (lambda: optim.polynomial_schedule(1.0, 0.0, 1.0, transition_steps=-1), "transition_steps"),
+    (lambda: optim.join_schedules([optim.constant_schedule(1.0)], [3]), "boundaries"),
+    (lambda: optim.cosine_onecycle_schedule(0, 1.0), "transition_steps"),
+    (lambda: optim.linear_onecycle_schedule(10, 1.0, div_factor=0.0), "div_factor"),
+    (lambda: optim.sgdr_schedule([]), "cosine_kwargs"),
+    (lambda: optim.piecewise_interpolate_schedule("cubic", 1.0), "interpolate_type"),
+    (lambda: optim.incremental_update({"w": np.ones(1)}, {"w": np.ones(1)}, 1.5), "step_size"),
+])
+def test_invalid_arguments_of_the_new_optimisers_raise_naming_them(make, name):
+    with pytest.raises(ValueError, match=name):
+        make()
+
+
+def test_incremental_and_periodic_updates():
+    online, target = {"w": np.full(2, 4.0, np.float32)}, {"w": np.zeros(2, np.float32)}
+    averaged = optim.incremental_update(online, target, 0.25)
+    assert averaged["w"].dtype == np.float32
+    np.testing.assert_array_equal(averaged["w"], np.full(2, 1.0, np.float32))
+    assert optim.periodic_update(online, target, steps=np.asarray(6), update_period=3) is online
+    assert optim.periodic_update(online, target, steps=7, update_period=3) is target

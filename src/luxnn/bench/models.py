@@ -374,7 +374,7 @@ class OptimAdam:
     """``optim/adam``: one Adam update (``update`` then ``apply_updates_``) over the
     parameter tree of ``training/transformer`` with fixed float32 gradients; the peer is the
     same update as a hand-written per-leaf NumPy loop (moments updated in place, one scratch
-    buffer per leaf, no allocation); the wrapped variants put the same Adam inside
+    buffer per leaf, no allocation), and the same loop under optax's contract; the wrapped variants put the same Adam inside
     ``masked`` (every leaf selected), ``multi_transform`` (two groups, matrices and the
     rest) and ``inject_hyperparams``."""
 
@@ -411,7 +411,9 @@ class OptimAdam:
 
         return step
 
-    def numpy(self) -> Step:
+    def numpy(self, pure: bool = False) -> Step:
+        """The hand-written loop; ``pure=True``: under optax's contract, as `luxnn` runs
+        (new moment arrays each step, the updates of every leaf made before any is added)."""
         ps, grads = self.tree()
         params, gs = lx.tree.leaves(ps), lx.tree.leaves(grads)
         mus, nus, scratch = ([np.zeros_like(p) for p in params] for _ in range(3))
@@ -422,11 +424,16 @@ class OptimAdam:
             nonlocal t
             t += 1
             c1, c2 = 1.0 / (1.0 - b1**t), 1.0 / (1.0 - b2**t)
-            for p, g, m, v, s in zip(params, gs, mus, nus, scratch):
-                m *= b1
+            updates = []
+            for i, (g, m, v) in enumerate(zip(gs, mus, nus)):
+                s = np.empty_like(g) if pure else scratch[i]
+                if pure:
+                    m, v = mus[i], nus[i] = m * b1, v * b2
+                else:
+                    m *= b1
+                    v *= b2
                 np.multiply(g, 1.0 - b1, out=s)
                 m += s
-                v *= b2
                 np.multiply(g, g, out=s)
                 s *= 1.0 - b2
                 v += s
@@ -435,6 +442,11 @@ class OptimAdam:
                 s += eps
                 np.divide(m, s, out=s)
                 s *= lr * c1
-                p -= s
+                updates.append(s)
+                if not pure:
+                    params[i] -= s
+            if pure:
+                for p, s in zip(params, updates):
+                    p -= s
 
         return step

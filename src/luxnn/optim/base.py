@@ -131,7 +131,7 @@ def zeros_like_tree(params: Params) -> Any:
 def scalar_as(value: Any, dtype: Any) -> Any:
     """A scalar to multiply arrays of `dtype` by without promoting them: a Python number
     as it is (NEP 50 keeps the array's dtype), a NumPy scalar or 0-d array in `dtype`."""
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, np.generic):  # np.float64 is a float
         return value
     return value.astype(dtype)
 
@@ -242,7 +242,23 @@ def where(path: tuple) -> str:
     return f"at '{'/'.join(map(str, path))}'" if path else "at the root"
 
 
+def _matches(expected: Any, got: Any) -> bool:
+    """Whether `got` has `expected`'s structure and leaf shapes: `tree_mismatch`'s answer
+    without its paths, for the check every update makes."""
+    if isinstance(expected, dict):
+        return isinstance(got, dict) and expected.keys() == got.keys() and all(
+            _matches(v, got[k]) for k, v in expected.items())
+    if isinstance(expected, (list, tuple)):
+        return isinstance(got, (list, tuple)) and len(got) == len(expected) and all(map(_matches, expected, got))
+    if isinstance(got, (dict, list, tuple)):
+        return False
+    expected_shape, got_shape = getattr(expected, "shape", None), getattr(got, "shape", None)
+    return expected_shape is None or got_shape is None or tuple(expected_shape) == tuple(got_shape)
+
+
 def check_match(expected: Any, expected_name: str, got: Any, got_name: str) -> None:
+    if _matches(expected, got):
+        return
     problem = tree_mismatch(expected, got)
     if problem:
         raise ValueError(f"{got_name} do not match {expected_name} {problem}")
@@ -298,7 +314,7 @@ def _in_place_problem(p: Any, u: Any) -> str | None:
     if flags is not None and not getattr(flags, "writeable", True):
         return "is read-only"
     u_dtype = u.dtype if hasattr(u, "dtype") else np.result_type(u)
-    if not np.can_cast(u_dtype, p.dtype, casting="same_kind"):
+    if u_dtype != p.dtype and not np.can_cast(u_dtype, p.dtype, casting="same_kind"):
         return f"has dtype {p.dtype}, which an update of dtype {u_dtype} cannot be cast into"
     return None
 
