@@ -13,9 +13,9 @@ AD = lx.AutoTape()
 LOSS = lx.losses.MSELoss()
 
 
-# A model and an optimiser made only of what pickles by reference (module-level functions),
-# so that these tests see TrainState's own pickling whatever the library's initialisers
-# and optimisers do.
+# A model and an optimiser made only of module-level functions, so that these tests see
+# TrainState's own pickling apart from the library's initialisers and optimisers (the last
+# test pickles those too).
 def _init_weight(rng, shape, dtype=np.float32):
     return (rng.standard_normal(shape) * 0.3).astype(dtype)
 
@@ -120,11 +120,6 @@ def test_pickling_round_trips_every_tree_and_gives_a_fresh_cache(cache):
     _trains_apart(loaded, ts)
 
 
-@pytest.mark.xfail(
-    raises=(AttributeError, pickle.PicklingError, TypeError),
-    reason="optimisers pickle once issue 12, item 6 lands for them (chain's init and update are local closures today)",
-    strict=False,
-)
 def test_a_train_state_of_the_librarys_own_layers_and_optimiser_pickles():
     model = lx.Chain(lx.Dense(4, 8, activation="relu"), lx.Dropout(0.5), lx.Dense(8, 1))
     ps, st = lx.setup(np.random.default_rng(0), model)
