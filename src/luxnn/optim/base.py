@@ -246,10 +246,19 @@ def _matches(expected: Any, got: Any) -> bool:
     """Whether `got` has `expected`'s structure and leaf shapes: `tree_mismatch`'s answer
     without its paths, for the check every update makes."""
     if isinstance(expected, dict):
-        return isinstance(got, dict) and expected.keys() == got.keys() and all(
-            _matches(v, got[k]) for k, v in expected.items())
+        if not isinstance(got, dict) or expected.keys() != got.keys():
+            return False
+        for k, v in expected.items():
+            if not _matches(v, got[k]):
+                return False
+        return True
     if isinstance(expected, (list, tuple)):
-        return isinstance(got, (list, tuple)) and len(got) == len(expected) and all(map(_matches, expected, got))
+        if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+            return False
+        for e, g in zip(expected, got):
+            if not _matches(e, g):
+                return False
+        return True
     if isinstance(got, (dict, list, tuple)):
         return False
     expected_shape, got_shape = getattr(expected, "shape", None), getattr(got, "shape", None)

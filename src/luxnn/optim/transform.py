@@ -173,6 +173,18 @@ def _at_least(value: Any, floor: float) -> Any:
     return module_of(value).where(value <= floor, floor, value)
 
 
+class _PerDtype(dict):
+    """Scalars of an update (0-d values from the count) cast once per leaf dtype."""
+
+    def __init__(self, *values: Any) -> None:
+        super().__init__()
+        self.values = values
+
+    def __missing__(self, dtype: Any) -> tuple:
+        cast = self[dtype] = tuple(None if v is None else scalar_as(v, dtype) for v in self.values)
+        return cast
+
+
 def _correction(decay: float, count: Any) -> Any:
     """``1 / (1 - decay**count)``: the bias correction of a moment after `count` steps."""
     return 1.0 / (1.0 - decay**count)
@@ -386,28 +398,30 @@ class _ScaleByAdam:
         if nesterov:  # optax: m_hat = b1 m / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)
             n1, n2 = b1 * _correction(b1, count + 1) * factor, (1.0 - b1) * c1 * factor
         else:
-            c1 = c1 * factor
+            n1, n2 = c1 * factor, None
+        scalars = _PerDtype(c2, n1, n2)
 
         def leaf(g: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
             gc = upcast(g)
-            xp, dtype = module_of(gc), gc.dtype
+            xp = module_of(gc)
+            c2_, n1_, n2_ = scalars[gc.dtype]
             scratch = xp.multiply(gc, 1.0 - b1)
             mu = xp.multiply(m, b1)
             mu += scratch
             nu = _moment_of_squares(gc, v, b2, scratch)
             # scratch <- sqrt(nu_hat + eps_root) + eps
-            xp.multiply(nu, scalar_as(c2, dtype), out=scratch)
+            xp.multiply(nu, c2_, out=scratch)
             if eps_root:
                 scratch += eps_root
             xp.sqrt(scratch, out=scratch)
             scratch += eps
             if nesterov:
-                numerator = xp.multiply(mu, scalar_as(n1, dtype))
-                numerator += xp.multiply(gc, scalar_as(n2, dtype))
+                numerator = xp.multiply(mu, n1_)
+                numerator += xp.multiply(gc, n2_)
                 xp.divide(numerator, scratch, out=scratch)
             else:
                 xp.divide(mu, scratch, out=scratch)
-                scratch *= scalar_as(c1, dtype)
+                scratch *= n1_
             return cast_like(scratch, g), mu, nu
 
         updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3)

@@ -106,7 +106,10 @@ def _spread_into(prefix: Any, full: Any, what: str, check_leaf: Callable[[Any], 
         problem = check_leaf(prefix)
         if problem:
             raise ValueError(f"{what} {where(path)}: {problem}")
-        out.extend([prefix] * len(tree.leaves(full)))
+        if isinstance(full, (dict, list, tuple)):
+            out.extend([prefix] * len(tree.leaves(full)))
+        else:
+            out.append(prefix)
         return
     if isinstance(prefix, dict):
         if not isinstance(full, dict):
