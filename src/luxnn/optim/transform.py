@@ -185,6 +185,23 @@ class _PerDtype(dict):
         return cast
 
 
+def _mu_hat_coefficients(b1: float, count: Any, c1: Any, nesterov: bool) -> tuple[Any, Any]:
+    """(a, b) with ``m_hat = a m + b g``: Adam's bias correction ``m / (1 - b1**t)`` (b is
+    None), or with Nesterov's momentum (optax's NAdam, Dozat 2016)
+    ``b1 m / (1 - b1**(t+1)) + (1 - b1) g / (1 - b1**t)``."""
+    if nesterov:
+        return b1 * _correction(b1, count + 1), (1.0 - b1) * c1
+    return c1, None
+
+
+def _mu_hat(mu: Any, g: Any, a: Any, b: Any) -> Any:
+    """``a mu + b g`` (``a mu`` for b None) as a new array."""
+    out = module_of(mu).multiply(mu, a)
+    if b is not None:
+        out += module_of(g).multiply(g, b)
+    return out
+
+
 def _correction(decay: float, count: Any) -> Any:
     """``1 / (1 - decay**count)``: the bias correction of a moment after `count` steps."""
     return 1.0 / (1.0 - decay**count)
@@ -395,16 +412,13 @@ class _ScaleByAdam:
         b1, b2, eps, eps_root, nesterov = self.b1, self.b2, self.eps, self.eps_root, self.nesterov
         count = next_count(state.count)
         c1, c2 = _correction(b1, count), _correction(b2, count)
-        if nesterov:  # optax: m_hat = b1 m / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)
-            n1, n2 = b1 * _correction(b1, count + 1) * factor, (1.0 - b1) * c1 * factor
-        else:
-            n1, n2 = c1 * factor, None
-        scalars = _PerDtype(c2, n1, n2)
+        a, b = _mu_hat_coefficients(b1, count, c1, nesterov)
+        scalars = _PerDtype(c2, a * factor, None if b is None else b * factor)
 
         def leaf(g: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
             gc = upcast(g)
             xp = module_of(gc)
-            c2_, n1_, n2_ = scalars[gc.dtype]
+            c2_, a_, b_ = scalars[gc.dtype]
             scratch = xp.multiply(gc, 1.0 - b1)
             mu = xp.multiply(m, b1)
             mu += scratch
@@ -416,12 +430,10 @@ class _ScaleByAdam:
             xp.sqrt(scratch, out=scratch)
             scratch += eps
             if nesterov:
-                numerator = xp.multiply(mu, n1_)
-                numerator += xp.multiply(gc, n2_)
-                xp.divide(numerator, scratch, out=scratch)
-            else:
+                xp.divide(_mu_hat(mu, gc, a_, b_), scratch, out=scratch)
+            else:  # (mu / denominator) * a: one array fewer than m_hat first
                 xp.divide(mu, scratch, out=scratch)
-                scratch *= n1_
+                scratch *= a_
             return cast_like(scratch, g), mu, nu
 
         updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3)
@@ -590,8 +602,7 @@ class _ScaleByRadam:
         rectify = ro >= self.threshold  # a 0-d bool: selected by `where`, never read on the host
         ro = xp.where(rectify, ro, ro_inf)  # a value whose root is real where it is not used
         r = xp.sqrt((ro - 4.0) * (ro - 2.0) * ro_inf / ((ro_inf - 4.0) * (ro_inf - 2.0) * ro))
-        if self.nesterov:
-            n1, n2 = b1 * _correction(b1, count + 1), (1.0 - b1) * c1
+        scalars = _PerDtype(c2, *_mu_hat_coefficients(b1, count, c1, self.nesterov), r)
 
         def leaf(g: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
             gc = upcast(g)
@@ -600,18 +611,15 @@ class _ScaleByRadam:
             mu = xp.multiply(m, b1)
             mu += scratch
             nu = _moment_of_squares(gc, v, b2, scratch)
-            if self.nesterov:
-                mu_hat = xp.multiply(mu, scalar_as(n1, dtype))
-                mu_hat += xp.multiply(gc, scalar_as(n2, dtype))
-            else:
-                mu_hat = xp.multiply(mu, scalar_as(c1, dtype))
-            xp.multiply(nu, scalar_as(c2, dtype), out=scratch)
+            c2_, a, b, r_ = scalars[dtype]
+            mu_hat = _mu_hat(mu, gc, a, b)
+            xp.multiply(nu, c2_, out=scratch)
             if eps_root:
                 scratch += eps_root
             xp.sqrt(scratch, out=scratch)
             scratch += eps
             xp.divide(mu_hat, scratch, out=scratch)
-            scratch *= scalar_as(r, dtype)
+            scratch *= r_
             return cast_like(xp.where(rectify, scratch, mu_hat), g), mu, nu
 
         updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3)
@@ -646,8 +654,7 @@ class _ScaleByBelief:
         b1, b2, eps, eps_root = self.b1, self.b2, self.eps, self.eps_root
         count = next_count(state.count)
         c1, c2 = _correction(b1, count), _correction(b2, count)
-        if self.nesterov:
-            n1, n2 = b1 * _correction(b1, count + 1), (1.0 - b1) * c1
+        scalars = _PerDtype(c2, *_mu_hat_coefficients(b1, count, c1, self.nesterov))
 
         def leaf(g: Any, m: Any, s: Any) -> tuple[Any, Any, Any]:
             gc = upcast(g)
@@ -656,12 +663,9 @@ class _ScaleByBelief:
             error = xp.subtract(gc, mu)  # the prediction error, against the new moment
             nu = _moment_of_squares(error, s, b2, error)
             nu += eps_root
-            if self.nesterov:
-                mu_hat = xp.multiply(mu, scalar_as(n1, dtype))
-                mu_hat += xp.multiply(gc, scalar_as(n2, dtype))
-            else:
-                mu_hat = xp.multiply(mu, scalar_as(c1, dtype))
-            scratch = xp.multiply(nu, scalar_as(c2, dtype), out=error)
+            c2_, a, b = scalars[dtype]
+            mu_hat = _mu_hat(mu, gc, a, b)
+            scratch = xp.multiply(nu, c2_, out=error)
             xp.sqrt(scratch, out=scratch)
             scratch += eps
             xp.divide(mu_hat, scratch, out=scratch)
