@@ -253,6 +253,23 @@ def test_set_hyperparams_errors_name_the_hyperparameter():
         optim.set_hyperparams(ts, b1=1.5)
 
 
+def test_inject_hyperparams_keeps_a_mask_function_static_and_schedules_a_learning_rate():
+    rng = np.random.default_rng(0)
+    params = make_params(rng)
+    grads = random_grads(rng, params)
+    schedule = optim.exponential_decay(1e-2, 1, 0.5)
+    injected = optim.inject_hyperparams(optim.adamw)(learning_rate=schedule, weight_decay=0.1, mask=weights_only)
+    plain = optim.adamw(schedule, weight_decay=0.1, mask=weights_only)
+    s_injected, s_plain = injected.init(params), plain.init(params)
+    for _ in range(3):
+        u_injected, s_injected = injected.update(grads, s_injected, params)
+        u_plain, s_plain = plain.update(grads, s_plain, params)
+        for a, b in zip(tree.leaves(u_injected), tree.leaves(u_plain)):
+            np.testing.assert_allclose(a, b, rtol=1e-15)
+    assert set(s_injected.hyperparams) == {"b1", "b2", "eps", "eps_root", "weight_decay"}
+    assert float(s_injected.scheduled["learning_rate"]) == 2.5e-3
+
+
 def test_inject_hyperparams_rejects_bad_values_when_built():
     with pytest.raises(ValueError, match="learning_rate"):
         optim.inject_hyperparams(optim.adam)(learning_rate=-1.0)

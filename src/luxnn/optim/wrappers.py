@@ -441,10 +441,12 @@ class _InjectHyperparams:
         bound.apply_defaults()
         static, numeric, schedules = {}, {}, {}
         for name, value in bound.arguments.items():
+            default = self.signature.parameters[name].default
+            numeric_argument = default is inspect.Parameter.empty or isinstance(default, (int, float))
             if name in self.static_args or isinstance(value, (bool, np.bool_)) or value is None:
                 static[name] = value
-            elif callable(value) and not isinstance(value, GradientTransformation):
-                schedules[name] = value
+            elif callable(value) and numeric_argument and not isinstance(value, GradientTransformation):
+                schedules[name] = value  # (a callable for an argument such as mask=None stays static)
             elif isinstance(value, (int, float, np.number)):
                 numeric[name] = float(value)
             else:
@@ -458,8 +460,9 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
                        static_args: str | Iterable[str] = ()) -> Callable[..., GradientTransformation]:
     """Make the numeric arguments of `inner_factory` (e.g. `adam`'s learning rate and
     betas) live in the optimizer state, so `set_hyperparams` changes them mid-run without
-    rebuilding anything (optax; Lux's ``Optimisers.adjust!``). Arguments given as schedules
-    are evaluated at each step; booleans, None, masks and `static_args` stay fixed.
+    rebuilding anything (optax; Lux's ``Optimisers.adjust!``). Callables given for numeric
+    arguments are schedules, evaluated at each step; booleans, None, masks (trees or
+    functions) and `static_args` stay fixed.
 
     The inner transformation is rebuilt from the values at every update, reading the
     0-d values back to the host (one small copy per hyperparameter on a GPU).
