@@ -86,7 +86,7 @@ def load(path: str) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise BenchError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     except (ValueError, RecursionError) as e:  # an over-long integer, or nesting deeper than Python's stack
-        raise BenchError(f"{path}: not a luxnn bench result ({type(e).__name__}: {str(e)[:80]})") from None
+        raise BenchError(f"{path}: not a luxnn bench result ({type(e).__name__}: {e})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise BenchError(f"{path}: not a luxnn bench result (no \"format\": \"{FORMAT}\"); write one with `luxnn bench --json PATH`")
     if doc.get("schema") != SCHEMA:
