@@ -414,13 +414,22 @@ class BinaryCrossEntropyLoss(_LabelSmoothingLoss):
         return ops.softplus(y_hat) - y_hat * self._smooth(y, 2)
 
 
-def _focal_options(owner: str, gamma: float) -> float:
-    if not (isinstance(gamma, (int, float)) and gamma >= 0):
-        raise ValueError(f"{owner}: gamma must be a number >= 0, got {gamma!r}")
-    return float(gamma)
+class _FocalLoss(Loss):
+    """The focal losses' options: the focusing exponent `gamma` and whether the
+    predictions are logits or probabilities."""
+
+    def __init__(self, gamma: float = 2.0, *, from_logits: bool = True, reduction: str = "mean") -> None:
+        super().__init__(reduction=reduction)
+        if not (isinstance(gamma, (int, float)) and gamma >= 0):
+            raise ValueError(f"{type(self).__name__}: gamma must be a number >= 0, got {gamma!r}")
+        self.gamma = float(gamma)
+        self.from_logits = bool(from_logits)
+
+    def _options(self) -> dict[str, Any]:
+        return {"gamma": self.gamma, **({} if self.from_logits else {"from_logits": False})}
 
 
-class FocalLoss(Loss):
+class FocalLoss(_FocalLoss):
     """Focal loss over classes (Lin et al. 2017, Lux's FocalLoss): per example
     ``-sum_c y_c * (1 - p_c)^gamma * log p_c``, which down-weighs well-classified
     examples; ``gamma = 0`` is the cross-entropy. `y_hat` are logits over the last axis
@@ -431,11 +440,6 @@ class FocalLoss(Loss):
     >>> round(float(FocalLoss(gamma=0.0)(np.zeros((2, 4)), np.array([0, 3]))), 4)
     1.3863
     """
-
-    def __init__(self, gamma: float = 2.0, *, from_logits: bool = True, reduction: str = "mean") -> None:
-        super().__init__(reduction=reduction)
-        self.gamma = _focal_options("FocalLoss", gamma)
-        self.from_logits = bool(from_logits)
 
     def elementwise(self, y_hat: Any, y: Any) -> Any:
         xp = array_namespace(y_hat, y)
@@ -453,11 +457,8 @@ class FocalLoss(Loss):
         self._check_same_shape(y_hat, y)
         return -(y * terms).sum(axis=-1)
 
-    def _options(self) -> dict[str, Any]:
-        return {"gamma": self.gamma, **({} if self.from_logits else {"from_logits": False})}
 
-
-class BinaryFocalLoss(Loss):
+class BinaryFocalLoss(_FocalLoss):
     """Binary focal loss (Lin et al. 2017; Lux's BinaryFocalLoss): ``(1 - p_t)^gamma``
     times the binary cross-entropy, ``p_t = y * p + (1 - y) * (1 - p)``; for targets in
     {0, 1} that is Lux's ``-(1 - p_t)^gamma * log(p_t)``. `y_hat` are logits
@@ -471,11 +472,6 @@ class BinaryFocalLoss(Loss):
     0.072868
     """
 
-    def __init__(self, gamma: float = 2.0, *, from_logits: bool = True, reduction: str = "mean") -> None:
-        super().__init__(reduction=reduction)
-        self.gamma = _focal_options("BinaryFocalLoss", gamma)
-        self.from_logits = bool(from_logits)
-
     def elementwise(self, y_hat: Any, y: Any) -> Any:
         self._check_same_shape(y_hat, y)
         xp = array_namespace(y_hat, y)
@@ -487,9 +483,6 @@ class BinaryFocalLoss(Loss):
         p = y_hat + _epsilon(None, y_hat)
         p_t = y * p + (1 - y) * (1 - p)
         return -(xp.clip(1 - p_t, 0, None) ** self.gamma) * xp.log(p_t)
-
-    def _options(self) -> dict[str, Any]:
-        return {"gamma": self.gamma, **({} if self.from_logits else {"from_logits": False})}
 
 
 class DiceCoeffLoss(Loss):

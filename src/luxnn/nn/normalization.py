@@ -109,13 +109,16 @@ class _RunningNorm(_Norm):
     default_track_stats = True
     statistic_of = "channel"  # what one statistic is of, for messages
 
-    def _init_running(self, num_features: int, momentum: float, track_stats: bool) -> None:
+    def _init_running(
+        self, num_features: int, activation: Activation, momentum: float, epsilon: float, affine: bool, track_stats: bool
+    ) -> None:
         owner = type(self).__name__
         self.num_features = _positive_int(owner, "num_features", num_features)
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"{owner}: momentum must be in [0, 1], got {momentum!r}")
         self.momentum = float(momentum)
         self.track_stats = bool(track_stats)
+        self._init_affine(epsilon, affine, (self.num_features,), activation)
 
     def _statistic_axes(self, x: Any) -> tuple[int, ...]:
         raise NotImplementedError
@@ -144,15 +147,15 @@ class _RunningNorm(_Norm):
         return self._activate(x * scale + (ps["bias"] - st["running_mean"] * scale)), st
 
     def _batch_statistics(self, x: Any, st: dict[str, Any], axes: tuple[int, ...], update: bool) -> tuple[Any, dict[str, Any]]:
+        if not update:
+            return normalize(x, axis=axes, epsilon=self.epsilon), st
         count = math.prod(x.shape[a] for a in axes)
-        if count < 2 and update:
+        if count < 2:
             raise LayerError(f"{self}: expected more than 1 value per {self.statistic_of} in training mode, got input of shape {x.shape}")
         # The statistics come from the raw values: the running statistics must never hold
         # (or keep alive) traced values, and normalize's VJP already accounts for them.
         mean, var = moments(stop_gradient(x), axes)
         y = normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var))
-        if not update:
-            return y, st
         m, c = self.momentum, self.num_features
         rm, rv = st["running_mean"], st["running_var"]
         # One statistic per channel (BatchNorm) or per sample and channel (InstanceNorm,
@@ -204,8 +207,7 @@ class BatchNorm(_RunningNorm):
         affine: bool = True,
         track_stats: bool = True,
     ) -> None:
-        self._init_running(num_features, momentum, track_stats)
-        self._init_affine(epsilon, affine, (self.num_features,), activation)
+        self._init_running(num_features, activation, momentum, epsilon, affine, track_stats)
 
     def _statistic_axes(self, x: Any) -> tuple[int, ...]:
         _check_channels_last(self, x, self.num_features)
@@ -245,8 +247,7 @@ class InstanceNorm(_RunningNorm):
         affine: bool = False,
         track_stats: bool = False,
     ) -> None:
-        self._init_running(num_features, momentum, track_stats)
-        self._init_affine(epsilon, affine, (self.num_features,), activation)
+        self._init_running(num_features, activation, momentum, epsilon, affine, track_stats)
 
     def _statistic_axes(self, x: Any) -> tuple[int, ...]:
         shape = _check_channels_last(self, x, self.num_features)
