@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-side of luxnn in one go, in at most 5 minutes, on a machine with an NVIDIA
+# Everything GPU-side of luxnn in one go, in at most 5.5 minutes, on a machine with an NVIDIA
 # GPU and CuPy already installed, without network:
 #
 #   bash scripts/gpu_check.sh            # PYTHON=/path/to/python to choose the interpreter
@@ -12,6 +12,7 @@
 #             (float64 to 1e-10, float32 to 1e-4 relative) and of the primitives
 #   demo-mlp  luxnn demo --device gpu --model mlp
 #   demo-cnn  luxnn demo --device gpu --model cnn
+#   nccl      luxnn.distributed's NCCL backend on one GPU (mpiexec -n 1; skipped without mpi4py)
 #   table     benchmarks/gpu_step.py: time, driver allocations, peak live and reserved
 #             per training step without a pool, with CuPy's pool and with the luxnn cache
 # The table comes last. Exit status: 0 all stages passed, 1 a stage failed, 2 no usable GPU.
@@ -63,9 +64,10 @@ stage tests 90 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py 
 stage match 45 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -k "match_the_cpu"
 stage demo-mlp 30 "$PYTHON" -m luxnn.cli demo --device gpu --model mlp --epochs 5 --no-progress
 stage demo-cnn 30 "$PYTHON" -m luxnn.cli demo --device gpu --model cnn --epochs 2 --no-progress
+stage nccl 30 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_distributed.py -k nccl
 stage table 60 "$PYTHON" benchmarks/gpu_step.py
 
-for name in tests match; do  # the pytest summaries: counts and skip reasons
+for name in tests match nccl; do  # the pytest summaries: counts and skip reasons
     grep -E "passed|failed|SKIPPED|error" "$LOGS/$name.log" | tail -n 5 | sed "s/^/    [$name] /" || true
 done
 for name in demo-mlp demo-cnn; do

@@ -7,7 +7,6 @@ loaded machine); the raising rank and the threads' defaults need runs of their o
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -15,33 +14,19 @@ import time
 import numpy as np
 import pytest
 
+from luxnn.distributed.launch import missing, mpiexec
+
 WORKERS = os.path.join(os.path.dirname(__file__), "distributed_workers")
 ONE_BLAS_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
-def _mpiexec() -> str | None:
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")  # pip's mpich, in the venv
-    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
-
-
-def _have_mpi4py() -> bool:
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_mpi = pytest.mark.skipif(
-    not _have_mpi4py() or _mpiexec() is None,
-    reason="needs mpi4py and an mpiexec: pip install 'luxnn[mpi]'",
-)
+needs_mpi = pytest.mark.skipif(missing() is not None, reason=f"needs mpi4py and an mpiexec ({missing()})")
 
 
 def run_workers(worker: str, *args: str, ranks: int = 2, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """``mpiexec -n RANKS python -m mpi4py WORKER ARGS``, output captured (stderr into stdout)."""
     environment = {**os.environ, **ONE_BLAS_THREAD} if env is None else env
-    command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", os.path.join(WORKERS, worker), *args]
+    command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", os.path.join(WORKERS, worker), *args]
     return subprocess.run(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
@@ -104,6 +89,27 @@ def test_initialize_shares_the_cores_unless_the_user_chose():
     done = run_workers("threads.py", env=env)
     assert done.returncode == 0, done.stdout[-4000:]
     assert all(f"rank {r}: PASS threads" in done.stdout for r in (0, 1))
+
+
+@needs_mpi
+def test_demo_with_workers_trains_data_parallel_and_reports_the_collectives():
+    env = {**os.environ, **ONE_BLAS_THREAD}
+    command = [sys.executable, "-m", "luxnn.cli", "demo", "--workers", "2", "--epochs", "2", "--no-progress"]
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert re.search(r"^test accuracy [0-9.]+%", done.stdout, re.M) and done.stdout.count("test accuracy") == 1  # rank 0 only
+    assert re.search(r"data-parallel on 2 ranks: [0-9.]+ ms per step in collectives", done.stdout)
+
+
+@needs_mpi
+def test_bench_rows_run_their_steps_in_an_mpi_job():
+    from luxnn.bench import distributed
+
+    step = distributed.proxy(2, "mlp-allreduce")
+    for _ in range(3):
+        step()
+    with pytest.raises(RuntimeError, match="the MPI job ended"):
+        distributed.proxy(2, "no-such-step")  # the ranks raise; mpi4py ends the job
 
 
 def _have_gpu() -> bool:

@@ -8,7 +8,7 @@ caching allocator.
 58
 """
 
-from . import ad, data, init, losses, memory, nn, ops, optim, parallel, tree
+from . import ad, data, distributed, init, losses, memory, nn, ops, optim, parallel, tree
 from .checkpoint import CheckpointError, load, save
 from .data import DataLoader
 from .ad import AutoTape, array_namespace, grad, stop_gradient, value_and_grad
@@ -28,7 +28,7 @@ from .training import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ad", "data", "init", "losses", "memory", "nn", "ops", "optim", "parallel", "tree", "load", "save", "CheckpointError",
+    "ad", "data", "distributed", "init", "losses", "memory", "nn", "ops", "optim", "parallel", "tree", "load", "save", "CheckpointError",
     "num_threads", "set_num_threads", "summary", "outputsize",
     "DataLoader", "get_allocator_cache", "TrainState", "apply_gradients", "apply_gradients_",
     "compute_gradients", "single_train_step", "single_train_step_", "AutoTape", "array_namespace", "grad", "stop_gradient",

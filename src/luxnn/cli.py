@@ -96,6 +96,13 @@ def _check_demo(args: argparse.Namespace) -> None:
             f"argument --batch-size: expected at most {len(train_labels)} (the demo's training images; every batch is full), "
             f"got {args.batch_size}"
         )
+    if args.workers > 1:
+        from .distributed.launch import missing
+
+        if missing():
+            raise _BadArgument(f"argument --workers: {missing()}")
+        if args.batch_size % args.workers:
+            raise _BadArgument(f"argument --batch-size: expected a multiple of --workers {args.workers} (each rank's share), got {args.batch_size}")
     if args.device == "gpu":
         from .devices import gpu_device
 
@@ -118,11 +125,15 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import report, run
 
     _check_demo(args)
-    figures = run(
-        args.model, epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.lr,
-        seed=args.seed, memory_plot=args.memory_plot, progress=not args.no_progress, device=args.device,
+    options = dict(
+        epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.lr, seed=args.seed,
+        memory_plot=args.memory_plot, progress=not args.no_progress, device=args.device,
     )  # fmt: skip
-    print(report(figures))
+    if args.workers > 1:
+        from .distributed.launch import run_demo
+
+        return run_demo(args.workers, {"model_name": args.model, **options})
+    print(report(run(args.model, **options)))
     return 0
 
 
@@ -156,6 +167,7 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--memory-plot", metavar="PATH", type=_output_file, help="draw the allocator cache's timeline to PATH (PNG; another extension picks another format)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="train on the CPU or on a CUDA GPU (CuPy)")
+    demo.add_argument("--workers", type=_integer(1), default=1, metavar="N", help="train data-parallel on N ranks through mpiexec (pip install 'luxnn[mpi]')")
     demo.set_defaults(run=_demo)
     bench = commands.add_parser("bench", help="run the benchmark suite (see BENCHMARKS.md)")
     bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (under 2 minutes)")

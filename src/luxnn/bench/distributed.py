@@ -161,20 +161,16 @@ def serve(address: str) -> None:
 # ---- the runner's side ---------------------------------------------------------------------------
 
 
-def mpiexec() -> str | None:
-    """The mpiexec beside this Python (pip's mpich installs it there), else on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
-
-
 class Job:
     """``mpiexec -n RANKS`` ranks running `serve`, and a socket to each; `close()` (or the
     job's garbage collection) ends them."""
 
     def __init__(self, ranks: int) -> None:
+        from luxnn.distributed.launch import missing, mpiexec
+
+        if missing():
+            raise RuntimeError(missing())
         launcher = mpiexec()
-        if launcher is None:
-            raise RuntimeError("no mpiexec found: pip install 'luxnn[mpi]'")
         self._dir = tempfile.mkdtemp(prefix="luxnn-bench-mpi-")
         address = os.path.join(self._dir, "socket")
         self._log = open(os.path.join(self._dir, "log"), "w+")

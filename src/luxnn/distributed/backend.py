@@ -11,6 +11,7 @@ mpi4py is imported on `initialize` only, so luxnn imports without it.
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 import warnings
@@ -23,7 +24,7 @@ from .. import parallel
 
 __all__ = [
     "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "OPS", "initialize", "is_initialized",
-    "local_rank", "total_workers", "check_backend", "check_root",
+    "local_rank", "total_workers", "check_backend", "check_root", "check_int",
 ]  # fmt: skip
 
 OPS = ("sum", "avg", "max", "min")
@@ -270,6 +271,20 @@ def check_root(backend: Backend, what: str, root: Any) -> None:
     """A `ValueError` unless `root` is one of `backend`'s ranks."""
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < backend.size:
         raise ValueError(f"{what}: expected root a rank in [0, {backend.size}), got {root!r}")
+
+
+def check_int(what: str, name: str, value: Any, *, minimum: int) -> int:
+    """`value` as an int if it is one of at least `minimum`; otherwise a `ValueError`
+    naming `what`'s argument `name`."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what}: expected {name} an integer >= {minimum}, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{what}: expected {name} an integer >= {minimum}, got {value}")
+    return value
 
 
 def local_rank(backend: Backend) -> int:

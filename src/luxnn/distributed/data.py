@@ -11,14 +11,13 @@ enter, which is why ``drop_last=True`` is the default.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from .. import tree
 from ..backend import module_of
-from .backend import Backend, check_backend
+from .backend import Backend, check_backend, check_int
 
 __all__ = ["DistributedDataLoader"]
 
@@ -45,8 +44,8 @@ class DistributedDataLoader:
                  drop_last: bool = True, device: Callable[[Any], Any] | None = None) -> None:
         self.backend = check_backend(backend, "DistributedDataLoader")
         self.num_samples = _num_samples(data)
-        self.batch_size = _int("batch_size", batch_size, minimum=1)
-        self.seed = _int("seed", seed, minimum=0)
+        self.batch_size = check_int("DistributedDataLoader", "batch_size", batch_size, minimum=1)
+        self.seed = check_int("DistributedDataLoader", "seed", seed, minimum=0)
         if device is not None and not callable(device):
             raise ValueError(f"DistributedDataLoader: device must be callable (it moves a batch), got {type(device).__name__}")
         ranks, per_step = self.backend.size, self.batch_size * self.backend.size
@@ -70,7 +69,7 @@ class DistributedDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter(loader)`` epoch `epoch` (its order; later ones follow it)."""
-        self.epoch = operator.index(epoch)
+        self.epoch = check_int("set_epoch", "epoch", epoch, minimum=0)
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_samples, self.batch_size * self.backend.size)
@@ -100,18 +99,6 @@ class DistributedDataLoader:
             f"DistributedDataLoader(num_samples={self.num_samples}, batch_size={self.batch_size}, ranks={self.backend.size}, "
             f"shuffle={self.shuffle}, drop_last={self.drop_last}, batches={len(self)})"
         )
-
-
-def _int(name: str, value: Any, *, minimum: int) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"DistributedDataLoader: {name} must be an integer >= {minimum}, got {value!r}") from None
-    if value < minimum:
-        raise ValueError(f"DistributedDataLoader: {name} must be an integer >= {minimum}, got {value}")
-    return value
 
 
 def _num_samples(data: Any) -> int:

@@ -13,12 +13,11 @@ same averaged gradients, so the same updates, and replicas started equal stay bi
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 from .. import memory, optim, tree
 from ..backend import is_array, module_of
-from .backend import Backend, check_backend
+from .backend import Backend, check_backend, check_int
 from .collectives import check_same_layout
 
 __all__ = ["DistributedOptimizer", "GradientBuckets", "DEFAULT_BUCKET_BYTES"]
@@ -51,15 +50,7 @@ class GradientBuckets:
 
     def __init__(self, backend: Backend, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.backend = check_backend(backend, "GradientBuckets")
-        if isinstance(bucket_bytes, bool):
-            raise ValueError(f"GradientBuckets: expected bucket_bytes an int >= 1, got {bucket_bytes!r}")
-        try:
-            bucket_bytes = operator.index(bucket_bytes)
-        except TypeError:
-            raise ValueError(f"GradientBuckets: expected bucket_bytes an int >= 1, got {bucket_bytes!r}") from None
-        if bucket_bytes < 1:
-            raise ValueError(f"GradientBuckets: expected bucket_bytes an int >= 1, got {bucket_bytes}")
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = check_int("GradientBuckets", "bucket_bytes", bucket_bytes, minimum=1)
         self.buffers: list[Any] = []  # the flat buffers, in the order they are reduced
         self._key: Any = None
         self._views: list[Any] = []  # leaf i's place in its buffer, shaped as leaf i
