@@ -249,3 +249,35 @@ def test_schedule_matches_optax_at_every_step(name, steps, make):
         for given in (step, np.asarray(step, dtype=np.int64)):  # a Python int and a 0-d count
             np.testing.assert_allclose(float(ours(given)), expected, rtol=RTOL, atol=1e-14, err_msg=f"step {step}")
     assert isinstance(ours(3), float)
+
+
+FLOAT32 = [
+    ("adam", lambda: optim.adam(1e-2), lambda: optax.adam(1e-2)),
+    ("nadamw", lambda: optim.nadamw(1e-2, weight_decay=0.1), lambda: optax.nadamw(1e-2, weight_decay=0.1)),
+    ("radam", lambda: optim.radam(1e-2, b2=0.9), lambda: optax.radam(1e-2, b2=0.9)),
+    ("lamb", lambda: optim.lamb(1e-2, weight_decay=0.01), lambda: optax.lamb(1e-2, weight_decay=0.01)),
+    ("adabelief", lambda: optim.adabelief(1e-2), lambda: optax.adabelief(1e-2)),
+]
+
+
+@pytest.mark.parametrize("name, ours, theirs", FLOAT32, ids=[c[0] for c in FLOAT32])
+def test_float32_trees_match_optax_to_float32_precision(name, ours, theirs):
+    rng = np.random.default_rng(5)
+    params = tree.map(lambda p: np.asarray(p, np.float32), make_params(rng))
+    grads = [tree.map(lambda p: np.asarray(p, np.float32), g) for g in make_grads(rng, params)]
+    ours_updates = run(ours(), params, grads, to_array=np.array, apply=optim.apply_updates)
+    assert all(u.dtype == np.float32 for step in ours_updates for u in step)
+    assert_same_updates(ours_updates, run(theirs(), params, grads, to_array=jnp.asarray, apply=optax.apply_updates),
+                        rtol=2e-5)
+
+
+def test_incremental_and_periodic_updates_match_optax():
+    rng = np.random.default_rng(4)
+    new, old = make_params(rng), make_params(rng)
+    ours = jax.tree.leaves(optim.incremental_update(new, old, 0.3))  # jax's order (sorted keys) on both
+    theirs = jax.tree.leaves(optax.incremental_update(tree.map(jnp.asarray, new), tree.map(jnp.asarray, old), 0.3))
+    assert_same_updates([ours], [[np.asarray(t) for t in theirs]])
+    for steps in range(7):
+        ours = optim.periodic_update(new, old, steps, 3)
+        theirs = optax.periodic_update(tree.map(jnp.asarray, new), tree.map(jnp.asarray, old), jnp.asarray(steps), 3)
+        assert_same_updates([jax.tree.leaves(ours)], [[np.asarray(t) for t in jax.tree.leaves(theirs)]])
