@@ -7,7 +7,8 @@ dtype and returns updates in the gradient's dtype, so float16 parameters train w
 their moments underflowing. A block returns new arrays and never writes into `grads`,
 `params` or the old state; temporaries are combined in place (``out=``) on arrays the block
 has just made. Step counts stay 0-d arrays: bias corrections and schedules are computed
-from them as arrays, with no Python int made of the count (no host round trip on a GPU).
+from them as arrays, with no Python int made of the count (no host round trip on a GPU;
+`add_noise` alone reads it, to seed NumPy's generator on the host).
 """
 
 from __future__ import annotations
@@ -1192,8 +1193,9 @@ def _on_host(x: Any) -> Any:
 def add_noise(eta: float = 0.01, gamma: float = 0.55, seed: int = 0) -> GradientTransformation:
     """Add Gaussian noise of variance ``eta / t**gamma`` to the updates, t the 1-based
     step (Neelakantan et al. 2015, optax). The noise of each step is drawn from `seed` and
-    the step alone (NumPy's generator), so a run repeats exactly; it cannot equal optax's
-    (JAX's generator) number for number.
+    the step alone (NumPy's generator on the host: on a GPU, one read of the count and one
+    copy of the noise per step), so a run repeats exactly; it cannot equal optax's (JAX's
+    generator) number for number.
 
     >>> import numpy as np
     >>> t = add_noise(0.01, 0.55, seed=0)

@@ -308,7 +308,8 @@ class MultiSteps(GradientTransformation):
     `every_k_schedule`: an int, or a function of the number of inner updates made.
 
     It is itself a `GradientTransformation` (``init``, ``update``); `has_updated` says
-    whether the last update applied `opt`.
+    whether the last update applied `opt`. Each update reads its mini-step on the host (on
+    a GPU one 0-d copy), so that `opt` runs only on the k-th.
 
     >>> import numpy as np
     >>> from luxnn import optim
@@ -373,7 +374,8 @@ class _ApplyIfFinite:
 def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:
     """Skip (zero updates, inner state kept) every update whose gradients hold a NaN or an
     inf, counting them; after more than `max_consecutive_errors` in a row the update is
-    applied anyway (optax).
+    applied anyway (optax). Whether to apply is read on the host (on a GPU one 0-d copy),
+    so that a skipped step costs no inner update.
 
     >>> import numpy as np
     >>> from luxnn import optim
