@@ -101,17 +101,23 @@ def next_count(count: Any) -> Any:
     return module_of(count).asarray(count + 1)
 
 
+_COMPUTE_DTYPES: dict = {}
+
+
 def compute_dtype(dtype: Any) -> Any:
     """The dtype an optimiser computes and stores moments in for leaves of `dtype`: at
     least float32 (half-precision moments underflow and eps=1e-8 rounds to 0 in float16)."""
-    dtype = np.dtype(dtype)
-    return np.dtype(np.float32) if dtype.kind == "f" and dtype.itemsize < 4 else dtype
+    found = _COMPUTE_DTYPES.get(dtype)
+    if found is None:
+        d = np.dtype(dtype)
+        found = _COMPUTE_DTYPES[dtype] = np.dtype(np.float32) if d.kind == "f" and d.itemsize < 4 else d
+    return found
 
 
 def upcast(x: Any) -> Any:
     """`x` in its `compute_dtype` (`x` itself for float32 and float64)."""
     dtype = compute_dtype(x.dtype)
-    return x if dtype == x.dtype else x.astype(dtype)
+    return x if dtype is x.dtype or dtype == x.dtype else x.astype(dtype)
 
 
 def cast_like(x: Any, like: Any) -> Any:
@@ -317,6 +323,8 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
 
 
 def _in_place_problem(p: Any, u: Any) -> str | None:
+    if type(p) is np.ndarray and p.flags.writeable and getattr(u, "dtype", None) == p.dtype:
+        return None  # the common case, decided without the checks below
     if not hasattr(p, "dtype") or not hasattr(p, "shape") or isinstance(p, np.generic):
         return f"is a {type(p).__name__}, not an array that can be updated in place"
     flags = getattr(p, "flags", None)
