@@ -16,6 +16,7 @@ import pytest
 
 import luxnn as lx
 from luxnn import memory
+from luxnn.memory.plan import PlanStatus
 from luxnn.memory import _core, cupy_backend
 
 CONTEXT = 0xC0FFEE  # the "primary context" the fake expects to be pushed
@@ -162,7 +163,7 @@ def test_plans_take_their_arenas_from_the_driver_and_give_them_back():
     driver = FakeDriver()
     core = cuda_core(driver)
     sizes = np.array([1 << 20, 2 << 20], dtype=np.int64)  # a block of the cycle, one that outlives it
-    assert core.install_plan(1 << 20, 4 << 20, sizes, np.array([0, 0]), np.array([0, 2 << 20]), np.array([0, 1])) == "installed"
+    assert core.install_plan(1 << 20, 4 << 20, sizes, np.array([0, 0]), np.array([0, 2 << 20]), np.array([0, 1])) == PlanStatus.INSTALLED
     arenas = sorted((base, len(buf)) for base, buf in driver.buffers.items())
     assert [size for _, size in arenas] == [1 << 20, 4 << 20] or [size for _, size in arenas] == [4 << 20, 1 << 20]
     previous = None
@@ -189,7 +190,7 @@ def test_a_plan_the_device_cannot_hold_leaves_no_plan_and_nothing_taken():
     core = cuda_core(driver)
     sizes = np.array([2 << 20, 2 << 20], dtype=np.int64)
     status = core.install_plan(4 << 20, 0, sizes, np.array([0, 2 << 20]), np.array([0, 2 << 20]), np.array([0, 0]))
-    assert status == "no room"
+    assert status == PlanStatus.NO_ROOM
     assert core.stats()[12] == 0 and driver.buffers == {} and driver.errors == []
     core.audit()
 

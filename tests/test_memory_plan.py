@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from luxnn import memory
 from luxnn.memory import _core
-from luxnn.memory.plan import Planner, layout, place
+from luxnn.memory.plan import PlanStatus, Planner, layout, place
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -36,12 +36,23 @@ def test_place_never_overlaps_blocks_alive_together_and_spans_at_least_the_peak(
 def test_layout_gives_blocks_that_outlive_the_cycle_two_places_of_their_own():
     sizes = np.array([512, 1024, 1024, 2048])
     born, died = np.array([0, 1, 2, 3]), np.array([-1, 4, -1, 5])
-    cycle_bytes, kept_bytes, even, odd, arena = layout(sizes, born, died)
+    cycle_bytes, kept_bytes, even, odd, arena = layout(sizes, born, died, np.array([-1, -1, -1, -1]))
     assert arena.tolist() == [1, 0, 1, 0] and kept_bytes == 2 * (512 + 1024)
     kept = [(even[i], even[i] + sizes[i]) for i in (0, 2)] + [(odd[i], odd[i] + sizes[i]) for i in (0, 2)]
     assert all(not _overlap(*a, *b) for k, a in enumerate(kept) for b in kept[:k])
     assert all(end <= kept_bytes for _, end in kept)
     assert even[1] == odd[1] and even[3] == odd[3] and cycle_bytes == 1024 + 2048  # [1, 4) and [3, 5) overlap
+
+
+def test_results_that_die_early_in_the_next_step_share_places_with_later_ones():
+    # Over the circular two-step schedule (T = 4 ticks): x is born at 1 and dies at 2 of the
+    # next step, y is born at 3 and dies as the next step begins. An even step's x and the
+    # odd step's y are never alive together, nor the even y and the odd x: two places serve
+    # four blocks, where two places each would take four.
+    sizes, born, died, next_died = np.array([1024, 1024]), np.array([1, 3]), np.array([-1, -1]), np.array([2, 0])
+    _, kept_bytes, even, odd, arena = layout(sizes, born, died, next_died)
+    assert arena.tolist() == [1, 1] and kept_bytes == 2048
+    assert even[0] != even[1] and odd[0] != odd[1] and even[0] == odd[1] and even[1] == odd[0]
 
 
 def _step(x, keep=None):
@@ -248,15 +259,15 @@ def test_a_plan_waits_while_the_cycle_arena_it_must_replace_is_in_use():
     cache = memory.AllocCache(plan=False)  # plans installed by hand below
     core = cache._core
     one = [np.array(c, dtype=np.int64) for c in ([MiB], [0], [0], [0])]
-    assert core.install_plan(MiB, 0, *one) == "installed"
+    assert core.install_plan(MiB, 0, *one) == PlanStatus.INSTALLED
     with memory.step(cache):
         kept = np.empty(MiB, np.uint8)  # at its planned place, and it outlives the cycle
     assert core.stats()[10] == 1
     two = [np.array(c, dtype=np.int64) for c in ([MiB, MiB], [0, MiB], [0, MiB], [0, 0])]
-    assert core.install_plan(2 * MiB, 0, *two) == "later"  # it would hold both arenas
+    assert core.install_plan(2 * MiB, 0, *two) == PlanStatus.LATER  # it would hold both arenas
     assert core.stats()[12] == 1 and cache.stats().bytes_reserved == MiB
     del kept
-    assert core.install_plan(2 * MiB, 0, *two) == "installed"
+    assert core.install_plan(2 * MiB, 0, *two) == PlanStatus.INSTALLED
     assert core.stats()[12] == 2 and cache.stats().bytes_reserved == 2 * MiB
     core.audit()
 
@@ -283,20 +294,36 @@ def test_install_plan_rejects_a_plan_it_cannot_serve(args, match):
 
 
 class FakeCore:
-    """The two calls a Planner makes, answering install_plan with the statuses given."""
+    """The calls a Planner makes, answering install_plan with the statuses given."""
 
     def __init__(self, *statuses):
-        self.statuses, self.installed, self.dropped = list(statuses), [], 0
+        self.statuses, self.installed, self.dropped, self.warm_up = list(statuses), [], 0, []
 
     def install_plan(self, cycle_bytes, kept_bytes, sizes, even, odd, which):
         self.installed.append((cycle_bytes, kept_bytes, sizes.tolist()))
-        return self.statuses.pop(0) if self.statuses else "installed"
+        return self.statuses.pop(0) if self.statuses else PlanStatus.INSTALLED
 
     def drop_plan(self):
         self.dropped += 1
 
+    def set_warm_up(self, on):
+        self.warm_up.append(on)
+
 
 ROOMY = 1 << 40  # the split pool's peak: more than any plan here
+
+
+class Steps:
+    """Hands a Planner records as the core does: each with the one before it, whose blocks
+    that outlived it are taken to outlive the next step too (next_died -1)."""
+
+    def __init__(self, planner):
+        self.planner, self.before = planner, b""
+
+    def __call__(self, rows, misses, planned, without_plan):
+        self.planner.step_ended(rows, misses, planned, without_plan, self.before)
+        r = np.frombuffer(rows, np.int64).reshape(-1, 3)
+        self.before = np.column_stack([r, np.full(len(r), -1)]).astype(np.int64).tobytes()
 
 
 def _record(sizes, born=None, died=None):
@@ -306,51 +333,53 @@ def _record(sizes, born=None, died=None):
 
 
 def test_the_planner_plans_a_repeat_widens_on_misses_and_waits_when_told_later():
-    core = FakeCore("later", "installed")
+    core = FakeCore(PlanStatus.LATER, PlanStatus.INSTALLED)
     planner = Planner(core)
-    planner.step_ended(_record([MiB, MiB]), 0, False, ROOMY)
+    step = Steps(planner)
+    step(_record([MiB, MiB]), 0, False, ROOMY)
     assert core.installed == []  # one cycle: nothing to compare with
-    planner.step_ended(_record([MiB, MiB]), 0, False, ROOMY)
+    step(_record([MiB, MiB]), 0, False, ROOMY)
     assert len(core.installed) == 1 and not planner.served(0, True)  # "later": no plan yet
-    planner.step_ended(_record([MiB, MiB], born=[0, 0]), 0, False, ROOMY)  # the repeat kept waiting
+    step(_record([MiB, MiB], born=[0, 0]), 0, False, ROOMY)  # the repeat kept waiting
     assert len(core.installed) == 2 and planner.served(0, True)
     assert core.installed[-1][0] == 2 * MiB  # the union of lifetimes: both alive at 0
-    planner.step_ended(_record([MiB, MiB], born=[0, 0]), 1, True, ROOMY)  # a miss, nothing new
+    step(_record([MiB, MiB], born=[0, 0]), 1, True, ROOMY)  # a miss, nothing new
     assert len(core.installed) == 2
-    planner.step_ended(_record([MiB, MiB], born=[0, 0], died=[3, 3]), 1, True, ROOMY)  # a miss, longer lives
+    step(_record([MiB, MiB], born=[0, 0], died=[3, 3]), 1, True, ROOMY)  # a miss, longer lives
     assert len(core.installed) == 3 and core.installed[-1][0] == 2 * MiB
 
 
 def test_the_planner_retries_a_plan_without_room_only_after_a_while():
-    core = FakeCore("no room")
+    core = FakeCore(PlanStatus.NO_ROOM)
     planner = Planner(core)
+    step = Steps(planner)
     for _ in range(1 + Planner.RETRY_AFTER):  # the repeat at the 2nd finds no room
-        planner.step_ended(_record([MiB]), 0, False, ROOMY)
+        step(_record([MiB]), 0, False, ROOMY)
     assert len(core.installed) == 1
-    planner.step_ended(_record([MiB]), 0, False, ROOMY)
+    step(_record([MiB]), 0, False, ROOMY)
     assert len(core.installed) == 2 and planner.served(0, True)
 
 
 def test_the_planner_forgets_a_plan_the_cache_dropped():
     core = FakeCore()
     planner = Planner(core)
+    step = Steps(planner)
     for _ in range(2):
-        planner.step_ended(_record([MiB]), 0, False, ROOMY)
+        step(_record([MiB]), 0, False, ROOMY)
     assert planner.served(0, True) and not planner.served(0, False)
-    planner.step_ended(_record([MiB]), 0, False, ROOMY)  # trimmed away: the next repeat plans again
-    planner.step_ended(_record([MiB]), 0, False, ROOMY)
+    step(_record([MiB]), 0, False, ROOMY)  # trimmed away: the next repeat plans again
     assert len(core.installed) == 2 and core.dropped == 0
 
 
 def test_the_planner_makes_no_plan_that_would_hold_more_than_the_split_pool():
     core = FakeCore()
     planner = Planner(core)
+    step = Steps(planner)
     kept = _record([MiB, MiB], died=[-1, -1])  # two places each: 4 MiB
     for _ in range(2):
-        planner.step_ended(kept, 0, False, 3 * MiB)
+        step(kept, 0, False, 3 * MiB)
     for _ in range(Planner.RETRY_AFTER - 1):  # not tried again meanwhile
-        planner.step_ended(kept, 0, False, 4 * MiB)
+        step(kept, 0, False, 4 * MiB)
     assert core.installed == []
-    for _ in range(2):
-        planner.step_ended(kept, 0, False, 4 * MiB)
+    step(kept, 0, False, 4 * MiB)
     assert len(core.installed) == 1  # as much as the pool held: a plan (it is steadier)

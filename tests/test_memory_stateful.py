@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from luxnn import memory
+from luxnn.memory.plan import PlanStatus
 from luxnn.memory import _core
 
 MiB = 1 << 20
@@ -144,7 +145,7 @@ class CacheMachine(RuleBasedStateMachine):
         sizes, even, odd, arena = columns[0], columns[1] << 18, columns[2] << 18, columns[3]
         before = core.stats()
         status = core.install_plan(ARENA, ARENA, sizes, even, odd, arena)
-        assert status == "installed" and core.stats()[12] == before[12] + 1  # no limit; arenas of one size
+        assert status == PlanStatus.INSTALLED and core.stats().plans == before.plans + 1  # no limit; arenas of one size
         self.caches[which]._planner._planned = None  # the planner's own plan is gone
 
     @precondition(lambda self: len(self.scopes) < 6)

@@ -185,25 +185,27 @@ def test_a_training_loop_is_planned_and_holds_its_working_set(one_thread):
     cache._core.audit()
 
 
-@pytest.mark.parametrize("batch, planned", [(256, False), (1024, True)])
-def test_steps_of_two_scopes_in_turn_are_planned_where_it_saves_memory(batch, planned, one_thread):
+@pytest.mark.parametrize("batch", [256, 1024])
+def test_steps_of_two_scopes_in_turn_are_planned_only_within_the_budget(batch, one_thread):
     # compute_gradients begins a step, apply_gradients_ ends it: one cycle of both scopes.
-    # Adam's new states and the gradients outlive a step: their two places each would cost
-    # more than the activations' plan saves at batch 256 (no plan is made), less at 1024.
-    reserved = {}
-    for plan in (True, False):
-        cache, ts, data = _large_mlp_state(batch, plan)
-        for k in range(16):
-            if k == 10:
-                cache.reset_peaks()
-            grads, _, _, ts = lx.compute_gradients(AD, lx.losses.CrossEntropyLoss(), data, ts)
-            ts = lx.apply_gradients_(ts, grads)
-        reserved[plan] = cache.stats().peak_reserved
-        assert (cache.stats().plans == 1) == (planned and plan)
-        if plan:  # at batch 256, the plan refused as no gain
-            assert (cache._planner._refused is None) == planned
-        cache._core.audit()
-    assert reserved[True] < reserved[False] if planned else reserved[True] == reserved[False]
+    # Adam's new states and the gradients outlive a step (two places each): a plan is made
+    # only if it holds at most 1.10x the step's large blocks at their peak; else the split
+    # pool serves. Either way the loop stops reaching upstream, and a plan keeps the budget.
+    cache, ts, data = _large_mlp_state(batch)
+    upstream = []
+    for k in range(16):
+        if k == 10:
+            cache.reset_peaks()
+        before = cache.stats().upstream_allocs
+        grads, _, _, ts = lx.compute_gradients(AD, lx.losses.CrossEntropyLoss(), data, ts)
+        ts = lx.apply_gradients_(ts, grads)
+        upstream.append(cache.stats().upstream_allocs - before)
+    s = cache.stats()
+    assert upstream[6:] == [0] * 10
+    assert (s.plans == 1) == (cache._planner._refused is None)  # made, or refused as no gain
+    if s.plans:
+        assert s.peak_reserved <= 1.1 * s.peak_live, s
+    cache._core.audit()
 
 
 def _planned_steps(cache, ts, data, steps):
@@ -224,11 +226,11 @@ def test_a_users_scope_around_the_whole_loop_changes_no_step(one_thread):
         upstream = _planned_steps(cache, ts, data, 8)
         cache.reset_peaks()
         upstream += _planned_steps(cache, ts, data, 192)
-        rows, _, planned, _ = cache._core.take_record()
+        record = cache._core.take_record()
     s = cache.stats()
-    assert planned and s.plans == 1 and upstream[3:] == [0] * 197
+    assert record.planned and s.plans == 1 and upstream[3:] == [0] * 197
     assert s.peak_reserved <= 1.1 * s.peak_live, s
-    assert len(rows) // 24 < 100  # the record is the last step's, not the loop's
+    assert len(record.rows) // 24 < 100  # the record is the last step's, not the loop's
     cache._core.audit()
 
 
@@ -248,4 +250,22 @@ def test_a_generator_left_open_in_a_scope_changes_no_step(one_thread):
     upstream = _planned_steps(cache, ts, data, 30)
     suspended.close()
     assert cache.stats().plans == 1 and upstream[3:] == [0] * 27
+    cache._core.audit()
+
+
+def test_the_warm_up_holds_no_more_than_it_uses(one_thread):
+    # MLP 784 -> 256 -> 10, batch 128, SGD (the suite's training/mlp): the first step's
+    # requests of many sizes once fragmented the split pool to 1.27x peak live, which stayed
+    # the cache's all-time peak. Until a plan serves, large requests now go upstream at
+    # their size and back when they die: over the whole run, reserved stays within 1.10x.
+    model = lx.Chain(lx.Dense(784, 256, activation="relu"), lx.Dense(256, 10))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    cache = lx.memory.AllocCache()
+    ts = lx.TrainState(model, ps, st, lx.optim.sgd(0.01), allocator_cache=cache)
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((128, 784)).astype(np.float32), rng.integers(0, 10, 128)
+    upstream = _planned_steps(cache, ts, data, 12)
+    s = cache.stats()
+    assert s.plans == 1 and upstream[3:] == [0] * 9
+    assert s.peak_reserved <= 1.1 * s.peak_live, s
     cache._core.audit()

@@ -237,11 +237,21 @@ typedef struct {
     uint32_t rank[LX_NBINS];   /* this cycle: the bin's requests so far */
 } lx_plan;
 
+/* What install_plan says (luxnn.memory.plan.PlanStatus). */
+enum { LX_PLAN_INSTALLED, LX_PLAN_LATER, LX_PLAN_NO_ROOM };
+
 /* A split-pool request of the open cycle, for the planner. */
 typedef struct {
     int64_t size, born, died; /* died: -1 while alive; still -1 when the cycle ends */
     struct lx_block *block;   /* while alive in the cycle */
 } lx_request;
+
+/* A request of the last cycle: as recorded, and, for one that outlived it, its
+ * death on the clock of the cycle after (-1: alive at that one's end too). */
+typedef struct {
+    int64_t size, born, died, next_died;
+    struct lx_block *block;   /* while alive and carried */
+} lx_carried;
 
 /* Whether granules [from, to) of the arena are all free; mark them busy or free. */
 static int
@@ -430,6 +440,8 @@ typedef struct lx_block {
     struct lx_segment *seg;        /* split pool: the segment; NULL: the exact-bin pool */
     struct lx_arena *arena;        /* a plan's block (1c): its arena; seg is NULL */
     size_t rec;                    /* 1 + its index in the open cycle's record; 0: none */
+    size_t carry;                  /* 1 + its index in the last cycle's record, which it
+                                      outlived, while the next one runs; 0: none */
     uint32_t bin;   /* exact-bin pool and live pieces: the request's bin; free
                        pieces: floor_bin(size) */
     uint8_t live;   /* 1: in use by an array; 0: free */
@@ -635,10 +647,18 @@ typedef struct lx_core {
     lx_arena *retired;          /* replaced arenas with live blocks */
     lx_request *rec;            /* the open cycle's record */
     size_t nrec, rec_cap;
+    lx_carried *prev;           /* the last final record, with the deaths of its blocks
+                                   that outlived it during the cycle after */
+    size_t nprev, prev_cap;
     int64_t tick;               /* the record's clock */
     int rec_lost;               /* the record ran out of memory: incomplete */
     int pending;                /* the last cycle closed; its record not yet taken */
+    int finished;               /* the last cycle's record is final (finish_record_locked) */
     int stepping;               /* a step is open: the cycle */
+    int warm_up;                /* while no plan serves, a step's split-pool requests go
+                                   upstream at their size, and back when they die */
+    size_t large_live;          /* bytes of live blocks above the split threshold */
+    size_t large_peak;          /* the highest large_live since the cycle opened */
     pthread_t step_owner;       /* the thread that began it */
     struct lx_core *fork_prev, *fork_next; /* every core, for fork (section 4b); guarded
                                               by cores_lock, not by lock */
@@ -1055,8 +1075,8 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size)
         if (s->arena != own->arena || s->taken == c->cycle) {
             continue;
         }
-        /* A block that outlives the cycle: its place of this cycle's parity, else the
-         * other (a cycle with no request between steps shifts the parity). */
+        /* Its place of this cycle's parity, else the other (a block that outlives its
+         * cycle: a cycle with no request between steps shifts the parity). */
         size_t at = s->offset[c->cycle & 1];
         if (!granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
             at = s->offset[(c->cycle + 1) & 1];
@@ -1155,25 +1175,59 @@ note_birth_locked(lx_core *c, lx_block *b)
 static void
 note_death_locked(lx_core *c, lx_block *b)
 {
-    lx_request *r = &c->rec[b->rec - 1];
-    r->died = c->tick++;
-    r->block = NULL;
-    b->rec = 0;
+    if (b->rec) {
+        lx_request *r = &c->rec[b->rec - 1];
+        r->died = c->tick++;
+        r->block = NULL;
+        b->rec = 0;
+    }
+    if (b->carry) {
+        lx_carried *r = &c->prev[b->carry - 1];
+        r->next_died = c->tick++;
+        r->block = NULL;
+        b->carry = 0;
+    }
 }
 
 /* The last cycle's record is final: its blocks alive now outlive it (died
- * stays -1); those that died since it closed died at its end, as far as the
- * planner is concerned. */
+ * stays -1) and are carried into the next (their deaths there are noted); those
+ * that died since it closed died at its end, as far as the planner is
+ * concerned. The record before it is dropped (its blocks still alive outlive
+ * two cycles: next_died stays -1). */
 static void
 finish_record_locked(lx_core *c)
 {
-    for (size_t i = 0; i < c->nrec; i++) {
-        if (c->rec[i].block != NULL) {
-            c->rec[i].block->rec = 0;
-            c->rec[i].block = NULL;
+    for (size_t i = 0; i < c->nprev; i++) {
+        if (c->prev[i].block != NULL) {
+            c->prev[i].block->carry = 0;
         }
     }
+    c->nprev = 0;
+    if (c->nrec > c->prev_cap) {
+        lx_carried *prev = realloc(c->prev, c->nrec * sizeof(lx_carried));
+        if (prev != NULL) {
+            c->prev = prev;
+            c->prev_cap = c->nrec;
+        }
+    }
+    int keep = !c->rec_lost && c->nrec <= c->prev_cap;
+    for (size_t i = 0; i < c->nrec; i++) {
+        lx_request *r = &c->rec[i];
+        lx_block *b = r->block;
+        if (b != NULL) {
+            b->rec = 0;
+            r->block = NULL;
+        }
+        if (keep) {
+            c->prev[i] = (lx_carried){r->size, r->born, r->died, -1, b};
+            if (b != NULL) {
+                b->carry = i + 1;
+            }
+        }
+    }
+    c->nprev = keep ? c->nrec : 0;
     c->pending = 0;
+    c->finished = 1;
 }
 
 /* A cycle opens: a fresh record, every slot free to take, and while a plan
@@ -1183,9 +1237,10 @@ finish_record_locked(lx_core *c)
 static void
 open_cycle_locked(lx_core *c)
 {
-    if (c->pending) {
-        finish_record_locked(c); /* nobody took it */
+    if (!c->finished) {
+        finish_record_locked(c); /* nobody took it, or it holds no request */
     }
+    c->finished = 0;
     c->cycle++;
     if (c->plan != NULL) {
         memset(c->plan->rank, 0, sizeof(c->plan->rank));
@@ -1193,6 +1248,7 @@ open_cycle_locked(lx_core *c)
         release_split_wholes_locked(c, c->plan->installed);
     }
     c->cycle_misses = 0;
+    c->large_peak = c->large_live;
     c->split_peak = c->split_held;
     c->nrec = 0;
     c->tick = 0;
@@ -1385,6 +1441,7 @@ lx_core_destroy(lx_core *c)
         free(a);
     }
     free(c->rec);
+    free(c->prev);
     free(c->map.slots);
     free(c->watchers);
     free(c->events);
@@ -1407,6 +1464,8 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     uint32_t bin = n <= LX_MAX_REQUEST ? bin_of(n) : 0;
     size_t size = n <= LX_MAX_REQUEST ? bin_bytes(bin) : 0;
     int split = bin >= c->split_bin, no_record = 0;
+    int direct = split && c->stepping && c->warm_up && c->plan == NULL;
+    int seg = split && !direct; /* a miss makes a new segment of the split pool */
     lx_block *b = NULL;
     if (size == 0) {
         /* above 128 TiB: a miss that fails below */
@@ -1416,6 +1475,9 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         if ((b = c->bins[bin].top) != NULL) {
             unlink_free_locked(c, b);
         }
+    }
+    else if (direct) {
+        /* warm-up: a miss, by design */
     }
     else {
         if (c->plan != NULL && c->stepping) {
@@ -1442,7 +1504,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
             *status = LX_OUT_OF_MEMORY; /* above 128 TiB: no machine has it */
         }
         else if (no_record ||
-                 (b = malloc(split ? sizeof(lx_head) : sizeof(lx_block))) == NULL ||
+                 (b = malloc(seg ? sizeof(lx_head) : sizeof(lx_block))) == NULL ||
                  map_reserve(&c->map, 2) != 0) {
             *status = LX_FALLBACK;
         }
@@ -1456,7 +1518,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
              * each smaller than the request, add up to it: they go back and the
              * new segment takes their bytes too (reserved grows by size, as on
              * any miss). Should that fail, the request alone is asked for. */
-            if (split && c->split_whole >= size && c->split_whole <= LX_MAX_REQUEST - size &&
+            if (seg && c->split_whole >= size && c->split_whole <= LX_MAX_REQUEST - size &&
                 (rest = malloc(sizeof(lx_block))) != NULL) {
                 got = size + release_split_wholes_locked(c, UINT64_MAX);
                 ptr = c->up.alloc(c->up.ctx, got, zeroed);
@@ -1480,8 +1542,8 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
             pthread_mutex_unlock(&c->lock);
             return NULL;
         }
-        *b = (lx_block){.ptr = ptr, .size = size, .bin = bin};
-        if (split) { /* a new segment, this block its first piece */
+        *b = (lx_block){.ptr = ptr, .size = size, .bin = bin, .orphan = (uint8_t)direct};
+        if (seg) { /* a new segment, this block its first piece */
             lx_head *head = (lx_head *)b;
             head->seg = (lx_segment){.base = ptr, .size = got, .live = 1,
                                      .last_used = c->fig.scopes};
@@ -1508,6 +1570,10 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     }
     b->live = 1;
     c->fig.bytes_live += size;
+    if (split) {
+        c->large_live += size;
+        c->large_peak = c->large_live > c->large_peak ? c->large_live : c->large_peak;
+    }
     if (split && c->stepping) {
         note_birth_locked(c, b);
     }
@@ -1532,8 +1598,11 @@ lx_free(lx_core *c, void *ptr)
     if (b->live) { /* a second free of a free block is ignored: it is cached */
         b->live = 0;
         c->fig.bytes_live -= b->size;
+        if (b->size >= bin_bytes(c->split_bin)) {
+            c->large_live -= b->size;
+        }
         c->fig.bytes_cached += b->size;
-        if (b->rec) {
+        if (b->rec || b->carry) {
             note_death_locked(c, b);
         }
         if (b->arena != NULL) {
@@ -1733,11 +1802,14 @@ lx_step_end(lx_core *c)
  * request: n rows of (size, born, died) in *rows (malloc'd for the caller;
  * NULL with n 0 when the record is incomplete), its plan misses in *misses,
  * in *planned whether a plan is installed now (none: none was, or it was
- * dropped), and in *split_peak the most bytes the split pool held during it.
- * Returns whether there was a record to take. */
+ * dropped), in *split_peak the most bytes the split pool held during it, in
+ * *large_peak the most bytes its blocks above the split threshold (and those
+ * of earlier steps) held, and in *prev (malloc'd) the *nprev rows of the
+ * record before it with their next deaths. Returns whether there was a record
+ * to take. */
 static int
 lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *planned,
-               size_t *split_peak)
+               size_t *split_peak, size_t *large_peak, int64_t **prev, size_t *nprev)
 {
     pthread_mutex_lock(&c->lock);
     int pending = c->pending && !c->stepping && (c->nrec > 0 || c->rec_lost);
@@ -1746,6 +1818,17 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *pla
     *misses = c->cycle_misses;
     *planned = c->plan != NULL;
     *split_peak = c->split_peak;
+    *large_peak = c->large_peak;
+    *prev = NULL;
+    *nprev = 0;
+    if (pending && c->nprev > 0 && (*prev = malloc(c->nprev * 4 * sizeof(int64_t))) != NULL) {
+        for (size_t i = 0; i < c->nprev; i++) {
+            lx_carried *r = &c->prev[i];
+            int64_t row[4] = {r->size, r->born, r->died, r->next_died};
+            memcpy(*prev + 4 * i, row, sizeof(row));
+        }
+        *nprev = c->nprev;
+    }
     if (pending) {
         finish_record_locked(c);
         *rows = c->rec_lost ? NULL : malloc((c->nrec ? c->nrec : 1) * 3 * sizeof(int64_t));
@@ -1885,7 +1968,7 @@ static const char *
 audit_locked(lx_core *c)
 {
     size_t live = 0, cached = 0, owned = 0, records = 0, listed = 0, unlisted = 0, held = 0;
-    size_t free_records = 0, segments = 0;
+    size_t free_records = 0, segments = 0, large = 0;
     for (size_t i = 0; i < c->map.cap; i++) {
         lx_block *b = c->map.slots[i];
         if (b == NULL) {
@@ -1893,6 +1976,7 @@ audit_locked(lx_core *c)
         }
         records++;
         free_records += !b->live;
+        large += b->live && b->size >= bin_bytes(c->split_bin) ? b->size : 0;
         if (map_find(&c->map, b->ptr) != b) {
             return "a record cannot be found by its pointer";
         }
@@ -1913,8 +1997,8 @@ audit_locked(lx_core *c)
             }
             continue;
         }
-        if (b->seg == NULL) { /* the exact-bin pool: a whole upstream block */
-            if (b->bin >= c->split_bin || b->size != bin_bytes(b->bin)) {
+        if (b->seg == NULL) { /* the exact-bin pool, or the warm-up: a whole upstream block */
+            if ((b->bin >= c->split_bin && !b->orphan) || b->size != bin_bytes(b->bin)) {
                 return "an exact-bin block's size is not its bin's, or its bin is split";
             }
             if (b->left != NULL || b->right != NULL) {
@@ -2043,6 +2127,9 @@ audit_locked(lx_core *c)
     }
     if (live != c->fig.bytes_live || cached != c->fig.bytes_cached) {
         return "bytes_live or bytes_cached disagrees with the records";
+    }
+    if (large != c->large_live) {
+        return "large_live disagrees with the live blocks above the split threshold";
     }
     if (held != live + cached) {
         return "the blocks and segments held do not add up to bytes_live + bytes_cached";
@@ -2212,24 +2299,78 @@ Core_dealloc(CoreObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Named results (structseqs: tuples whose items are also attributes). */
+static PyStructSequence_Field figures_fields[] = {
+    {"hits", NULL}, {"misses", NULL}, {"upstream_allocs", NULL}, {"upstream_frees", NULL},
+    {"bytes_live", NULL}, {"bytes_cached", NULL}, {"bytes_reserved", NULL},
+    {"peak_live", NULL}, {"peak_reserved", NULL}, {"scopes", NULL}, {"plan_hits", NULL},
+    {"plan_misses", NULL}, {"plans", NULL}, {NULL, NULL},
+};
+static PyStructSequence_Desc figures_desc = {
+    "luxnn.memory._core.Figures", "A core's figures (luxnn.memory.CacheStats).",
+    figures_fields, 13,
+};
+static PyTypeObject FiguresType;
+
+static PyStructSequence_Field record_fields[] = {
+    {"rows", "bytes of native int64 (size, born, died) rows, one per request"},
+    {"misses", "the step's requests above the split threshold that the plan missed"},
+    {"planned", "whether a plan is installed now"},
+    {"split_peak", "the most bytes the split pool held during the step"},
+    {"large_peak", "the most bytes that live blocks above the split threshold held in it"},
+    {"previous", "bytes of native int64 (size, born, died, next_died) rows: the step "
+                 "before's record, with the deaths in this step of its blocks that outlived it "
+                 "(-1: alive at this step's end too); empty if not known"},
+    {NULL, NULL},
+};
+static PyStructSequence_Desc record_desc = {
+    "luxnn.memory._core.Record", "A step's record for the planner (luxnn.memory.plan).",
+    record_fields, 6,
+};
+static PyTypeObject RecordType;
+
+/* Fill a new structseq with n new references (NULL: an error, all released). */
 static PyObject *
-figures_tuple(lx_figures f)
+filled(PyObject *seq, PyObject **items, size_t n)
 {
-    return Py_BuildValue("(KKKKnnnnnKKKK)", (unsigned long long)f.hits,
-                         (unsigned long long)f.misses,
-                         (unsigned long long)f.upstream_allocs,
-                         (unsigned long long)f.upstream_frees, (Py_ssize_t)f.bytes_live,
-                         (Py_ssize_t)f.bytes_cached,
-                         (Py_ssize_t)(f.bytes_live + f.bytes_cached),
-                         (Py_ssize_t)f.peak_live, (Py_ssize_t)f.peak_reserved,
-                         (unsigned long long)f.scopes, (unsigned long long)f.plan_hits,
-                         (unsigned long long)f.plan_misses, (unsigned long long)f.plans);
+    int ok = seq != NULL;
+    for (size_t i = 0; i < n; i++) {
+        ok = ok && items[i] != NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (ok) {
+            PyStructSequence_SetItem(seq, (Py_ssize_t)i, items[i]);
+        }
+        else {
+            Py_XDECREF(items[i]);
+        }
+    }
+    if (!ok) {
+        Py_XDECREF(seq);
+        return NULL;
+    }
+    return seq;
+}
+
+static PyObject *
+figures_object(lx_figures f)
+{
+    PyObject *items[] = {
+        PyLong_FromUnsignedLongLong(f.hits), PyLong_FromUnsignedLongLong(f.misses),
+        PyLong_FromUnsignedLongLong(f.upstream_allocs),
+        PyLong_FromUnsignedLongLong(f.upstream_frees), PyLong_FromSize_t(f.bytes_live),
+        PyLong_FromSize_t(f.bytes_cached), PyLong_FromSize_t(f.bytes_live + f.bytes_cached),
+        PyLong_FromSize_t(f.peak_live), PyLong_FromSize_t(f.peak_reserved),
+        PyLong_FromUnsignedLongLong(f.scopes), PyLong_FromUnsignedLongLong(f.plan_hits),
+        PyLong_FromUnsignedLongLong(f.plan_misses), PyLong_FromUnsignedLongLong(f.plans),
+    };
+    return filled(PyStructSequence_New(&FiguresType), items, sizeof(items) / sizeof(items[0]));
 }
 
 static PyObject *
 Core_stats(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
-    return figures_tuple(lx_figures_of(self->core));
+    return figures_object(lx_figures_of(self->core));
 }
 
 static PyObject *
@@ -2296,6 +2437,19 @@ Core_step_end(CoreObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 static PyObject *
+Core_set_warm_up(CoreObject *self, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) {
+        return NULL;
+    }
+    pthread_mutex_lock(&self->core->lock);
+    self->core->warm_up = on;
+    pthread_mutex_unlock(&self->core->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 Core_drop_plan(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
     pthread_mutex_lock(&self->core->lock);
@@ -2304,11 +2458,9 @@ Core_drop_plan(CoreObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-/* take_record() -> None, or (bytes of int64 (size, born, died) rows, plan
- * misses, planned, split peak) of the last cycle (section 1c) when it closed,
- * no cycle is open, it made a split-pool request and nobody took it yet; the
- * bytes are empty when the record ran out of memory; planned: whether a plan
- * is installed now; split peak: the most bytes the split pool held in it. */
+/* take_record() -> None, or the Record of the last cycle (section 1c) when it
+ * closed, no cycle is open, it made a split-pool request and nobody took it
+ * yet (rows: empty when the record ran out of memory). */
 static PyObject *
 Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -2316,16 +2468,24 @@ Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored))
     size_t n;
     uint64_t misses;
     int planned;
-    size_t split_peak;
-    if (!lx_take_record(self->core, &rows, &n, &misses, &planned, &split_peak)) {
+    size_t split_peak, large_peak, nprev;
+    int64_t *prev;
+    if (!lx_take_record(self->core, &rows, &n, &misses, &planned, &split_peak, &large_peak,
+                        &prev, &nprev)) {
         Py_RETURN_NONE;
     }
-    PyObject *record = Py_BuildValue("(y#KOn)", rows != NULL ? (const char *)rows : "",
-                                     (Py_ssize_t)(3 * n * sizeof(int64_t)),
-                                     (unsigned long long)misses, planned ? Py_True : Py_False,
-                                     (Py_ssize_t)split_peak);
+    PyObject *record = PyStructSequence_New(&RecordType);
+    PyObject *items[] = {
+        PyBytes_FromStringAndSize(rows != NULL ? (const char *)rows : "",
+                                  (Py_ssize_t)(3 * n * sizeof(int64_t))),
+        PyLong_FromUnsignedLongLong(misses), PyBool_FromLong(planned),
+        PyLong_FromSize_t(split_peak), PyLong_FromSize_t(large_peak),
+        PyBytes_FromStringAndSize(prev != NULL ? (const char *)prev : "",
+                                  (Py_ssize_t)(4 * nprev * sizeof(int64_t))),
+    };
     free(rows);
-    return record;
+    free(prev);
+    return filled(record, items, sizeof(items) / sizeof(items[0]));
 }
 
 /* Element i of an int64 buffer, whatever its alignment. */
@@ -2414,9 +2574,9 @@ Core_install_plan(CoreObject *self, PyObject *args)
         status = lx_install_plan(self->core, p, sizes_of_arenas);
         Py_END_ALLOW_THREADS
     }
-    return PyUnicode_FromString(status == LX_OK     ? "installed"
-                                : status == LX_BUSY ? "later"
-                                                    : "no room");
+    return PyLong_FromLong(status == LX_OK     ? LX_PLAN_INSTALLED
+                           : status == LX_BUSY ? LX_PLAN_LATER
+                                               : LX_PLAN_NO_ROOM);
 }
 
 /* blocks() -> [(ptr, size, live, segment base, segment size, orphan)] for
@@ -2680,8 +2840,9 @@ Core_timeline_spans(CoreObject *self, PyObject *Py_UNUSED(ignored))
 
 static PyMethodDef Core_methods[] = {
     {"stats", (PyCFunction)Core_stats, METH_NOARGS,
-     "(hits, misses, upstream_allocs, upstream_frees, bytes_live, bytes_cached, "
-     "bytes_reserved, peak_live, peak_reserved, scopes, plan_hits, plan_misses, plans)"},
+     "stats() -> Figures: hits, misses, upstream_allocs, upstream_frees, bytes_live, "
+     "bytes_cached, bytes_reserved, peak_live, peak_reserved, scopes, plan_hits, "
+     "plan_misses, plans"},
     {"reset_peaks", (PyCFunction)Core_reset_peaks, METH_NOARGS,
      "Set the peaks to the current figures."},
     {"trim", (PyCFunction)Core_trim, METH_O,
@@ -2691,19 +2852,22 @@ static PyMethodDef Core_methods[] = {
     {"scope_enter", (PyCFunction)Core_scope_enter, METH_NOARGS,
      "Open a scope; returns its watcher slot."},
     {"install_plan", (PyCFunction)Core_install_plan, METH_VARARGS,
-     "install_plan(cycle_size, kept_size, sizes, even, odd, which) -> 'installed', 'later' "
-     "or 'no room'"},
+     "install_plan(cycle_size, kept_size, sizes, even, odd, which) -> PLAN_INSTALLED, "
+     "PLAN_LATER or PLAN_NO_ROOM"},
     {"scope_exit", (PyCFunction)Core_scope_exit, METH_O,
      "scope_exit(slot) -> (peak_live, peak_reserved) of the scope; evicts unused bins"},
     {"step_begin", (PyCFunction)Core_step_begin, METH_NOARGS,
      "A training step begins (one still open ends first): its requests are recorded"},
     {"step_end", (PyCFunction)Core_step_end, METH_NOARGS,
      "The training step ends: its record waits for take_record"},
+    {"set_warm_up", (PyCFunction)Core_set_warm_up, METH_O,
+     "set_warm_up(on): while on and no plan serves, a step's requests above the split "
+     "threshold go upstream at their size and back when they die"},
     {"drop_plan", (PyCFunction)Core_drop_plan, METH_NOARGS,
      "drop_plan(): the step plan, if any, serves no more (its arenas go upstream when idle)"},
     {"take_record", (PyCFunction)Core_take_record, METH_NOARGS,
-     "take_record() -> None or the last cycle's (int64 (size, born, died) rows, plan misses, "
-     "planned, split peak)"},
+     "take_record() -> None or the last step's Record (rows, misses, planned, split_peak, "
+     "large_peak, previous)"},
     {"blocks", (PyCFunction)Core_blocks, METH_NOARGS,
      "[(ptr, size, live, segment_base, segment_size, orphan)] of every block owned"},
     {"audit", (PyCFunction)Core_audit, METH_NOARGS,
@@ -2786,7 +2950,7 @@ mod_last_failure(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored))
     return Py_BuildValue("(KOnnNi)", (unsigned long long)f.seq,
                          f.status == LX_OVER_LIMIT ? Py_True : Py_False,
                          (Py_ssize_t)f.request, (Py_ssize_t)f.limit,
-                         figures_tuple(f.fig), f.upstream_error);
+                         figures_object(f.fig), f.upstream_error);
 }
 
 static PyMethodDef module_methods[] = {
@@ -2809,7 +2973,11 @@ PyMODINIT_FUNC
 PyInit__core(void)
 {
     import_array();
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&BlockType) < 0) {
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&BlockType) < 0 ||
+        (FiguresType.tp_name == NULL &&
+         PyStructSequence_InitType2(&FiguresType, &figures_desc) < 0) ||
+        (RecordType.tp_name == NULL &&
+         PyStructSequence_InitType2(&RecordType, &record_desc) < 0)) {
         return NULL;
     }
     static int fork_handlers;
@@ -2824,7 +2992,12 @@ PyInit__core(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0 ||
+        PyModule_AddObjectRef(m, "Figures", (PyObject *)&FiguresType) < 0 ||
+        PyModule_AddObjectRef(m, "Record", (PyObject *)&RecordType) < 0 ||
         PyModule_AddIntConstant(m, "BIN_DIVISIONS", LX_DIV) < 0 ||
+        PyModule_AddIntConstant(m, "PLAN_INSTALLED", LX_PLAN_INSTALLED) < 0 ||
+        PyModule_AddIntConstant(m, "PLAN_LATER", LX_PLAN_LATER) < 0 ||
+        PyModule_AddIntConstant(m, "PLAN_NO_ROOM", LX_PLAN_NO_ROOM) < 0 ||
         PyModule_AddIntConstant(m, "HUGE_PAGE_MIN", (long)LX_HUGE_MIN) < 0 ||
         PyModule_AddObject(m, "SPLIT_ABOVE", PyLong_FromSize_t(LX_SPLIT_ABOVE)) < 0 ||
         PyModule_AddObject(m, "MAX_REQUEST", PyLong_FromSize_t(LX_MAX_REQUEST)) < 0 ||

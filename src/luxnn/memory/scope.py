@@ -41,13 +41,18 @@ _outside_handler: ContextVar[Any] = ContextVar("luxnn_memory_outside_handler", d
 _outside_cupy: ContextVar[Any] = ContextVar("luxnn_memory_outside_cupy", default=None)
 
 
+# The core's figures that a scope counts from its entry to its exit.
+_COUNTED = ("hits", "misses", "upstream_allocs", "upstream_frees", "scopes")
+
+
 class CacheMemoryError(MemoryError):
     """A request the cache could not serve: over its limit, or out of memory upstream."""
 
 
 def _failure_message(failure: tuple) -> str:
     _seq, over_limit, request, limit, figures, _upstream_error = failure
-    live, cached, reserved, peak_live, peak_reserved = figures[4:9]
+    live, cached, reserved = figures.bytes_live, figures.bytes_cached, figures.bytes_reserved
+    peak_live, peak_reserved = figures.peak_live, figures.peak_reserved
     asked = f"{format_bytes(request)} ({request} bytes)"
     if over_limit:
         head = (
@@ -155,10 +160,11 @@ class Scope(_Switch):
             core.step_end()
         peak_live, peak_reserved = core.scope_exit(slot)
         after = core.stats()
-        d = [a - b for a, b in zip(after, before)]
+        change = {name: getattr(after, name) - getattr(before, name) for name in _COUNTED}
         self.stats = ScopeStats(
-            hits=d[0], misses=d[1], upstream_allocs=d[2], upstream_frees=d[3], scopes=d[9],
-            bytes_live_change=d[4], bytes_cached_change=d[5], bytes_reserved_change=d[6],
+            **change, bytes_live_change=after.bytes_live - before.bytes_live,
+            bytes_cached_change=after.bytes_cached - before.bytes_cached,
+            bytes_reserved_change=after.bytes_reserved - before.bytes_reserved,
             peak_live=peak_live, peak_reserved=peak_reserved,
         )  # fmt: skip
         latest = _refused(exc, failure)
