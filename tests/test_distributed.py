@@ -44,8 +44,9 @@ def passed(output: str, name: str) -> bool:
 @needs_mpi
 @pytest.mark.parametrize(
     "name",
-    ["initialize", "bad input", "threads", "collectives", "synchronize",
-     "training equals one process, replicas bit-identical", "shards disjoint and covering", "checkpoint"],
+    ["initialize", "bad input", "threads", "collectives", "buckets", "synchronize",
+     "training equals one process, replicas bit-identical", "shards disjoint and covering", "loader settings",
+     "checkpoint"],
 )  # fmt: skip
 def test_two_ranks(checks, name):
     assert passed(checks, name), checks[-4000:]

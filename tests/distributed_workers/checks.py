@@ -114,6 +114,25 @@ for dtype in (np.float32, np.float64):
         np.testing.assert_array_equal(got, want * 2)
 say("PASS collectives")
 
+# ---- buckets: per dtype, at most bucket_bytes, a larger array alone ------------------------------------
+grads = {
+    "a": np.arange(4, dtype=np.float32),  # 16 bytes
+    "b": np.arange(6, dtype=np.float64).reshape(2, 3),  # 48 bytes
+    "c": np.arange(12, dtype=np.float32).reshape(3, 4),  # 48 bytes: a + c > 56, a new bucket
+    "d": np.arange(20, dtype=np.float64),  # 160 bytes: more than a bucket, one of its own
+    "e": np.array(3.0, np.float32),
+}
+buckets = dist.GradientBuckets(backend, bucket_bytes=56)
+mine = scaled(grads, rank + 1)
+averaged = buckets.average(mine)
+assert [(b.dtype, b.size) for b in buckets.buffers] == [(np.float32, 4), (np.float32, 13), (np.float64, 6), (np.float64, 20)]
+for key, want in grads.items():
+    assert averaged[key].dtype == want.dtype and averaged[key].shape == want.shape
+    np.testing.assert_allclose(averaged[key], want * (size + 1) / 2, rtol=1e-6)
+    assert not np.shares_memory(averaged[key], mine[key])  # new arrays; the gradients are left alone
+np.testing.assert_array_equal(mine["a"], grads["a"] * (rank + 1))
+say("PASS buckets")
+
 # ---- synchronize ------------------------------------------------------------------------------------
 model = lx.Chain(lx.Dense(5, 16, activation="tanh"), lx.Dropout(0.1), lx.Dense(16, 3))
 ps, st = lx.setup(np.random.default_rng(100 + rank), model)  # differently seeded replicas
@@ -181,6 +200,12 @@ for drop_last, steps, covered in ((True, 4, 64), (False, 5, 70)):
 say("PASS shards disjoint and covering")
 disagree = raises(ValueError, dist.DistributedDataLoader, backend, samples, 4 + rank)
 assert "disagree" in disagree, disagree
+assert "would yield no batch" in raises(ValueError, dist.DistributedDataLoader, backend, samples, 40)
+loader = dist.DistributedDataLoader(backend, samples, 8, seed=2)
+first = [b.tolist() for b in loader]
+loader.set_epoch(0)
+assert [b.tolist() for b in loader] == first and loader.epoch == 1
+say("PASS loader settings")
 
 # ---- a checkpoint written by rank 0 loads on both ----------------------------------------------------------
 path = os.path.join(tmpdir, "ckpt.safetensors")
