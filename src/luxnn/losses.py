@@ -275,7 +275,7 @@ class _ClassTargets:
 def _pick(xp: Any, scores: Any, labels: Any) -> Any:
     """``scores[..., labels]``: each example's entry at its label, shape ``labels.shape``."""
     k = scores.shape[-1]
-    flat = np.arange(labels.size) * k + labels.reshape(-1)
+    flat = array_namespace(labels).arange(labels.size) * k + labels.reshape(-1)
     return xp.reshape(xp.take(xp.reshape(scores, (-1,)), flat), labels.shape)
 
 
