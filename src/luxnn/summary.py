@@ -12,6 +12,7 @@ no state the caller holds is touched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from typing import Any, TextIO
@@ -65,11 +66,12 @@ class Summary:
 
 
 def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    value, unit = float(n), "B"
+    for larger in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def _shape_of(y: Any) -> Any:
@@ -96,11 +98,8 @@ def _run(model: Layer, x: Any, ps: Any, st: Any, rng: Any, observe: Any = None) 
         new_ps, new_st = setup(np.random.default_rng(0) if rng is None else rng, model)
         ps = new_ps if ps is None else ps
         st = new_st if st is None else st
-    x = _as_input(x)
-    if observe is None:
-        return apply(model, x, ps, testmode(st))[0], ps
-    with intercept_calls(observe):
-        return apply(model, x, ps, testmode(st))[0], ps
+    with intercept_calls(observe) if observe is not None else contextlib.nullcontext():
+        return apply(model, _as_input(x), ps, testmode(st))[0], ps
 
 
 def outputsize(model: Layer, x: Any, ps: Any = None, st: Any = None, *, rng: Any = None) -> Any:
