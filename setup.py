@@ -1,4 +1,4 @@
-"""Build the allocator's C core with the package (``pip install -e .``)."""
+"""Build the allocator's C core and the BLAS holds with the package (``pip install -e .``)."""
 import numpy
 from setuptools import Extension, setup
 
@@ -9,6 +9,7 @@ setup(
             sources=["src/luxnn/memory/_core.c"],
             include_dirs=[numpy.get_include()],
             extra_compile_args=["-O2", "-std=c11"],
-        )
+        ),
+        Extension("luxnn._blas", sources=["src/luxnn/_blas.c"], extra_compile_args=["-O2", "-std=c11"]),
     ]
 )

@@ -1,5 +1,6 @@
 """Blocked, multi-threaded NumPy kernels (luxnn.parallel) and the kernels that use them."""
 
+import ctypes
 import functools
 import threading
 import time
@@ -11,7 +12,7 @@ import threadpoolctl
 
 import luxnn as lx
 from luxnn import memory, ops
-from luxnn import parallel
+from luxnn import _blas, parallel
 from luxnn.ops.attention import attention_combine, attention_weights
 
 MiB = 1 << 20
@@ -274,7 +275,7 @@ def test_attention_on_one_sequence_shares_its_heads_out(threads, monkeypatch):
     np.testing.assert_allclose(w.sum(-1), 1, rtol=1e-5)
 
 
-def test_single_threaded_blas_nests_and_is_a_no_op_where_the_threads_cannot_be_set(monkeypatch):
+def test_single_threaded_blas_nests_and_is_a_no_op_where_the_threads_cannot_be_set():
     with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):  # from one thread it would prove nothing
         before = blas_threads()
         with parallel.single_threaded_blas():
@@ -285,9 +286,13 @@ def test_single_threaded_blas_nests_and_is_a_no_op_where_the_threads_cannot_be_s
         assert blas_threads() == before
         if parallel._set_blas_threads is not None:
             assert before != inside == [1] * len(before)
-        monkeypatch.setattr(parallel, "_set_blas_threads", None)
-        with parallel.single_threaded_blas():
-            assert blas_threads() == before
+        address = parallel._set_blas_threads and ctypes.cast(parallel._set_blas_threads, ctypes.c_void_p).value
+        _blas.use(0)  # as where NumPy's BLAS is not an OpenBLAS that can be set
+        try:
+            with parallel.single_threaded_blas():
+                assert blas_threads() == before and _blas.holds() == 0
+        finally:
+            _blas.use(address or 0)
 
 
 def test_a_kernel_that_calls_the_blas_runs_its_blocks_in_order_when_the_blas_cannot_be_held(threads, monkeypatch):
@@ -348,3 +353,177 @@ def test_kernels_give_the_same_bits_on_one_thread_and_on_several(name, threads):
         value_several, grad_several = value_and_grad(f, x)
     assert value_one == value_several
     np.testing.assert_array_equal(grad_one, grad_several)
+
+
+# ---- interrupts: the BLAS's threads are restored whatever is interrupted ------------------
+
+
+def _blocks_and_products():
+    """A step with a cut product and a BLAS kernel on threads, then a hold of its own."""
+    a, b = np.ones((64, 32)), np.ones((32, 16))
+    like = np.empty((8, MiB // 8))
+    with parallel.step():
+        parallel.matmul(a, b)
+        parallel.for_blocks(lambda lo, hi: np.matmul(a, b), like, rows=2, blas=True)
+    with parallel.single_threaded_blas():
+        np.matmul(a, b)
+
+
+# The functions between a hold of the BLAS and its release (single_threaded_blas and step
+# are C's, with no point inside to land on). The pool's own functions are left out: each
+# hands over with one C call (a queue, a lock), and a trace event there falls between
+# instructions where CPython never delivers a signal (before a with-statement's exit).
+HOLDING = {"for_blocks", "matmul", "part", "_share_out", "_run_blocks", "_cuttable", "cut"}
+
+
+def _interrupt_at(event_number):
+    """A tracer that raises KeyboardInterrupt at the `event_number`-th trace event (call,
+    line, return) in the functions of luxnn.parallel that run while the BLAS is held, as
+    a Ctrl-C landing there would."""
+    seen = 0
+
+    def tracer(frame, event, arg):
+        nonlocal seen
+        if frame.f_code.co_filename != parallel.__file__ or frame.f_code.co_name not in HOLDING:
+            return None
+        seen += 1
+        if seen == event_number:
+            raise KeyboardInterrupt(f"at trace event {event_number}: {frame.f_code.co_name}:{frame.f_lineno}")
+        return tracer
+
+    return tracer, lambda: seen
+
+
+def test_an_interrupt_at_any_point_of_a_step_leaves_the_blas_threads_as_they_were(threads, monkeypatch):
+    import gc
+    import sys
+
+    threads(2)
+    monkeypatch.setattr(parallel, "_CUT_MADDS", 1)
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):  # from one thread it would prove nothing
+        before = blas_threads()
+        count, events = _interrupt_at(0)
+        sys.settrace(count)
+        try:
+            _blocks_and_products()
+        finally:
+            sys.settrace(None)
+        total = events()
+        assert total > 50  # the points an interrupt can land on
+        interrupted = 0
+        for k in range(1, total + 1):
+            tracer, _ = _interrupt_at(k)
+            sys.settrace(tracer)
+            try:
+                _blocks_and_products()
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                sys.settrace(None)
+            gc.collect()  # a hold whose release an interrupt skipped goes with its owner
+            assert blas_threads() == before and _blas.holds() == 0, f"interrupted at event {k}"
+            _blocks_and_products()  # and later holds restore what they found, not 1
+            assert blas_threads() == before, f"after an interrupt at event {k}"
+        assert interrupted == total
+
+
+# ---- fork: a child trains at once -----------------------------------------------------------
+
+
+def _in_a_forked_child(body, timeout=60.0):
+    """Run `body()` in a child forked now; fail unless it returns within `timeout` seconds."""
+    import os
+    import signal
+
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit status only
+        code = 1
+        try:
+            body()
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the forked child did not finish within {timeout} s")
+
+
+def _train_a_few_steps():
+    model = lx.Chain(lx.Dense(16, 32, activation="gelu"), lx.LayerNorm(32), lx.Dense(32, 4))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-2))
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((8192, 16)).astype(np.float32), rng.integers(0, 4, 8192)  # blocks on threads
+    for _ in range(3):
+        _, loss, _, ts = lx.single_train_step_(lx.AutoTape(), lx.losses.CrossEntropyLoss(), (x, y), ts)
+    assert np.isfinite(float(loss))
+
+
+def _share_out_blocks():
+    like = np.zeros((8, MiB // 4), np.float32)
+    names = set()
+    parallel.for_blocks(lambda lo, hi: names.add(threading.current_thread().name), like)
+    assert len(names) == 2  # the child's own new worker ran a share
+
+
+def test_a_child_forked_after_the_kernel_threads_started_runs_threaded_kernels(threads):
+    threads(2)
+    _share_out_blocks()  # the pool's thread is running
+    _in_a_forked_child(_share_out_blocks)
+    _in_a_forked_child(_train_a_few_steps)
+
+
+def test_a_fork_pool_trains_in_its_workers(threads):
+    import multiprocessing
+
+    threads(2)
+    _share_out_blocks()
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        assert pool.apply_async(_train_and_say_done).get(timeout=60) == "done"
+        assert pool.map_async(_double_in_blocks, [1, 2]).get(timeout=60) == [2.0, 4.0]
+
+
+def _train_and_say_done():
+    _train_a_few_steps()
+    return "done"
+
+
+def _double_in_blocks(k):
+    x = np.full((8, MiB // 4), float(k), np.float32)
+    y = np.empty_like(x)
+    parallel.for_blocks(lambda lo, hi: np.multiply(x[lo:hi], 2, out=y[lo:hi]), x)
+    return float(y[0, 0])
+
+
+def test_a_child_forked_while_another_thread_held_the_blas_gets_its_threads_back():
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        before = blas_threads()
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with parallel.single_threaded_blas():
+                held.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert held.wait(30)
+            if parallel._set_blas_threads is not None:
+                assert blas_threads() == [1] * len(before)
+
+            def check():
+                assert _blas.holds() == 0 and blas_threads() == before
+
+            _in_a_forked_child(check)
+        finally:
+            release.set()
+            holder.join()
+        assert blas_threads() == before

@@ -31,17 +31,19 @@ is parallel already.
 
 from __future__ import annotations
 
-import collections
 import contextvars
 import ctypes
 import functools
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from . import _blas
 
 __all__ = ["cut", "for_blocks", "matmul", "num_threads", "set_num_threads", "single_threaded_blas", "step"]
 
@@ -172,14 +174,24 @@ def _workers() -> _Workers:
 
 
 class _Task:
-    __slots__ = ("run", "finished", "error")
+    """A share of a kernel's blocks, handed to a worker. `done` is held until the worker
+    has run it: a lock of C's, so that the caller can wait on it and the worker release
+    it with no Python code in between that an interrupt could stop halfway (an Event's
+    lock, taken in Python, could be left held by a Ctrl-C in the caller)."""
+
+    __slots__ = ("run", "done", "error")
 
     def __init__(self, run: Callable[[], None]) -> None:
-        self.run, self.finished, self.error = run, threading.Event(), None
+        self.run, self.error = run, None
+        self.done = threading.Lock()
+        self.done.acquire()
+
+    def finished(self) -> bool:
+        return not self.done.locked()
 
     def wait(self) -> BaseException | None:
-        _poll(self.finished.is_set)
-        self.finished.wait()
+        _poll(self.finished)
+        self.done.acquire()
         return self.error
 
 
@@ -187,29 +199,31 @@ class _Workers:
     """Threads that take tasks from a queue. An idle thread, and a caller waiting for a
     task, poll for `_POLL_S` before they sleep: waking a sleeping thread takes tens of
     microseconds, and on a virtual machine an idle core's first wake-ups after a pause
-    take far longer (see luxnn.bench.runner.interleaved_rounds), many times in every step."""
+    take far longer (see luxnn.bench.runner.interleaved_rounds), many times in every step.
+    The queue is C's (``queue.SimpleQueue``): handing a task over is one call, which no
+    interrupt can cut in two."""
 
     def __init__(self, count: int) -> None:
-        self._tasks: collections.deque[_Task] = collections.deque()
-        self._wakeup = threading.Condition()
-        self._closed = False
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._count = count
         for i in range(count):
             threading.Thread(target=self._serve, name=f"luxnn-kernel-{i}", daemon=True).start()
 
     def submit(self, run: Callable[[], None]) -> _Task:
         task = _Task(run)
-        self._tasks.append(task)
-        with self._wakeup:
-            self._wakeup.notify()
+        self._tasks.put(task)
         return task
 
     def shutdown(self) -> None:
-        with self._wakeup:
-            self._closed = True
-            self._wakeup.notify_all()
+        for _ in range(self._count):
+            self._tasks.put(None)
 
     def _serve(self) -> None:
-        while (task := self._next()) is not None:
+        while True:
+            _poll(lambda: not self._tasks.empty())
+            task = self._tasks.get()
+            if task is None:  # shut down
+                return
             try:
                 task.run()
             except BaseException as error:  # noqa: BLE001 - handed to the caller
@@ -217,22 +231,8 @@ class _Workers:
             # Neither the task nor this thread may keep the kernel (and the arrays it closes
             # over) alive while the thread waits for the next one: that could be a whole step.
             task.run = None
-            task.finished.set()
+            task.done.release()
             del task
-
-    def _next(self) -> _Task | None:
-        """The next task, or None once the pool is closed and every task is taken."""
-        while True:
-            _poll(lambda: bool(self._tasks) or self._closed)
-            try:
-                return self._tasks.popleft()
-            except IndexError:  # none yet, or another thread took it
-                pass
-            with self._wakeup:  # submit appends, then notifies under this lock: no lost wake-up
-                if not self._tasks:
-                    if self._closed:
-                        return None
-                    self._wakeup.wait()
 
 
 # How long a thread polls before it sleeps: long enough to bridge the gaps between the
@@ -269,7 +269,7 @@ def _share_out(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
     if threads == 1 or getattr(_in_worker, "active", False):  # no waiting on the pool from it
         _run_blocks(kernel, blocks)
         return
-    _hold_blas_for_step()
+    _blas.hold_for_step()  # the step, if any, keeps the BLAS on one thread from here on
     context = contextvars.copy_context()
     shares = [blocks[len(blocks) * i // threads : len(blocks) * (i + 1) // threads] for i in range(threads)]
     tasks = [_workers().submit(functools.partial(context.copy().run, _run_in_worker, kernel, share)) for share in shares[1:]]
@@ -304,70 +304,53 @@ def _find_blas_threads_setter() -> Callable[[int], int] | None:
 
 
 _set_blas_threads = _find_blas_threads_setter()
-_blas_lock = threading.Lock()
-_blas_users = 0
-_blas_threads_before = 0
+if _set_blas_threads is not None:
+    _blas.use(ctypes.cast(_set_blas_threads, ctypes.c_void_p).value)
 
 
-class single_threaded_blas:
+class single_threaded_blas(_blas.Hold):
     """NumPy's BLAS on one thread while any user of this context runs (nothing where its
     threads cannot be set): for cut products and for stacks of small products, which the
     BLAS's threads only slow down. OpenBLAS built with pthreads keeps the count per process,
-    so the first user in sets it and the last one out restores it, under a lock: users in
-    two threads at once cannot leave it at 1.
+    so the first user in sets it and the last one out restores it. Entering and leaving are
+    one C call each (`luxnn._blas`), so that an interrupt (Ctrl-C) or another thread cannot
+    come between counting a user and setting the BLAS: it is restored whatever is interrupted.
 
     >>> with single_threaded_blas():
     ...     pass
     """
 
-    def __enter__(self) -> None:
-        global _blas_users, _blas_threads_before
-        if _set_blas_threads is None:
-            return
-        with _blas_lock:
-            if _blas_users == 0:
-                _blas_threads_before = _set_blas_threads(1)
-            _blas_users += 1
-
-    def __exit__(self, *exc: object) -> None:
-        global _blas_users
-        if _set_blas_threads is None:
-            return
-        with _blas_lock:
-            _blas_users -= 1
-            if _blas_users == 0:
-                _set_blas_threads(_blas_threads_before)
+    __slots__ = ()
 
 
 # ---- a training step's threads ------------------------------------------------------------
 
-_step: contextvars.ContextVar[step | None] = contextvars.ContextVar("luxnn_parallel_step", default=None)
 
-
-class step:
+class step(_blas.Step):
     """The scope of a forward and backward pass (`value_and_grad` runs in one, and so every
     training verb): from the first kernel or product that runs on several threads until the
     scope ends, the BLAS stays on one thread, so that no BLAS thread woken by a small
     product in between (a dense head, a bias gradient) spins on a core the next kernel's
     threads need. A pass with no such kernel (a small MLP's) keeps the BLAS's own threading.
+    Opening and closing are one C call each, as for `single_threaded_blas`.
 
     >>> with step():
     ...     pass
     """
 
-    def __enter__(self) -> step:
-        self._held: single_threaded_blas | None = None
-        self._token = _step.set(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _step.reset(self._token)
-        if self._held is not None:
-            self._held.__exit__()
+    __slots__ = ()
 
 
-def _hold_blas_for_step() -> None:
-    current = _step.get()
-    if current is not None and current._held is None and _set_blas_threads is not None:
-        current._held = single_threaded_blas()
-        current._held.__enter__()
+
+# ---- fork -----------------------------------------------------------------------------------
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has only the thread that forked: the pool's threads are gone, and so
+    are the BLAS holds of other threads. A new pool is made on the child's first kernel."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+    _blas.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
