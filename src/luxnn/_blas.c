@@ -76,20 +76,7 @@ hold_release(HoldObject *self)
         set_threads(threads_before);
 }
 
-static PyObject *
-Hold_enter(HoldObject *self, PyObject *Py_UNUSED(ignored))
-{
-    hold_acquire(self);
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-Hold_exit(HoldObject *self, PyObject *Py_UNUSED(args))
-{
-    hold_release(self);
-    Py_RETURN_NONE;
-}
-
+/* acquire() and __enter__ */
 static PyObject *
 Hold_acquire(HoldObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -97,8 +84,9 @@ Hold_acquire(HoldObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* release() and __exit__(*exc_info) */
 static PyObject *
-Hold_release(HoldObject *self, PyObject *Py_UNUSED(ignored))
+Hold_release(HoldObject *self, PyObject *Py_UNUSED(args))
 {
     hold_release(self);
     Py_RETURN_NONE;
@@ -118,8 +106,8 @@ Hold_dealloc(HoldObject *self)
 }
 
 static PyMethodDef Hold_methods[] = {
-    {"__enter__", (PyCFunction)Hold_enter, METH_NOARGS, "Acquire the hold."},
-    {"__exit__", (PyCFunction)Hold_exit, METH_VARARGS, "Release the hold."},
+    {"__enter__", (PyCFunction)Hold_acquire, METH_NOARGS, "Acquire the hold."},
+    {"__exit__", (PyCFunction)Hold_release, METH_VARARGS, "Release the hold."},
     {"acquire", (PyCFunction)Hold_acquire, METH_NOARGS,
      "Acquire the hold (nothing if it is held already)."},
     {"release", (PyCFunction)Hold_release, METH_NOARGS,
