@@ -143,7 +143,7 @@ def report(figures: dict[str, Any]) -> str:
         share = figures["collective_seconds_per_step"] / figures["seconds_per_step"]
         lines.append(
             f"data-parallel on {figures['workers']} ranks: {figures['collective_seconds_per_step'] * 1e3:.3f} ms per step "
-            f"in collectives (mean; {share:.0%} of the median step)"
+            f"in collectives, waiting for the other ranks included (mean; {share:.0%} of the median step)"
         )
     if "memory_plot" in figures:
         lines.append(f"memory timeline written to {figures['memory_plot']}")
