@@ -185,6 +185,12 @@ WRAPPERS = [
         {"adam": optim.adam(1e-2), "sgd": optim.sgd(0.1, 0.5), "frozen": optim.set_to_zero()}, LABELS),
      lambda: optax.multi_transform(
         {"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1, 0.5), "frozen": optax.set_to_zero()}, LABELS)),
+    ("multi_transform of masked", lambda: optim.multi_transform(
+        {"adam": optim.adamw(1e-2, weight_decay=0.1, mask=weights_only), "sgd": optim.sgd(0.1), "frozen": optim.set_to_zero()},
+        LABELS),
+     lambda: optax.multi_transform(
+        {"adam": optax.adamw(1e-2, weight_decay=0.1, mask=weights_only_jax), "sgd": optax.sgd(0.1),
+         "frozen": optax.set_to_zero()}, LABELS)),
     ("MultiSteps", lambda: optim.MultiSteps(optim.adam(1e-2), every_k_schedule=3),
      lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3, accumulator_dtype=jnp.float64)),
     ("MultiSteps sum", lambda: optim.MultiSteps(optim.sgd(0.1, 0.9), 4, use_grad_mean=False),

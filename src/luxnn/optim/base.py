@@ -150,7 +150,7 @@ def leafwise(fn: Callable[..., tuple], first: Any, *others: Any, outputs: int) -
     result of an operation on 0-d arrays into a scalar, which cannot be written into with
     ``out=`` and is no array to keep in a state.
     """
-    leaves, struct = tree.flatten(first)
+    leaves = tree.leaves(first)
     other_leaves = [tree.leaves(o) for o in others]
     results = []
     for args in zip(leaves, *other_leaves):
@@ -160,7 +160,14 @@ def leafwise(fn: Callable[..., tuple], first: Any, *others: Any, outputs: int) -
         else:
             results.append(fn(*args))
     columns = list(zip(*results)) if results else [()] * outputs
-    return tuple(tree.unflatten(struct, list(column)) for column in columns)
+    return tuple(shaped_like(first, column) for column in columns)
+
+
+def shaped_like(template: Any, leaves: Any) -> Any:
+    """A tree of `template`'s structure holding `leaves` (in `tree.leaves` order); one
+    walk, cheaper than `tree.flatten` and `tree.unflatten` on every update."""
+    it = iter(leaves)
+    return tree.map(lambda _: next(it), template)
 
 
 def map_arrays(fn: Callable[..., Any], first: Any, *others: Any) -> Any:

@@ -24,7 +24,7 @@ from luxnn.backend import module_of
 
 from .base import (
     GradientTransformation, Params, Updates, cast_like, check_match, check_steps,
-    check_transformation, map_arrays, module_of_tree, next_count, scalar_as, transformation, upcast, where, zero_count,
+    check_transformation, map_arrays, module_of_tree, shaped_like, next_count, scalar_as, transformation, upcast, where, zero_count,
     zeros_like_tree,
 )  # fmt: skip
 
@@ -136,9 +136,9 @@ def _bool_leaf(value: Any) -> str | None:
     return f"expected a bool, got {value!r}"
 
 
-def _hide(selected: list, leaves: list, struct: tree.Structure) -> Any:
-    """The tree of `leaves` with the unselected ones replaced by `MaskedNode`."""
-    return tree.unflatten(struct, [leaf if keep else MaskedNode() for leaf, keep in zip(leaves, selected)])
+def _hide(selected: list, leaves: list, template: Any) -> Any:
+    """The tree of `leaves` (shaped as `template`) with the unselected ones `MaskedNode`."""
+    return shaped_like(template, [leaf if keep else MaskedNode() for leaf, keep in zip(leaves, selected)])
 
 
 def _params_leaves(params: Params, grads: Updates, count: int) -> list | None:
@@ -150,12 +150,12 @@ def _params_leaves(params: Params, grads: Updates, count: int) -> list | None:
     return leaves
 
 
-def _masked_update(inner: GradientTransformation, selected: list, struct: tree.Structure, leaves: list,
+def _masked_update(inner: GradientTransformation, selected: list, template: Any, leaves: list,
                    params_leaves: list | None, inner_state: Any) -> Any:
-    """`inner`'s update of the `selected` leaves, written into `leaves` (the others stay);
-    returns the inner state."""
-    hidden_params = None if params_leaves is None else _hide(selected, params_leaves, struct)
-    new, inner_state = inner.update(_hide(selected, leaves, struct), inner_state, hidden_params)
+    """`inner`'s update of the `selected` leaves (of a tree shaped as `template`), written
+    into `leaves` (the others stay); returns the inner state."""
+    hidden_params = None if params_leaves is None else _hide(selected, params_leaves, template)
+    new, inner_state = inner.update(_hide(selected, leaves, template), inner_state, hidden_params)
     new_leaves = iter(tree.leaves(new))
     for i, keep in enumerate(selected):
         if keep:
@@ -172,14 +172,13 @@ class _Masked:
         return _spread(mask, t, "masked: the mask", _bool_leaf)
 
     def init(self, params: Params) -> MaskedState:
-        leaves, struct = tree.flatten(params)
-        return MaskedState(inner_state=self.inner.init(_hide(self._selected(params), leaves, struct)))
+        return MaskedState(inner_state=self.inner.init(_hide(self._selected(params), tree.leaves(params), params)))
 
     def update(self, grads: Updates, state: MaskedState, params: Params = None) -> tuple[Updates, MaskedState]:
-        leaves, struct = tree.flatten(grads)
-        inner_state = _masked_update(self.inner, self._selected(grads), struct, leaves,
+        leaves = tree.leaves(grads)
+        inner_state = _masked_update(self.inner, self._selected(grads), grads, leaves,
                                      _params_leaves(params, grads, len(leaves)), state.inner_state)
-        return tree.unflatten(struct, leaves), MaskedState(inner_state=inner_state)
+        return shaped_like(grads, leaves), MaskedState(inner_state=inner_state)
 
 
 def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
@@ -217,10 +216,9 @@ class _MultiTransform:
         return _spread(labels, t, "multi_transform: the labels", check_label)
 
     def init(self, params: Params) -> MultiTransformState:
-        labels = self._labels_of(params)
-        leaves, struct = tree.flatten(params)
+        labels, leaves = self._labels_of(params), tree.leaves(params)
         return MultiTransformState({
-            name: MaskedState(t.init(_hide([label == name for label in labels], leaves, struct)))
+            name: MaskedState(t.init(_hide([label == name for label in labels], leaves, params)))
             for name, t in self.transforms.items()
         })  # fmt: skip
 
@@ -228,15 +226,14 @@ class _MultiTransform:
         if not isinstance(state, MultiTransformState) or state.inner_states.keys() != self.transforms.keys():
             raise ValueError(f"multi_transform of labels {sorted(map(str, self.transforms))} got another "
                              f"optimizer's state ({type(state).__name__})")
-        labels = self._labels_of(grads)
-        leaves, struct = tree.flatten(grads)
+        labels, leaves = self._labels_of(grads), tree.leaves(grads)
         params_leaves = _params_leaves(params, grads, len(leaves))
         inner_states = {}
         for name, t in self.transforms.items():
             selected = [label == name for label in labels]
-            inner = _masked_update(t, selected, struct, leaves, params_leaves, state.inner_states[name].inner_state)
+            inner = _masked_update(t, selected, grads, leaves, params_leaves, state.inner_states[name].inner_state)
             inner_states[name] = MaskedState(inner)
-        return tree.unflatten(struct, leaves), MultiTransformState(inner_states)
+        return shaped_like(grads, leaves), MultiTransformState(inner_states)
 
 
 def multi_transform(transforms: dict[Any, GradientTransformation], param_labels: Any) -> GradientTransformation:
