@@ -213,7 +213,11 @@ def _allocs(m: dict[str, Any]) -> str:
 
 def _peaks(m: dict[str, Any]) -> str:
     reserved = MISSING if m.get("peak_reserved") is None else format_bytes(m["peak_reserved"])
-    return f"{format_bytes(m['peak_live'])} / {reserved}, {format_count(m['upstream_allocs'])} upstream"
+    ratios = ""  # where the document has the all-time peaks (the cache on)
+    if m.get("peak_reserved") and m["peak_live"] and m.get("all_time_peak_reserved") and m.get("all_time_peak_live"):
+        steady, all_time = m["peak_reserved"] / m["peak_live"], m["all_time_peak_reserved"] / m["all_time_peak_live"]
+        ratios = f" ({significant(steady, 3)}x; all-time {significant(all_time, 3)}x)"
+    return f"{format_bytes(m['peak_live'])} / {reserved}{ratios}, {format_count(m['upstream_allocs'])} upstream"
 
 
 def memory_rows(base: dict[str, Any], new: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
@@ -250,7 +254,7 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, markdown: bool = False
     if per_call:
         out += ["", heading("Memory: NumPy allocations and bytes per call (base / new: bytes)"), ""]
         out.append(render_table(headers, per_call, markdown))
-        out += ["", heading("Peak memory: live / reserved bytes, upstream allocations per call (base / new: live)"), ""]
+        out += ["", heading("Peak memory once warm: live / reserved bytes (reserved / live; all-time, warm-up included), upstream allocations per call (base / new: live)"), ""]
         out.append(render_table(headers, peaks, markdown))
     return "\n".join(out)
 

@@ -450,3 +450,78 @@ class OptimAdam:
                     p -= s
 
         return step
+
+
+@dataclass(frozen=True)
+class ResNet:
+    """``training/resnet``: a ResNet-style CNN on 32x32x3 images, batch 32: Conv 3x3 3 ->
+    16 with BatchNorm and relu, two residual blocks (Conv 3x3, BatchNorm, relu, Conv 3x3,
+    BatchNorm, plus the skip connection), 2x2 max pool, Dense 4096 -> 10; softmax
+    cross-entropy, Adam. luxnn only (a model of the allocator issue's)."""
+
+    batch: int = 32
+    channels: int = 16
+    lr: float = 1e-3
+
+    def data(self) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(1)
+        return rng.standard_normal((self.batch, 32, 32, 3)).astype(np.float32), rng.integers(0, 10, self.batch)
+
+    def luxnn_model(self) -> lx.Layer:
+        c = self.channels
+
+        def block() -> lx.Layer:
+            body = lx.Chain(lx.Conv(3, c, c, padding=1), lx.BatchNorm(c, activation="relu"), lx.Conv(3, c, c, padding=1), lx.BatchNorm(c))
+            return lx.SkipConnection(body, lambda y, x: y + x)
+
+        return lx.Chain(
+            lx.Conv(3, 3, c, padding=1), lx.BatchNorm(c, activation="relu"), block(), block(),
+            lx.MaxPool(2), lx.Flatten(), lx.Dense(16 * 16 * c, 10),
+        )  # fmt: skip
+
+    def luxnn(self, cache: Any = "default") -> Step:
+        return luxnn_train_step(self.luxnn_model(), lx.optim.adam(self.lr), lx.losses.CrossEntropyLoss(), self.data(), cache)
+
+
+@dataclass(frozen=True)
+class LM:
+    """``training/lm``: a language model's step: token ids (batch 16, length 128, vocabulary
+    1000) -> Embedding 128 -> a causal self-attention block (pre-LayerNorm, 4 heads, skip
+    connection) -> Dense to the vocabulary; softmax cross-entropy on the next tokens, Adam.
+    ``training/lm-buckets``: the same model, each step's length drawn from 4 buckets (32,
+    64, 96, 128) with a fixed seed, as a bucketing data loader feeds it."""
+
+    batch: int = 16
+    length: int = 128
+    vocab: int = 1000
+    dim: int = 128
+    heads: int = 4
+    buckets: tuple[int, ...] = ()
+    lr: float = 1e-3
+
+    def data(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(length)
+        return rng.integers(0, self.vocab, (self.batch, length)), rng.integers(0, self.vocab, (self.batch, length))
+
+    def luxnn_model(self) -> lx.Layer:
+        attention = lx.SkipConnection(
+            lx.Chain(lx.LayerNorm(self.dim), lx.MultiHeadAttention(self.dim, num_heads=self.heads, is_causal=True)),
+            lambda y_and_weights, x: y_and_weights[0] + x,
+        )
+        return lx.Chain(lx.Embedding(self.vocab, self.dim), attention, lx.Dense(self.dim, self.vocab))
+
+    def luxnn(self, cache: Any = "default") -> Step:
+        if not self.buckets:
+            return luxnn_train_step(self.luxnn_model(), lx.optim.adam(self.lr), lx.losses.CrossEntropyLoss(), self.data(self.length), cache)
+        batches = {length: self.data(length) for length in self.buckets}
+        model = self.luxnn_model()
+        ps, st = lx.setup(np.random.default_rng(0), model)
+        kwargs = {} if isinstance(cache, str) else {"allocator_cache": cache}
+        ts = lx.TrainState(model, ps, st, lx.optim.adam(self.lr), **kwargs)
+        ad, loss, rng = lx.AutoTape(), lx.losses.CrossEntropyLoss(), np.random.default_rng(0)
+
+        def step() -> None:
+            nonlocal ts
+            _, _, _, ts = lx.single_train_step_(ad, loss, batches[self.buckets[rng.integers(len(self.buckets))]], ts)
+
+        return step

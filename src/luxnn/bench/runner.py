@@ -16,7 +16,8 @@ cache); for every other NumPy variant it is a counting cache wrapped around each
 out, i.e. each request rounded up to the cache's size bins: 512 B under 8 KiB, then less
 than 6.25 % over), upstream allocations (with the cache on: blocks taken from the system;
 without it every allocation reaches NumPy's default allocator), peak live bytes (the
-step's working set) and peak reserved bytes (cache on only: live plus cached).
+step's working set) and peak reserved bytes (cache on only: live plus cached); with the
+cache on, also the all-time peaks (since the cache was made: the warm-up's included).
 
 The first-run rows and time_to_load run one fresh process per round.
 """
@@ -128,6 +129,7 @@ def count_memory(step: Callable[[], Any], cache: Any, *, own: bool, calls: int, 
     for _ in range(warmup):
         with scope():
             step()
+    warm = cache.stats()  # the warm-up's peaks: the run's all-time peaks, with the calls'
     cache.reset_peaks()
     before = cache.stats()
     events = cache.timeline()
@@ -152,6 +154,8 @@ def count_memory(step: Callable[[], Any], cache: Any, *, own: bool, calls: int, 
         "upstream_allocs": (after.upstream_allocs - before.upstream_allocs) / calls if own else allocs,
         "peak_live": after.peak_live,
         "peak_reserved": after.peak_reserved if own else None,
+        "all_time_peak_live": max(warm.peak_live, after.peak_live) if own else None,
+        "all_time_peak_reserved": max(warm.peak_reserved, after.peak_reserved) if own else None,
         "allocator": "cache" if own else "numpy default",
     }
 
@@ -470,15 +474,23 @@ def report(document: dict[str, Any], *, markdown: bool = False) -> str:
         time_rows.append([name, cell, rel])
         m = r.get("memory")
         if m and "error" in m:
-            memory_rows.append([name, "error: " + m["error"], "", "", ""])
+            memory_rows.append([name, "error: " + m["error"], "", "", "", "", ""])
         elif m and m.get("bytes") is not None:
             reserved = "—" if m["peak_reserved"] is None else format_bytes(m["peak_reserved"])
             memory_rows.append([name, format_allocs(m["allocs"], m["bytes"]), format_count(m["upstream_allocs"]),
-                                format_bytes(m["peak_live"]), reserved])  # fmt: skip
+                                format_bytes(m["peak_live"]), reserved, _reserved_per_live(m, "peak_"),
+                                _reserved_per_live(m, "all_time_peak_")])  # fmt: skip
     out = header_lines([("run", document)], markdown)
     out.append("")
     out.append(render_table(["name", "time", "time / first row of its group"], time_rows, markdown))
     if memory_rows:
         out.append("")
-        out.append(render_table(["name", "memory per call", "upstream allocs per call", "peak live", "peak reserved"], memory_rows, markdown))
+        headers = ["name", "memory per call", "upstream allocs per call", "peak live", "peak reserved", "reserved / live", "all-time reserved / live"]
+        out.append(render_table(headers, memory_rows, markdown))
     return "\n".join(out)
+
+
+def _reserved_per_live(m: dict[str, Any], prefix: str) -> str:
+    # Peak reserved / peak live (cache on: once warm, or all-time with the warm-up).
+    live, reserved = m.get(prefix + "live"), m.get(prefix + "reserved")
+    return f"{reserved / live:.3f}" if live and reserved is not None else "—"

@@ -8,6 +8,9 @@ A `Group` is set up once in a process and its variants are timed in interleaved 
 - ``training/NAME (cache on)``, ``(cache off)``: ``single_train_step_`` with the
   TrainState's allocator cache and without one; ``(numpy by hand)``, ``(pytorch eager)``:
   the peers, where they exist and PyTorch is installed;
+- ``training/resnet``, ``training/lm``, ``training/lm-buckets`` (the allocator issue's
+  models: BatchNorm and skip connections; embedding and causal attention; its length drawn
+  from 4 buckets each step): luxnn's cache on and off only;
 - ``training/transformer-quick`` and ``training/large-activations-quick``: ``--quick``'s
   smaller sizes (their rows are never compared with the full ones);
 - ``distributed/allreduce-25MiB (...)`` and ``distributed/mlp (...)``: steps run in the
@@ -79,7 +82,8 @@ def _training(name: str, model: Any, params: dict) -> Group:
     ]
     if hasattr(model, "numpy"):
         variants.append(Variant(f"{name} (numpy by hand)", lambda _cache: model.numpy(), "wrapped"))
-    variants.append(Variant(f"{name} (pytorch eager)", lambda _cache: model.torch(), None, needs="torch"))
+    if hasattr(model, "torch"):
+        variants.append(Variant(f"{name} (pytorch eager)", lambda _cache: model.torch(), None, needs="torch"))
     return Group(name, tuple(variants), params)
 
 
@@ -137,6 +141,12 @@ def groups(quick: bool) -> list[Group]:
             f"training/large-activations{suffix}", large,
             {"batch": large.batch, "sizes": list(large.sizes), "optimizer": "sgd",
              "activation_bytes": large.batch * large.sizes[1] * 4},
+        ),  # fmt: skip
+        _training("training/resnet", models.ResNet(), {"batch": 32, "image": [32, 32, 3], "channels": 16, "blocks": 2, "optimizer": "adam"}),
+        _training("training/lm", models.LM(), {"batch": 16, "length": 128, "vocab": 1000, "dim": 128, "optimizer": "adam"}),
+        _training(
+            "training/lm-buckets", models.LM(buckets=(32, 64, 96, 128)),
+            {"batch": 16, "lengths": [32, 64, 96, 128], "vocab": 1000, "dim": 128, "optimizer": "adam"},
         ),  # fmt: skip
         _training(
             "training/lstm", lstm,
