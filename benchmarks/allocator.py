@@ -3,7 +3,9 @@
     python benchmarks/allocator.py            # sections 1-3 (about 2 minutes on 2 cores)
     python benchmarks/allocator.py --sweep    # 4: the bin rounding and evict_after choices
 
-1. alloc+free (np.empty + del) through the cache's handler and NumPy's default handler.
+1. alloc+free (np.empty + del) through the cache's handler and NumPy's default handler;
+   the cost of a scope's entry and exit (`cached`, and `step`, which the training verbs
+   enter: it also marks the step for the plans).
 2. A large-activation MLP step (batch 4096, 256 -> 4096 -> 256, float32: 64 MiB hidden
    activations, forward and backward matmuls) and an elementwise-heavy step on 64 MiB
    arrays, cache on vs off, each configuration in a fresh process (so that peak RSS is its
@@ -77,6 +79,17 @@ def section_alloc_free(rounds: int) -> None:
                 ours.append(alloc_free_ns(nbytes, reps))
         d, o = statistics.median(default), statistics.median(ours)
         print(f"   {label:>8} {d:14.0f} {o:10.0f} {o - d:+16.0f}")
+    print("   scope entry + exit, ns (no allocation inside), median of", rounds, "rounds")
+    for label, scope in (("cached(cache)", memory.cached), ("step(cache)", memory.step)):
+        print(f"   {label:>14} {statistics.median(scope_ns(scope, cache, 20_000) for _ in range(rounds)):10.0f}")
+
+
+def scope_ns(scope, cache, reps: int) -> float:
+    t = time.perf_counter_ns()
+    for _ in range(reps):
+        with scope(cache):
+            pass
+    return (time.perf_counter_ns() - t) / reps
 
 
 # ---- 2. training-like steps, one process per configuration --------------------------------

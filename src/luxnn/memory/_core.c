@@ -181,10 +181,16 @@ floor_bin(size_t s)
  *   that requests alive at the same time never share a byte. The cycle's own
  *   blocks share one arena; the blocks that outlive it (a step's gradients,
  *   its new optimizer state) have two places each in the other, used in even
- *   and odd cycles, since the previous step's are usually still alive. So
+ *   and odd cycles, since the previous step's are usually still alive (the
+ *   core carries them into the next cycle and records their deaths there, so
+ *   a place is shared with blocks of the other parity that die first). So
  *   the first arena is idle between cycles, and a new plan (the planner
  *   widens it when threads interleave beyond it) replaces it without both
  *   being held.
+ * - Warm-up (set_warm_up, luxnn/memory/plan.py: WarmUp): while it is on and
+ *   no plan is installed, a step's split-pool requests go upstream at their
+ *   size, as exact-bin blocks marked orphan, and back when they die: the
+ *   steps a first plan is made from reserve what they use, nothing more.
  * - Matching: the k-th request of a bin in a cycle takes the bin's k-th slot,
  *   else the (k+1)-th or (k-1)-th (threads may swap two requests of a size),
  *   if not taken in this cycle and all its bytes are free now. Otherwise it is

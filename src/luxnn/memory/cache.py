@@ -77,13 +77,15 @@ settle after one), since the pieces' placement may shift once before it repeats.
 
 Step plans (``_core.c``, section 1c; `luxnn.memory.plan`). Online, no placement can know
 which block dies when, and the split pool held 1.17x to 1.27x the peak live bytes of the
-suite's training steps. A training loop repeats its step, so the cache plans it: each cycle
-(from the opening of a scope while none of the cache's is open to the closing of the last:
-one training step; the planner may make it span several scopes) records its requests above
-64 KiB and their lifetimes, and once a cycle repeats the requests of the one before, every
-such block gets a place in an arena where no block alive at the same time overlaps it. The first two steps of a loop run
-unplanned (and set the cache's all-time peak), the third is planned and still holds what
-the plan replaces, and from the fourth on the split pool only serves what the plan misses.
+suite's training steps. A training loop repeats its step, so the cache plans it. The
+training verbs mark each step (`luxnn.memory.step`; plain `cached` scopes never begin or
+end one); a step records its requests above 64 KiB and their lifetimes, and once a step
+repeats the requests of the one before, every such block gets a place in an arena where no
+block alive at the same time overlaps it. The warm-up holds nothing: until the cache's
+first plan is made or refused (or 4 steps went by without one), a step's large requests go
+upstream at their size and back when they die, so the first two steps reserve what they
+use; the third is planned, and from then on the split pool only serves what the plan
+misses.
 ``AllocCache(plan=False)`` turns plans off.
 """
 
@@ -245,9 +247,9 @@ class AllocCache:
     free blocks are released (default `DEFAULT_EVICT_AFTER`).
     record: keep a timeline for `plot_timeline`: the last 65536 events, and every step's
     figures (`timeline_spans`).
-    plan: place the blocks above 64 KiB of a repeated step by a plan made from the steps
-    before it (`luxnn.memory.plan`): peak reserved close to peak live, from the third step
-    of a fixed-shape loop.
+    plan: place the blocks above 64 KiB of a repeated training step (`luxnn.memory.step`)
+    by a plan made from the steps before it (`luxnn.memory.plan`): peak reserved close to
+    peak live, from the third step of a fixed-shape loop.
 
     `device`: None or a `CPUDevice` for NumPy arrays; a `CUDADevice` for the CuPy arrays of
     that GPU (`luxnn.memory.cupy_backend`: the device is first touched on the first scope,

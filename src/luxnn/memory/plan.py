@@ -13,7 +13,7 @@ cover how threads interleave.)
 
 The core records each training step, as the verbs mark it (`luxnn.memory.step`): every
 request above 64 KiB, with a clock at its allocation and at its death (-1: still alive when
-the next step began). `Planner` turns two consecutive steps with the same requests into a
+the next step began, and then its death on the next step's clock). `Planner` turns two consecutive steps with the same requests into a
 plan (`layout`), and widens it when a later step's lifetimes reach beyond it (threads
 interleave differently from step to step) and the plan missed. The core serves a request at
 its planned place only when every byte there is free, so a plan can cost misses but never
