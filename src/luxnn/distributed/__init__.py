@@ -21,7 +21,8 @@ that raises abort the whole job instead of leaving the others waiting)::
   `CollectiveStats` (``backend.stats``: calls, bytes, seconds in collectives);
 - `collectives`: `bcast_`, `allreduce_`, `reduce_` on trees of arrays, `synchronize`;
 - `optimizer`: `DistributedOptimizer` and its `GradientBuckets`;
-- `data`: `DistributedDataLoader`; `checkpoint`: `save`.
+- `data`: `DistributedDataLoader`; `checkpoint`: `save`;
+- `launch`: finding ``mpiexec``, and ``luxnn demo --workers N``.
 
 luxnn imports without mpi4py; `initialize` then raises an error naming ``luxnn[mpi]``.
 
