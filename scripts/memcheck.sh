@@ -19,7 +19,7 @@ XML=${MEMCHECK_XML:-/tmp/luxnn-memcheck.xml}
 
 tests=("$@")
 [ ${#tests[@]} -eq 0 ] && tests=(tests/test_memory.py tests/test_memory_plan.py tests/test_memory_stateful.py tests/test_memory_cuda.py
-                                 tests/test_memory_timeline.py tests/test_memory_fork.py tests/test_training_cache.py)
+                                 tests/test_memory_timeline.py tests/test_memory_fork.py)
 
 set +e
 PYTHONMALLOC=malloc LUXNN_MEMCHECK=1 valgrind --tool=memcheck --xml=yes --xml-file="$XML" \

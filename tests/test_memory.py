@@ -14,7 +14,7 @@ import pytest
 from luxnn import memory
 from luxnn.memory import _core
 
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
 
 
 def handler_name() -> str:
@@ -685,3 +685,17 @@ def test_scopes_refuse_to_decorate_generators_and_async_functions(switch):
     for func in (gen, coro, agen):
         with pytest.raises(TypeError, match="generator or async function"):
             switch()(func)
+
+
+def test_inactive_split_bytes_are_the_free_bytes_of_segments_in_use():
+    cache = memory.AllocCache(plan=False)
+    with memory.cached(cache):
+        del_me = np.empty(MiB, np.uint8)  # one segment of 1 MiB
+        del del_me
+        assert cache.stats().inactive_split_bytes == 0  # whole and free: not fragmentation
+        piece = np.empty(256 * KiB, np.uint8)  # a piece of it; the rest stays free beside it
+        assert cache.stats().inactive_split_bytes == MiB - 256 * KiB
+        cache._core.audit()
+        del piece
+    assert cache.stats().inactive_split_bytes == 0
+    cache._core.audit()

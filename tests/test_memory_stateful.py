@@ -188,6 +188,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert s.bytes_live == live
             assert s.bytes_reserved == s.bytes_live + s.bytes_cached
             assert s.bytes_cached >= 0
+            assert 0 <= s.inactive_split_bytes <= s.bytes_cached  # fragmentation is cached bytes
             assert s.peak_live >= s.bytes_live and s.peak_reserved >= s.bytes_reserved
             assert s.peak_reserved >= s.peak_live
             assert s.upstream_allocs >= s.upstream_frees

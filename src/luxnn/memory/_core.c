@@ -463,6 +463,7 @@ typedef struct lx_segment {
     void *base;
     size_t size;        /* bytes allocated upstream */
     size_t live;        /* pieces in use by arrays */
+    size_t live_bytes;  /* their bytes */
     uint64_t last_used; /* scope clock when a piece of it last served a request */
     uint8_t orphan;     /* released by free(): free pieces unlisted, upstream when no
                            piece is live */
@@ -573,6 +574,8 @@ typedef struct {
     uint64_t plan_hits;       /* requests served at their planned place (also hits) */
     uint64_t plan_misses;     /* split-pool requests of cycles with a plan it did not serve */
     uint64_t plans;           /* plans installed */
+    size_t inactive_split;    /* free bytes of the split pool's segments that hold a live
+                                 piece (PyTorch's inactive_split_bytes) */
 } lx_figures;
 
 typedef struct {
@@ -862,6 +865,21 @@ first_split_bin(const lx_core *c, uint32_t from)
     return (uint32_t)(w * 64 + (size_t)__builtin_ctzll(bits));
 }
 
+/* A piece of `size` bytes of `seg` became live (+1) or free (-1): a segment's free
+ * bytes count as inactive_split while a piece of it is live. */
+static void
+note_piece_locked(lx_core *c, lx_segment *seg, size_t size, int change)
+{
+    if (seg->live > 0) {
+        c->fig.inactive_split -= seg->size - seg->live_bytes;
+    }
+    seg->live = change > 0 ? seg->live + 1 : seg->live - 1;
+    seg->live_bytes = change > 0 ? seg->live_bytes + size : seg->live_bytes - size;
+    if (seg->live > 0) {
+        c->fig.inactive_split += seg->size - seg->live_bytes;
+    }
+}
+
 /* A split-pool request of `size` bytes (bin `bin`): the best-fitting free
  * piece, cut to size and taken out of the free lists, its remainder a new free
  * piece to its right. NULL when no free piece fits, or (*no_record set) when
@@ -902,7 +920,7 @@ take_piece_locked(lx_core *c, uint32_t bin, size_t size, int *no_record)
         link_free_locked(c, rest);
     }
     best->bin = bin;
-    best->seg->live++;
+    note_piece_locked(c, best->seg, size, +1);
     best->seg->last_used = c->fig.scopes;
     return best;
 }
@@ -928,7 +946,7 @@ return_piece_locked(lx_core *c, lx_block *b)
 {
     lx_segment *seg = b->seg;
     int listed = !seg->orphan; /* an orphan segment's free pieces are in no list */
-    seg->live--;
+    note_piece_locked(c, seg, b->size, -1);
     if (b->left != NULL && !b->left->live) {
         lx_block *left = b->left;
         if (listed) {
@@ -1551,8 +1569,8 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         *b = (lx_block){.ptr = ptr, .size = size, .bin = bin, .orphan = (uint8_t)direct};
         if (seg) { /* a new segment, this block its first piece */
             lx_head *head = (lx_head *)b;
-            head->seg = (lx_segment){.base = ptr, .size = got, .live = 1,
-                                     .last_used = c->fig.scopes};
+            head->seg = (lx_segment){.base = ptr, .size = got, .last_used = c->fig.scopes};
+            note_piece_locked(c, &head->seg, size, +1);
             b->seg = &head->seg;
             c->split_held += got;
             c->split_peak = c->split_held > c->split_peak ? c->split_held : c->split_peak;
@@ -1974,7 +1992,7 @@ static const char *
 audit_locked(lx_core *c)
 {
     size_t live = 0, cached = 0, owned = 0, records = 0, listed = 0, unlisted = 0, held = 0;
-    size_t free_records = 0, segments = 0, large = 0;
+    size_t free_records = 0, segments = 0, large = 0, inactive = 0;
     for (size_t i = 0; i < c->map.cap; i++) {
         lx_block *b = c->map.slots[i];
         if (b == NULL) {
@@ -2046,20 +2064,22 @@ audit_locked(lx_core *c)
         if ((lx_block *)((char *)seg - offsetof(lx_head, seg)) != b || seg->base != b->ptr) {
             return "a segment's head is not its first piece's record";
         }
-        size_t tiled = 0, live_pieces = 0;
+        size_t tiled = 0, live_pieces = 0, live_bytes = 0;
         for (lx_block *p = b; p != NULL; p = p->right) {
             if (p->seg != seg || map_find(&c->map, p->ptr) != p) {
                 return "a segment's piece belongs elsewhere or is not owned";
             }
             tiled += p->size;
             live_pieces += p->live;
+            live_bytes += p->live ? p->size : 0;
         }
         if (tiled != seg->size) {
             return "a segment's pieces do not add up to its size";
         }
-        if (live_pieces != seg->live) {
-            return "a segment's count of live pieces is wrong";
+        if (live_pieces != seg->live || live_bytes != seg->live_bytes) {
+            return "a segment's count of live pieces or bytes is wrong";
         }
+        inactive += live_pieces > 0 ? seg->size - live_bytes : 0;
         if (seg->orphan && live_pieces == 0) {
             return "an orphan segment with no live piece is still held";
         }
@@ -2133,6 +2153,9 @@ audit_locked(lx_core *c)
     }
     if (live != c->fig.bytes_live || cached != c->fig.bytes_cached) {
         return "bytes_live or bytes_cached disagrees with the records";
+    }
+    if (inactive != c->fig.inactive_split) {
+        return "inactive_split disagrees with the free bytes of segments in use";
     }
     if (large != c->large_live) {
         return "large_live disagrees with the live blocks above the split threshold";
@@ -2310,11 +2333,11 @@ static PyStructSequence_Field figures_fields[] = {
     {"hits", NULL}, {"misses", NULL}, {"upstream_allocs", NULL}, {"upstream_frees", NULL},
     {"bytes_live", NULL}, {"bytes_cached", NULL}, {"bytes_reserved", NULL},
     {"peak_live", NULL}, {"peak_reserved", NULL}, {"scopes", NULL}, {"plan_hits", NULL},
-    {"plan_misses", NULL}, {"plans", NULL}, {NULL, NULL},
+    {"plan_misses", NULL}, {"plans", NULL}, {"inactive_split_bytes", NULL}, {NULL, NULL},
 };
 static PyStructSequence_Desc figures_desc = {
     "luxnn.memory._core.Figures", "A core's figures (luxnn.memory.CacheStats).",
-    figures_fields, 13,
+    figures_fields, 14,
 };
 static PyTypeObject FiguresType;
 
@@ -2369,6 +2392,7 @@ figures_object(lx_figures f)
         PyLong_FromSize_t(f.peak_live), PyLong_FromSize_t(f.peak_reserved),
         PyLong_FromUnsignedLongLong(f.scopes), PyLong_FromUnsignedLongLong(f.plan_hits),
         PyLong_FromUnsignedLongLong(f.plan_misses), PyLong_FromUnsignedLongLong(f.plans),
+        PyLong_FromSize_t(f.inactive_split),
     };
     return filled(PyStructSequence_New(&FiguresType), items, sizeof(items) / sizeof(items[0]));
 }
@@ -2848,7 +2872,7 @@ static PyMethodDef Core_methods[] = {
     {"stats", (PyCFunction)Core_stats, METH_NOARGS,
      "stats() -> Figures: hits, misses, upstream_allocs, upstream_frees, bytes_live, "
      "bytes_cached, bytes_reserved, peak_live, peak_reserved, scopes, plan_hits, "
-     "plan_misses, plans"},
+     "plan_misses, plans, inactive_split_bytes"},
     {"reset_peaks", (PyCFunction)Core_reset_peaks, METH_NOARGS,
      "Set the peaks to the current figures."},
     {"trim", (PyCFunction)Core_trim, METH_O,

@@ -143,7 +143,10 @@ class CacheStats:
     peak_live / peak_reserved: the highest bytes_live / bytes_reserved;
     scopes: scopes entered; plan_hits: requests served at their place in a step plan (also
     counted in hits); plan_misses: requests above 64 KiB, made while a plan was installed,
-    that it did not serve; plans: plans installed (`luxnn.memory.plan`).
+    that it did not serve; plans: plans installed (`luxnn.memory.plan`);
+    inactive_split_bytes: the free bytes of the split pool's segments (blocks above 64 KiB)
+    that still hold a live block (PyTorch's name): bytes only a request that fits between
+    live blocks can use, the split pool's fragmentation (also counted in bytes_cached).
     """
 
     hits: int
@@ -159,6 +162,7 @@ class CacheStats:
     plan_hits: int
     plan_misses: int
     plans: int
+    inactive_split_bytes: int
 
 
 @dataclass(frozen=True)
