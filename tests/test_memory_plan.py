@@ -272,6 +272,25 @@ def test_a_plan_waits_while_the_cycle_arena_it_must_replace_is_in_use():
     core.audit()
 
 
+def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_before_the_split_pool():
+    cache = memory.AllocCache(plan=False)  # plans installed by hand below
+    core = cache._core
+    one = [np.array(c, dtype=np.int64) for c in ([MiB], [0], [0], [0])]  # one slot, at 0
+    assert core.install_plan(3 * MiB, 0, *one) == PlanStatus.INSTALLED
+    before = cache.stats()
+    with memory.step(cache):
+        first, second = np.ones(MiB, np.uint8), np.full(MiB, 2, np.uint8)  # the second: a miss
+        third = np.full(MiB, 3, np.uint8)
+        ((base, size),) = {(b[3], b[4]) for b in core.blocks() if b[2] and b[1] == MiB}  # the arena
+        assert size == 3 * MiB and [a.ctypes.data - base for a in (first, second, third)] == [0, MiB, 2 * MiB]
+        fourth = np.full(MiB, 4, np.uint8)  # no room left: the split pool
+    s = cache.stats()
+    assert s.plan_hits - before.plan_hits == 1 and s.plan_misses - before.plan_misses == 3
+    assert MiB <= s.bytes_reserved - before.bytes_reserved < MiB + 8 * KiB  # the fourth (and small blocks)
+    assert [int(a[0]) for a in (first, second, third, fourth)] == [1, 2, 3, 4]
+    core.audit()
+
+
 @pytest.mark.parametrize(
     "args, match",
     [

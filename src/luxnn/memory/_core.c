@@ -1078,6 +1078,40 @@ drop_plan_locked(lx_core *c)
 
 /* A split-pool request of `size` bytes (bin `bin`) at its planned place, or
  * NULL (a plan miss). */
+/* A block at offset `at` of arena a, its granules marked busy; NULL when the
+ * bookkeeping is out of memory. */
+static lx_block *
+arena_block_locked(lx_core *c, lx_arena *a, size_t at, size_t size, uint32_t bin)
+{
+    lx_block *b = malloc(sizeof(lx_block));
+    if (b == NULL || map_reserve(&c->map, 1) != 0) {
+        free(b);
+        return NULL;
+    }
+    *b = (lx_block){.ptr = a->base + at, .size = size, .bin = bin, .arena = a};
+    map_put(&c->map, b);
+    mark_granules(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2, 1);
+    a->live++;
+    a->live_bytes += size;
+    c->plan->last_used = c->fig.scopes;
+    return b;
+}
+
+/* The lowest offset of a run of free granules of arena a that holds `size` bytes. */
+static int
+free_run(const lx_arena *a, size_t size, size_t *at)
+{
+    size_t need = size >> LX_QUANTUM_LOG2, granules = a->size >> LX_QUANTUM_LOG2, run = 0;
+    for (size_t g = 0; g < granules && need > 0; g++) {
+        run = (a->busy[g / 64] >> (g % 64)) & 1 ? 0 : run + 1;
+        if (run == need) {
+            *at = (g + 1 - need) << LX_QUANTUM_LOG2;
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static lx_block *
 take_planned_locked(lx_core *c, uint32_t bin, size_t size)
 {
@@ -1108,24 +1142,22 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size)
         if (!granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
             continue;
         }
-        lx_block *b = malloc(sizeof(lx_block));
-        if (b == NULL || map_reserve(&c->map, 1) != 0) {
-            free(b);
+        lx_block *b = arena_block_locked(c, a, at, size, bin);
+        if (b == NULL) {
             break;
         }
-        *b = (lx_block){.ptr = a->base + at, .size = size, .bin = bin, .arena = a};
-        map_put(&c->map, b);
-        mark_granules(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2, 1);
-        a->live++;
-        a->live_bytes += size;
         s->taken = c->cycle;
-        p->last_used = c->fig.scopes;
         c->fig.plan_hits++;
         return b;
     }
     c->fig.plan_misses++;
     c->cycle_misses++;
-    return NULL;
+    /* A miss (the planner widens the plan from it): any free run of the cycle arena that
+     * fits, before the split pool (threads' temporaries of one size swap places from step
+     * to step); the bitmap keeps it clear of every live block. */
+    lx_arena *a = p->arena[LX_CYCLE];
+    size_t at;
+    return a != NULL && free_run(a, size, &at) ? arena_block_locked(c, a, at, size, bin) : NULL;
 }
 
 /* Whether arena a serves no plan any more (it stays until its last block dies). */
