@@ -83,17 +83,7 @@ def _outputs(y):
 
 # Bidirectional keeps its merge function, a lambda of luxnn/nn/recurrent.py's table for the
 # named merges: pickle cannot find it by name (recurrent.py belongs to the recurrent work).
-KNOWN_UNPICKLABLE = {"Bidirectional": "merge functions are lambdas in luxnn.nn.recurrent"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_UNPICKLABLE[n.split("-")[0]], raises=pickle.PicklingError))
-        if n.split("-")[0] in KNOWN_UNPICKLABLE else n
-        for n in sorted(EXAMPLES)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_layers_pickle_and_deep_copy_and_compute_the_same(name):
     make, x = EXAMPLES[name]
     model = make()

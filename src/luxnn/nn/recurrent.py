@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -294,11 +295,20 @@ class Recurrence(Layer):
         return f"Recurrence({self.cell!r}{rest})"
 
 
+def _concat(f: Any, b: Any) -> Any:
+    return array_namespace(f, b).concat([f, b], axis=-1)
+
+
+def _mean(f: Any, b: Any) -> Any:
+    return (f + b) * 0.5
+
+
+# Module-level functions, so that a Bidirectional pickles.
 _MERGES: dict[str, Callable[[Any, Any], Any]] = {
-    "concat": lambda f, b: array_namespace(f, b).concat([f, b], axis=-1),
-    "sum": lambda f, b: f + b,
-    "mean": lambda f, b: (f + b) * 0.5,
-    "mul": lambda f, b: f * b,
+    "concat": _concat,
+    "sum": operator.add,
+    "mean": _mean,
+    "mul": operator.mul,
 }
 
 
