@@ -248,12 +248,12 @@ def test_one_im2col_block_at_a_time():
 
 
 BAD_CONV = [
-    (lambda: lx.Conv(3, 4, 8), np.zeros((2, 5, 5, 3)), "expected input of shape (N, H, W, 4), got (2, 5, 5, 3)"),
-    (lambda: lx.Conv(3, 4, 8), np.zeros((2, 5, 4)), "expected input of shape (N, H, W, 4), got (2, 5, 4)"),
-    (lambda: lx.Conv((3,), 4, 8), np.zeros((2, 5, 5, 4)), "expected input of shape (N, L, 4)"),
-    (lambda: lx.Conv(5, 1, 2, padding=(1, 0)), np.zeros((1, 6, 4, 1)), "larger than the padded input along axis 2: 4 + 0 + 0 = 4"),
-    (lambda: lx.Conv(3, 1, 2, dilation=3), np.zeros((1, 6, 6, 1)), "kernel of extent 7"),
-    (lambda: lx.ConvTranspose(3, 2, 2, padding=3), np.zeros((1, 1, 1, 2)), "crops the whole output"),
+    (lambda: lx.Conv(3, 4, 8), np.zeros((2, 5, 5, 3), np.float32), "expected input of shape (N, H, W, 4), got (2, 5, 5, 3)"),
+    (lambda: lx.Conv(3, 4, 8), np.zeros((2, 5, 4), np.float32), "expected input of shape (N, H, W, 4), got (2, 5, 4)"),
+    (lambda: lx.Conv((3,), 4, 8), np.zeros((2, 5, 5, 4), np.float32), "expected input of shape (N, L, 4)"),
+    (lambda: lx.Conv(5, 1, 2, padding=(1, 0)), np.zeros((1, 6, 4, 1), np.float32), "larger than the padded input along axis 2: 4 + 0 + 0 = 4"),
+    (lambda: lx.Conv(3, 1, 2, dilation=3), np.zeros((1, 6, 6, 1), np.float32), "kernel of extent 7"),
+    (lambda: lx.ConvTranspose(3, 2, 2, padding=3), np.zeros((1, 1, 1, 2), np.float32), "crops the whole output"),
 ]
 
 
