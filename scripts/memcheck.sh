@@ -13,7 +13,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-XML=${MEMCHECK_XML:-/tmp/luxnn-memcheck.xml}
+# One XML file per process: the fork tests' children go on under valgrind and write their
+# own reports (one file for all of them would hold several documents).
+XML=${MEMCHECK_XML:-/tmp/luxnn-memcheck}
+rm -f "$XML".*.xml
 
 "$PYTHON" -m pip install -e . --no-build-isolation -q >/dev/null 2>&1
 
@@ -22,31 +25,39 @@ tests=("$@")
                                  tests/test_memory_timeline.py tests/test_memory_fork.py)
 
 set +e
-PYTHONMALLOC=malloc LUXNN_MEMCHECK=1 valgrind --tool=memcheck --xml=yes --xml-file="$XML" \
+PYTHONMALLOC=malloc LUXNN_MEMCHECK=1 valgrind --tool=memcheck --xml=yes --xml-file="$XML.%p.xml" \
     --leak-check=full --show-leak-kinds=definite --errors-for-leak-kinds=definite \
     --track-origins=yes --num-callers=40 \
     "$PYTHON" -m pytest -q -p no:cacheprovider "${tests[@]}"
 tests_status=$?
 set -e
 
-"$PYTHON" - "$XML" <<'PY'
+"$PYTHON" - "$XML".*.xml <<'PY'
 import collections, sys, xml.etree.ElementTree as ET
 
-ours, noise = [], collections.Counter()
-for error in ET.parse(sys.argv[1]).getroot().iter("error"):
-    files = {f.text for f in error.iter("file")}
-    kind = error.findtext("kind")
-    if "_core.c" in files:
-        ours.append(error)
-    else:
-        noise[kind] += 1
-print(f"memcheck: {len(ours)} errors involving the core (_core.c); "
+ours, noise, unreadable = [], collections.Counter(), []
+for path in sys.argv[1:]:
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as err:  # a process killed before valgrind finished its report
+        unreadable.append(f"{path}: {err}")
+        continue
+    for error in root.iter("error"):
+        files = {f.text for f in error.iter("file")}
+        kind = error.findtext("kind")
+        if "_core.c" in files:
+            ours.append(error)
+        else:
+            noise[kind] += 1
+print(f"memcheck: {len(sys.argv) - 1} processes; {len(ours)} errors involving the core (_core.c); "
       f"{sum(noise.values())} elsewhere (CPython/glibc/NumPy): {dict(noise)}")
+for line in unreadable:
+    print("unreadable report:", line)
 for error in ours:
     print("---", error.findtext("kind"), error.findtext("what") or error.findtext("xwhat/text"))
     for frame in error.iter("frame"):
         print("   ", frame.findtext("fn"), f"{frame.findtext('file')}:{frame.findtext('line')}")
-sys.exit(1 if ours else 0)
+sys.exit(1 if ours or unreadable else 0)
 PY
 core_status=$?
 echo "pytest exit status under valgrind: $tests_status"
