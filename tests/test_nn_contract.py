@@ -200,3 +200,23 @@ def test_setup_names_a_container_whose_children_leave_out_a_layer_it_holds(kind)
 def test_wrappers_that_share_their_layers_parameters_pass_setup():
     ps, _ = lx.setup(np.random.default_rng(0), lx.SkipConnection(lx.Dense(3, 3)))
     assert sorted(ps) == ["bias", "weight"]
+
+
+def test_a_layer_held_for_weight_tying_passes_setup_when_it_is_a_child_elsewhere():
+    class TiedHead(lx.Layer):
+        def __init__(self, embedding):
+            self.embedding = embedding  # its parameters are the embedding's, passed in by the parent
+
+        def __call__(self, x, ps, st):
+            return x, st
+
+    class Model(lx.Layer):
+        def __init__(self):
+            self.emb, self.head = lx.Dense(3, 3), None
+            self.head = TiedHead(self.emb)
+
+        def children(self):
+            return iter([("emb", self.emb), ("head", self.head)])
+
+    ps, _ = lx.setup(np.random.default_rng(0), Model())
+    assert sorted(ps) == ["emb", "head"]

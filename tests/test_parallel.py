@@ -343,9 +343,10 @@ def test_kernels_give_the_same_bits_on_one_thread_and_on_several(name, threads):
     f, shape = KERNELS[name]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     assert x.nbytes >= 2 * MiB  # large enough to be cut into blocks and shared out
-    # The blocks are the same on any thread count, and so are the BLAS calls on them; the
-    # BLAS is pinned to one thread in both runs, so that its own threading (which on one
-    # luxnn thread is left as it is) cannot change its kernel path.
+    # The blocks compute the same products on any thread count (attention groups its heads
+    # otherwise, each head's product the same); the BLAS is pinned to one thread in both
+    # runs, so that its own threading (left as it is on one luxnn thread) cannot change
+    # the order in which it sums.
     with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
         threads(1)
         value_one, grad_one = value_and_grad(f, x)
@@ -358,42 +359,61 @@ def test_kernels_give_the_same_bits_on_one_thread_and_on_several(name, threads):
 # ---- interrupts: the BLAS's threads are restored whatever is interrupted ------------------
 
 
+running = 0  # shares of _blocks_and_products' kernel running now
+running_lock = threading.Lock()
+
+
 def _blocks_and_products():
     """A step with a cut product and a BLAS kernel on threads, then a hold of its own."""
     a, b = np.ones((64, 32)), np.ones((32, 16))
     like = np.empty((8, MiB // 8))
+
+    def kernel(lo, hi):
+        global running
+        with running_lock:
+            running += 1
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.01)  # the worker's share is the slow one: the caller waits for it
+        np.matmul(a, b)
+        with running_lock:
+            running -= 1
+
     with parallel.step():
         parallel.matmul(a, b)
-        parallel.for_blocks(lambda lo, hi: np.matmul(a, b), like, rows=2, blas=True)
+        parallel.for_blocks(kernel, like, rows=2, blas=True)
     with parallel.single_threaded_blas():
         np.matmul(a, b)
 
 
-# The functions between a hold of the BLAS and its release (single_threaded_blas and step
-# are C's, with no point inside to land on). The pool's own functions are left out: each
-# hands over with one C call (a queue, a lock), and a trace event there falls between
-# instructions where CPython never delivers a signal (before a with-statement's exit).
-HOLDING = {"for_blocks", "matmul", "part", "_share_out", "_run_blocks", "_cuttable", "cut"}
+# The functions between a hold of the BLAS and its release, and the caller's wait for the
+# workers (single_threaded_blas and step are C's, with no point inside to land on). The
+# pool's hand-over (submit, _workers) is left out: a trace event there can fall before a
+# with-statement's exit, where CPython delivers no signal.
+HOLDING = {"for_blocks", "matmul", "part", "_share_out", "_run_blocks", "_cuttable", "cut", "_wait_for_all", "wait", "_poll"}
 
 
 def _interrupt_at(event_number):
     """A tracer that raises KeyboardInterrupt at the `event_number`-th trace event (call,
     line, return) in the functions of luxnn.parallel that run while the BLAS is held, as
     a Ctrl-C landing there would."""
-    seen = 0
+    seen, landed = 0, []
 
     def tracer(frame, event, arg):
         nonlocal seen
         if frame.f_code.co_filename != parallel.__file__ or frame.f_code.co_name not in HOLDING:
             return None
+        if frame.f_code.co_name in ("wait", "_poll") and event != "call":
+            return None  # how long they wait, and so their lines, depend on the workers: entries count
         seen += 1
         if seen == event_number:
+            landed.append(frame.f_code.co_name)
             raise KeyboardInterrupt(f"at trace event {event_number}: {frame.f_code.co_name}:{frame.f_lineno}")
-        return tracer
+        return None if frame.f_code.co_name in ("wait", "_poll") else tracer
 
-    return tracer, lambda: seen
+    return tracer, lambda: seen, landed
 
 
+@pytest.mark.skipif(parallel._set_blas_threads is None, reason="NumPy's BLAS is not an OpenBLAS whose threads can be set")
 def test_an_interrupt_at_any_point_of_a_step_leaves_the_blas_threads_as_they_were(threads, monkeypatch):
     import gc
     import sys
@@ -402,7 +422,7 @@ def test_an_interrupt_at_any_point_of_a_step_leaves_the_blas_threads_as_they_wer
     monkeypatch.setattr(parallel, "_CUT_MADDS", 1)
     with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):  # from one thread it would prove nothing
         before = blas_threads()
-        count, events = _interrupt_at(0)
+        count, events, _ = _interrupt_at(0)
         sys.settrace(count)
         try:
             _blocks_and_products()
@@ -412,16 +432,19 @@ def test_an_interrupt_at_any_point_of_a_step_leaves_the_blas_threads_as_they_wer
         assert total > 50  # the points an interrupt can land on
         interrupted = 0
         for k in range(1, total + 1):
-            tracer, _ = _interrupt_at(k)
+            tracer, _, landed = _interrupt_at(k)
             sys.settrace(tracer)
             try:
                 _blocks_and_products()
             except KeyboardInterrupt:
                 interrupted += 1
+                still_running = running  # as the interrupt reaches the caller
             finally:
                 sys.settrace(None)
             gc.collect()  # a hold whose release an interrupt skipped goes with its owner
             assert blas_threads() == before and _blas.holds() == 0, f"interrupted at event {k}"
+            if landed[0] in ("wait", "_poll"):  # the caller waits for every share before it leaves
+                assert still_running == 0, f"a share still ran after an interrupt at event {k}"
             _blocks_and_products()  # and later holds restore what they found, not 1
             assert blas_threads() == before, f"after an interrupt at event {k}"
         assert interrupted == total

@@ -5,11 +5,11 @@
  * its thread count is set back to what it was. Counting a hold and setting the count must
  * happen together: in Python, a KeyboardInterrupt (or any exception a signal handler or a
  * trace function raises) can land between two lines, after the count was set to 1 and
- * before the hold was counted, and leave the BLAS on one thread for good. Here each
- * acquire and release is one C call, made with the GIL held from start to end: no Python
- * code, no signal handler and no other thread runs in between. A hold is released when it
- * dies, so a hold whose release was never reached (its owner's exit was interrupted) is
- * released once its owner is gone.
+ * before the hold was counted, and leave the BLAS on one thread for good. Here acquiring
+ * and releasing (hold_acquire, hold_release) are plain C, allocating nothing, with the GIL
+ * held from start to end: no Python code, no signal handler and no other thread runs in
+ * between. A hold is released when it dies, so a hold whose release was never reached
+ * (its owner's exit was interrupted) is released once its owner is gone.
  *
  * ---- The lock ------------------------------------------------------------------------
  * The GIL. Every function here runs with it held and never releases it.
@@ -163,15 +163,18 @@ Step_enter(StepObject *self, PyObject *Py_UNUSED(ignored))
 static PyObject *
 Step_exit(StepObject *self, PyObject *Py_UNUSED(args))
 {
-    hold_release(&self->hold);
+    /* The variable first: resetting it may allocate, and so run a collection's finalizers;
+     * with the step no longer current, none of them can acquire its hold again. */
+    int failed = 0;
     if (self->token != NULL) {
         PyObject *token = self->token;
         self->token = NULL;
-        int failed = PyContextVar_Reset(current_step, token);
+        failed = PyContextVar_Reset(current_step, token);
         Py_DECREF(token);
-        if (failed)
-            return NULL;
     }
+    hold_release(&self->hold);
+    if (failed)
+        return NULL;
     Py_RETURN_NONE;
 }
 

@@ -186,7 +186,7 @@ def call_layer(layer: Layer, x: Any, ps: Any, st: Any) -> tuple[Any, Any]:
     """
     intercept = _interceptor.get()
     out = layer(x, ps, st) if intercept is None else intercept(layer, x, ps, st)
-    if type(out) is not tuple or len(out) != 2 or not isinstance(out[1], (dict, type(st))):
+    if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], (dict, type(st))):
         raise LayerError(f"{type(layer).__name__} returned {_describe(out)}: a layer returns a pair (y, st)")
     return out
 
@@ -223,29 +223,36 @@ def setup(rng: np.random.Generator, model: Layer) -> tuple[dict[str, Any], dict[
     """
     if not isinstance(model, Layer):
         raise TypeError(f"setup: expected a luxnn Layer, got {type(model).__name__}")
-    _check_children(model, ())
+    _check_children(model)
     return model.init_params(rng), model.init_state(rng)
 
 
-def _check_children(layer: Layer, path: tuple[str, ...]) -> None:
-    """Raise a `LayerError` where a layer holds layers that its `children` does not name:
-    they would get no parameters, and the first call a bare KeyError."""
-    named = dict(layer.children())
-    ids = {id(child) for child in named.values()}
-    # A layer with init_params of its own (a wrapper sharing its layer's parameters, as
-    # SkipConnection) answers for its layers itself; the default builds on children().
-    defaults = type(layer).init_params is Layer.init_params and hasattr(layer, "__dict__")
-    for attribute, held in vars(layer).items() if defaults else ():
-        for child in _layers_in(held):
-            if id(child) not in ids:
-                raise LayerError(
-                    f"{type(layer).__name__} holds the layer {type(child).__name__} in {attribute!r}, but its "
-                    "children() does not name it: a container defines children() yielding (name, layer) "
-                    "pairs and calls them with call_child (see help(luxnn.Layer))",
-                    path,
-                )
-    for name, child in named.items():
-        _check_children(child, (*path, name))
+def _check_children(model: Layer) -> None:
+    """Raise a `LayerError` where a layer holds a layer that is nowhere among the model's
+    children (as `children` names them): it would get no parameters, and the first call a
+    bare KeyError. A layer held twice (weight tying) is a child somewhere: it passes."""
+    layers = list(_walk(model, ()))
+    known = {id(layer) for _, layer in layers}
+    for path, layer in layers:
+        # A layer with init_params of its own (a wrapper sharing its layer's parameters, as
+        # SkipConnection) answers for its layers itself; the default builds on children().
+        if type(layer).init_params is not Layer.init_params or not hasattr(layer, "__dict__"):
+            continue
+        for attribute, held in vars(layer).items():
+            for child in _layers_in(held):
+                if id(child) not in known:
+                    raise LayerError(
+                        f"{type(layer).__name__} holds the layer {type(child).__name__} in {attribute!r}, but its "
+                        "children() does not name it: a container defines children() yielding (name, layer) "
+                        "pairs and calls them with call_child (see help(luxnn.Layer))",
+                        path,
+                    )
+
+
+def _walk(layer: Layer, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Layer]]:
+    yield path, layer
+    for name, child in layer.children():
+        yield from _walk(child, (*path, name))
 
 
 def _layers_in(value: Any) -> list[Layer]:

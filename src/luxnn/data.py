@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from luxnn import tree
-from luxnn.backend import module_of
+from luxnn.backend import take_rows
 
 __all__ = ["DataLoader"]
 
@@ -104,8 +104,7 @@ class DataLoader:
                 batch = tree.map(lambda a: a[start:stop], self.data)
             else:
                 indices = order[start:stop]
-                # Index arrays must live where the data does (CuPy data needs CuPy indices).
-                batch = tree.map(lambda a: a[module_of(a).asarray(indices)], self.data)
+                batch = tree.map(lambda a: take_rows(a, indices), self.data)
             yield self.device(batch) if self.device is not None else batch
 
     def __repr__(self) -> str:

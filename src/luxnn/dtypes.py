@@ -34,7 +34,7 @@ __all__ = ["DtypeWarning", "get_dtype_policy", "match_eltype", "set_dtype_policy
 
 POLICIES = ("warn", "convert", "error", "none")
 _policy = "warn"
-# The layer paths already warned about, with the dtypes of the warning: one warning each.
+# The layers (and their paths) already warned about, with the warning's dtypes: one each.
 _warned: set[tuple[Any, ...]] = set()
 
 
@@ -92,10 +92,9 @@ def match_eltype(layer: Any, x: Any, like: Any) -> Any:
 
 def _warn_once(layer: Any, have: np.dtype, want: np.dtype) -> None:
     path = layer_path()
-    key = (path, type(layer), have, want)
+    key = (id(layer), path, have, want)  # the layer itself: two models share their paths
     if key in _warned:
         return
-    _warned.add(key)
     warnings.warn(
         f"{'/'.join(path) or 'the model'} ({type(layer).__name__}) got an input of dtype {have} "
         f"and has {want} parameters: the input is converted to {want}. Convert the data once "
@@ -104,3 +103,4 @@ def _warn_once(layer: Any, have: np.dtype, want: np.dtype) -> None:
         DtypeWarning,
         stacklevel=3,
     )
+    _warned.add(key)  # after the warning: where warnings are errors, every call raises

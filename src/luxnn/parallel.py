@@ -71,7 +71,10 @@ def num_threads() -> int:
 def set_num_threads(n: int) -> None:
     """Run kernels and cut products on `n` threads from now on (1: on the calling thread,
     products threaded by the BLAS as it is set, but for attention's stacks of per-head
-    products, which its threads only slow down), as ``torch.set_num_threads``.
+    products, which its threads only slow down), as ``torch.set_num_threads``. Call it
+    while no other thread runs kernels: their shares may be handed to the retired threads,
+    which run what they were handed before they go, but a share handed over after that
+    would wait for good.
 
     >>> set_num_threads(num_threads())  # unchanged
     """
@@ -174,24 +177,22 @@ def _workers() -> _Workers:
 
 
 class _Task:
-    """A share of a kernel's blocks, handed to a worker. `done` is held until the worker
-    has run it: a lock of C's, so that the caller can wait on it and the worker release
-    it with no Python code in between that an interrupt could stop halfway (an Event's
-    lock, taken in Python, could be left held by a Ctrl-C in the caller)."""
+    """A share of a kernel's blocks, handed to a worker, which sets `finished` and then
+    releases `done`, a lock of C's held until then. Waiting takes `done` and never gives it
+    back, so that a wait an interrupt cut short can simply be made again: no Python code
+    sits between taking the lock and knowing the task is over (an Event's lock, taken in
+    Python, could be left held by a Ctrl-C in the caller)."""
 
-    __slots__ = ("run", "done", "error")
+    __slots__ = ("run", "done", "finished", "error")
 
     def __init__(self, run: Callable[[], None]) -> None:
-        self.run, self.error = run, None
+        self.run, self.error, self.finished = run, None, False
         self.done = threading.Lock()
         self.done.acquire()
 
-    def finished(self) -> bool:
-        return not self.done.locked()
-
     def wait(self) -> BaseException | None:
-        _poll(self.finished)
-        self.done.acquire()
+        if not _poll(lambda: self.finished):
+            self.done.acquire()  # returns once the worker released it, or raises, untaken
         return self.error
 
 
@@ -222,17 +223,21 @@ class _Workers:
         while True:
             _poll(lambda: not self._tasks.empty())
             task = self._tasks.get()
-            if task is None:  # shut down
+            if task is None:  # shut down, after the tasks handed over before (a FIFO)
                 return
-            try:
-                task.run()
-            except BaseException as error:  # noqa: BLE001 - handed to the caller
-                task.error = error
-            # Neither the task nor this thread may keep the kernel (and the arrays it closes
-            # over) alive while the thread waits for the next one: that could be a whole step.
-            task.run = None
-            task.done.release()
-            del task
+            self._run(task)
+
+    @staticmethod
+    def _run(task: _Task) -> None:
+        try:
+            task.run()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            task.error = error
+        # Neither the task nor this thread may keep the kernel (and the arrays it closes
+        # over) alive while the thread waits for the next one: that could be a whole step.
+        task.run = None
+        task.finished = True
+        task.done.release()
 
 
 # How long a thread polls before it sleeps: long enough to bridge the gaps between the
@@ -272,14 +277,32 @@ def _share_out(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
     _blas.hold_for_step()  # the step, if any, keeps the BLAS on one thread from here on
     context = contextvars.copy_context()
     shares = [blocks[len(blocks) * i // threads : len(blocks) * (i + 1) // threads] for i in range(threads)]
-    tasks = [_workers().submit(functools.partial(context.copy().run, _run_in_worker, kernel, share)) for share in shares[1:]]
+    pool = _workers()
+    tasks = [pool.submit(functools.partial(context.copy().run, _run_in_worker, kernel, share)) for share in shares[1:]]
     try:
         _run_blocks(kernel, shares[0])
     finally:
-        errors = [task.wait() for task in tasks]  # waits for every block
+        errors = _wait_for_all(tasks)
     for error in errors:
         if error is not None:
             raise error
+
+
+def _wait_for_all(tasks: list[_Task]) -> list[BaseException | None]:
+    """Each task's error, once every task has run. An interrupt while waiting is raised
+    only then: a share still running after its caller left would write into the caller's
+    arrays, with the BLAS no longer held, while the caller's next code runs."""
+    errors, interrupt = [], None
+    for task in tasks:
+        while True:
+            try:
+                errors.append(task.wait())
+                break
+            except BaseException as error:  # noqa: BLE001 - raised once every task is done
+                interrupt = interrupt or error
+    if interrupt is not None:
+        raise interrupt
+    return errors
 
 
 # ---- the BLAS's threads -----------------------------------------------------------------
@@ -315,6 +338,8 @@ class single_threaded_blas(_blas.Hold):
     so the first user in sets it and the last one out restores it. Entering and leaving are
     one C call each (`luxnn._blas`), so that an interrupt (Ctrl-C) or another thread cannot
     come between counting a user and setting the BLAS: it is restored whatever is interrupted.
+    An instance is one hold: entering it again while it is entered does not nest (enter a
+    new one, as ``with single_threaded_blas():`` does).
 
     >>> with single_threaded_blas():
     ...     pass

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .. import tree
-from ..backend import module_of
+from ..backend import take_rows
 from .backend import Backend, check_backend, check_int
 
 __all__ = ["DistributedDataLoader"]
@@ -91,7 +91,7 @@ class DistributedDataLoader:
     def __iter__(self) -> Iterator[Any]:
         epoch, self.epoch = self.epoch, self.epoch + 1
         for idx in self.indices(epoch):
-            batch = tree.map(lambda a: a[module_of(a).asarray(idx)], self.data)
+            batch = tree.map(lambda a: take_rows(a, idx), self.data)
             yield self.device(batch) if self.device is not None else batch
 
     def __repr__(self) -> str:
