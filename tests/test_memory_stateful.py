@@ -145,6 +145,9 @@ class CacheMachine(RuleBasedStateMachine):
         sizes, even, odd, arena = columns[0], columns[1] << 18, columns[2] << 18, columns[3]
         before = core.stats()
         status = core.install_plan(ARENA, ARENA, sizes, even, odd, arena)
+        if status == PlanStatus.LATER:  # the plan's arenas would replace ones a live block is in
+            assert before.plans > 0 and core.stats().plans == before.plans
+            return
         assert status == PlanStatus.INSTALLED and core.stats().plans == before.plans + 1  # no limit; arenas of one size
         self.caches[which]._planner._planned = None  # the planner's own plan is gone
 
@@ -241,5 +244,6 @@ def whole(block) -> bool:
 # Under valgrind (scripts/memcheck.sh) an example is ~50x slower: fewer of them there.
 # LUXNN_EXAMPLES=3000 for a long local hunt (about 90 s).
 EXAMPLES = int(os.environ.get("LUXNN_EXAMPLES", "0")) or (12 if os.environ.get("LUXNN_MEMCHECK") else 60)
-CacheMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None)
+# derandomize: the same sequences on every run and machine (a failure is a bug, not luck).
+CacheMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None, derandomize=True)
 TestCache = CacheMachine.TestCase
