@@ -108,9 +108,8 @@ floor_bin(size_t s)
  * PyTorch-style splitting, smaller ones by exact-bin reuse as before.
  *
  * Exact-bin reuse alone leaves every block of a size not in use at the
- * moment of a step's peak reserved but idle: measured with `luxnn bench
- * --filter training`, peak reserved / peak live was 1.84 on the CNN, 1.27 on
- * the MLP, 1.19 on the transformer, against the design's 1.1. Best fit
+ * moment of a step's peak reserved but idle, far above the design's 1.1x
+ * peak live on the benchmark's training rows (BENCHMARKS.md). Best fit
  * across bins up to a bound (1.25x or 2x the request, the whole block counted
  * live) was the simpler alternative, but it only moves the waste from cached
  * to live bytes, and a freed 4 MiB block still could not hold two 2 MiB

@@ -3,21 +3,17 @@
 A training loop repeats one step: the same requests, with the same lifetimes. Online
 placement cannot know which block dies when, so it holds more than the step uses at its
 peak; a plan made from earlier steps can place every block where it fits between the
-blocks alive at the same time. Measured side by side with the code before plans (``luxnn
-bench --filter training --against c4b6724``, peak reserved / peak live per step after four
-warm-up steps, at 2f2ed14): MLP 1.27 -> 1.03, CNN 1.17 -> 1.08, transformer 1.21 -> 1.06,
-64 MiB activations 1.06 -> 1.00; step times unchanged within noise. (Ad hoc, from recorded
-traces of those steps: greedy placement of one step reaches 1.00-1.005 of its peak; the
-rest is the small-block pool, blocks kept for two steps, and the lifetimes widened to
-cover how threads interleave.)
+blocks alive at the same time. (What that saves, row by row: BENCHMARKS.md.) What a plan
+cannot remove: the small-block pool, blocks kept for two steps, and the lifetimes widened
+to cover how threads interleave.
 
 The core records each training step, as the verbs mark it (`luxnn.memory.step`): every
 request above 64 KiB, with a clock at its allocation and at its death (-1: still alive when
-the next step began, and then its death on the next step's clock). `Planner` turns two consecutive steps with the same requests into a
-plan (`layout`), and widens it when a later step's lifetimes reach beyond it (threads
-interleave differently from step to step) and the plan missed. The core serves a request at
-its planned place only when every byte there is free, so a plan can cost misses but never
-an overlap.
+the next step began, and then its death on the next step's clock). `Planner` turns two
+consecutive steps with the same requests into a plan (`layout`), and widens it when a later
+step's lifetimes reach beyond it (threads interleave differently from step to step) and
+the plan missed. The core serves a request at its planned place only when every byte there
+is free, so a plan can cost misses but never an overlap.
 """
 
 from __future__ import annotations
