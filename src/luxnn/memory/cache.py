@@ -14,70 +14,33 @@ holds exactly and is what the cache holds from the system.
 
 Size bins (``_core.c``, section 1): requests up to 8 KiB are rounded up to 512 B classes,
 larger ones to 16 classes per power of two, so a block wastes less than 6.25 % of any large
-request: peak reserved stays within the 1.1x budget over peak requested bytes for every
-shape, not only for lucky ones. Measured by ``benchmarks/allocator.py --sweep`` (a model of
-exact-bin reuse, whose miss counts matched the real core's exactly before blocks above
-64 KiB were split; see splitting below):
-peak reserved / peak requested on a fixed-shape MLP step with odd shapes (batch 1000,
-784 -> 3000 -> 10), and on an attention-like loop whose sequence length is drawn from
-32..512 every step (300 steps, a short last batch every 25):
-
-    classes per power of two     4      8      16     32     64
-    fixed shapes               1.059  1.041  1.005  1.005  1.005
-    variable lengths           5.56   7.66   8.45   9.10   9.66
-    variable lengths, hit rate 0.69   0.50   0.31   0.19   0.11
-
-Coarser classes reuse more across nearby lengths, but 8 classes already waste 4 % on the
-fixed step (up to 12.5 % on unlucky shapes) and 4 waste 6 % (up to 25 %). Variable lengths
-are better served by bucketing lengths and by eviction, so 16.
+request, for every shape rather than for lucky ones. Coarser classes reuse more across nearby
+lengths but waste more on a fixed step; varying lengths are better served by bucketing and by
+eviction. (The sweep behind the choice, ``benchmarks/allocator.py --sweep``, is in
+BENCHMARKS.md, "Design measurements of the allocator".)
 
 Eviction: a size bin not asked for during `evict_after` scopes has its free blocks released
 at the next scope exit (above 64 KiB: a whole free segment that served no request during
 `evict_after` scopes), so one-off sizes (a short last batch, varying sequence lengths) do
-not grow memory without bound. Measured on the same variable-length loop (16 classes):
-
-    evict_after                    1     2     4     8     16    32    64   never
-    peak reserved / requested    1.86  2.66  3.48  5.98  8.45  13.1  17.1  22.8
-    misses (of 2100 requests)    2070  2055  1964  1792  1460  1088   703   401
-
-Memory grows with evict_after and misses fall; on a fixed-shape loop nothing is ever evicted
-as long as evict_after exceeds the scopes of one step. A training step enters one to three
-scopes (compute_gradients, apply_gradients, a user's own), and a bin used once per step must
-survive the others, so the default, 16, leaves room for nested scopes while bounding the
-variable-length loop at 8.5x its requested peak (vs 22.8x never evicting). (These tables
-model exact-bin reuse; with splitting, below, the real core reuses far more: the sweep's
-"real core misses" column.)
+not grow memory without bound. A step enters one to three scopes (the verbs', a user's own),
+and a bin used once per step must survive the others: the default, 16, leaves room for
+nested scopes while bounding a loop of varying lengths.
 
 Splitting (``_core.c``, section 1b). Exact-bin reuse alone keeps every block of a size not
 in use at a step's peak reserved but idle. So a request whose block is above 64 KiB takes
 the best-fitting free piece of any larger free block (a segment: one upstream allocation)
 and splits it; freed neighbours coalesce at once; when a request misses and the whole free
 segments add up to its size, they go back and one new segment takes their bytes and its
-own; and only whole free segments go back upstream (trim, limit, eviction, out of memory). Smaller requests keep
-exact bins: their fast path costs what it did, and small long-lived arrays never pin a large
-segment. Measured with ``luxnn bench --filter training`` (peak live / peak reserved per
-step, side by side with exact bins only): CNN 23.7 MB / 43.7 MB (1.84) -> 23.7 / 32.8 MB
-(1.38); transformer 137 / 165 MB (1.20) -> 137 / 168 MB (1.23); MLP 1.66 / 2.10 MB (1.27)
-and large activations 210 / 223 MB (1.06) -> 210 / 222 MB; still no upstream allocation per
-step after the warm-up. On the sweep's variable-length loop the real core's upstream allocations fell from
-1460 to 210 (evict_after 16). The threshold, by the peak reserved of the same rows (built
-with ``-DLX_SPLIT_ABOVE=...``):
-
-    split above        8 KiB    64 KiB    1 MiB    never
-    MLP                2.09     2.10      2.10     2.10  MB
-    CNN                32.7     32.8      42.3     43.7  MB
-    transformer        168      168       165      165   MB
-    large activations  222      222       223      223   MB
-
-1 MiB (PyTorch's) gives back most of the CNN's gain, 8 KiB gains nothing more, so 64 KiB.
-What splitting cannot remove: a segment never merges with another, so a step whose large
-request comes while the free bytes lie in pieces of segments still in use misses; and a
-fixed-shape loop can take a step or two more to stop missing than with exact bins (which
-settle after one), since the pieces' placement may shift once before it repeats.
+own; and only whole free segments go back upstream (trim, limit, eviction, out of memory).
+Smaller requests keep exact bins: their fast path stays short, and small long-lived arrays
+never pin a large segment. The 64 KiB threshold is the smallest that keeps the gain on the
+suite's steps (PyTorch's 1 MiB gives most of it back). What splitting cannot remove: a
+segment never merges with another, so a large request made while the free bytes lie in
+pieces of segments still in use misses; step plans (below) take over from there.
 
 Step plans (``_core.c``, section 1c; `luxnn.memory.plan`). Online, no placement can know
-which block dies when, and the split pool held 1.17x to 1.27x the peak live bytes of the
-suite's training steps. A training loop repeats its step, so the cache plans it. The
+which block dies when, so the split pool holds more than a step's peak live bytes. A
+training loop repeats its step, so the cache plans it. The
 training verbs mark each step (`luxnn.memory.step`; plain `cached` scopes never begin or
 end one); a step records its requests above 64 KiB and their lifetimes, and once a step
 repeats the requests of the one before, every such block gets a place in an arena where no
