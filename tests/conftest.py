@@ -1,4 +1,5 @@
-"""Shared fixtures. PyTorch is an optional oracle: tests that take `torch` skip without it.
+"""Shared fixtures. PyTorch is an optional oracle: tests that take `torch` skip without it;
+tests that take `gpu` skip without CuPy and a usable CUDA GPU.
 Hypothesis draws the same examples on every run and machine (derandomize): a failure is a
 bug to fix, never a draw of luck."""
 
@@ -12,3 +13,14 @@ settings.load_profile("luxnn")
 @pytest.fixture(scope="session")
 def torch():
     return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    """The first usable CUDA GPU as a luxnn device."""
+    import luxnn as lx
+
+    try:
+        return lx.gpu_device(force=True)
+    except RuntimeError as err:
+        pytest.skip(f"needs CuPy and a usable CUDA GPU ({err})")

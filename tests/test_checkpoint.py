@@ -358,19 +358,11 @@ def test_processes_saving_to_one_path_all_succeed_and_leave_one_whole_checkpoint
     assert os.listdir(tmp_path) == ["ckpt.safetensors"]
 
 
-def _gpu_device():
-    try:
-        return lx.gpu_device(force=True)
-    except RuntimeError:
-        return None
-
-
-@pytest.mark.skipif(_gpu_device() is None, reason="needs CuPy and a usable CUDA GPU")
-def test_a_gpu_train_state_loads_onto_the_device_of_like(tmp_path):
+def test_a_gpu_train_state_loads_onto_the_device_of_like(tmp_path, gpu):
     import cupy
 
-    ts = _train_state().to_device(_gpu_device())
-    loaded = lx.load(_saved(tmp_path, ts), like=_train_state(seed=7).to_device(_gpu_device()))
+    ts = _train_state().to_device(gpu)
+    loaded = lx.load(_saved(tmp_path, ts), like=_train_state(seed=7).to_device(gpu))
     for a, b in zip(lx.tree.leaves(ts.parameters), lx.tree.leaves(loaded.parameters)):
         assert isinstance(b, cupy.ndarray) and b.device.id == a.device.id
         cupy.testing.assert_array_equal(a, b)

@@ -130,21 +130,13 @@ def test_a_train_state_of_the_librarys_own_layers_and_optimiser_pickles():
     _trains_apart(loaded, ts)
 
 
-def _gpu_device():
-    try:
-        return lx.gpu_device(force=True)
-    except RuntimeError:
-        return None
-
-
-@pytest.mark.skipif(_gpu_device() is None, reason="needs CuPy and a usable CUDA GPU")
-def test_a_gpu_train_state_unpickles_with_a_fresh_cache_for_its_device():
+def test_a_gpu_train_state_unpickles_with_a_fresh_cache_for_its_device(gpu):
     import cupy
 
-    ts = _picklable_train_state().to_device(_gpu_device())
+    ts = _picklable_train_state().to_device(gpu)
     for loaded in (pickle.loads(pickle.dumps(ts)), copy.deepcopy(ts)):
         assert isinstance(loaded.parameters["layer_1"]["weight"], cupy.ndarray)
         assert loaded.allocator_cache is not ts.allocator_cache
         assert repr(loaded.allocator_cache.device) == repr(ts.allocator_cache.device)
-        _, loss, _, _ = lx.single_train_step_(AD, LOSS, _gpu_device()(_data()), loaded)
+        _, loss, _, _ = lx.single_train_step_(AD, LOSS, gpu(_data()), loaded)
         assert bool(cupy.isfinite(loss))
