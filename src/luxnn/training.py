@@ -149,7 +149,12 @@ def _compute_gradients(objective: Objective, data: Any, ts: TrainState) -> tuple
         loss, st, stats = objective(ts.model, ps, ts.states, data)
         return loss, (st, stats)
 
-    (loss, (states, stats)), grads = value_and_grad(loss_fn, has_aux=True)(ts.parameters)
+    # An optimizer with `listen(params)` (a `ListeningTransformation`, such as
+    # `distributed.DistributedOptimizer(..., overlap=True)`) takes each gradient as soon as
+    # the backward pass has finished it; `update` then gets the same arrays.
+    listen = getattr(ts.optimizer, "listen", None)
+    on_gradient = None if listen is None else listen(ts.parameters)
+    (loss, (states, stats)), grads = value_and_grad(loss_fn, has_aux=True, on_gradient=on_gradient)(ts.parameters)
     return grads, loss, stats, ts.replace(states=states)
 
 

@@ -125,7 +125,8 @@ grads = {
 buckets = dist.GradientBuckets(backend, bucket_bytes=56)
 mine = scaled(grads, rank + 1)
 averaged = buckets.average(mine)
-assert [(b.dtype, b.size) for b in buckets.buffers] == [(np.float32, 4), (np.float32, 13), (np.float64, 6), (np.float64, 20)]
+# Filled from the last leaf to the first ("e", "d", ...), in the order their last leaf comes.
+assert [(b.dtype, b.size) for b in buckets.buffers] == [(np.float64, 20), (np.float32, 13), (np.float64, 6), (np.float32, 4)]
 for key, want in grads.items():
     assert averaged[key].dtype == want.dtype and averaged[key].shape == want.shape
     np.testing.assert_allclose(averaged[key], want * (size + 1) / 2, rtol=1e-6)

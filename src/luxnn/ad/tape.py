@@ -42,8 +42,16 @@ class Tape:
     def leaf(self, value: Any) -> "Traced":
         return _record(self, value, None, (), ())
 
-    def backward(self, out: "Traced", seed: Any) -> dict[int, Any]:
-        """Run the VJPs from `out` back to the leaves; returns ``{leaf index: cotangent}``."""
+    def backward(self, out: "Traced", seed: Any, on_gradient: Callable[[int, Any], None] | None = None) -> dict[int, Any]:
+        """Run the VJPs from `out` back to the leaves; returns ``{leaf index: cotangent}``.
+
+        With `on_gradient`, ``on_gradient(leaf index, cotangent)`` is called for each leaf
+        that gets a cotangent as soon as no node still to run contributes to it, that is
+        right after its last consumer's VJP, while the rest of the backward pass is still
+        to come (the gradients of a network's last layers before those of its first).
+        """
+        if on_gradient is not None:
+            return self._backward_reporting(out, seed, on_gradient)
         nodes = self.nodes
         pending: list[Any] = [None] * (out.index + 1)
         pending[out.index] = seed
@@ -64,6 +72,52 @@ class Tape:
                     pending[p] = ct if prev is None else prev + ct
         self.nodes = []
         return leaf_grads
+
+    def _backward_reporting(self, out: "Traced", seed: Any, on_gradient: Callable[[int, Any], None]) -> dict[int, Any]:
+        # `backward` with reports; kept apart so that the loop without them pays nothing.
+        nodes = self.nodes
+        finishing = _last_consumers(nodes, out.index)
+        pending: list[Any] = [None] * (out.index + 1)
+        pending[out.index] = seed
+        leaf_grads: dict[int, Any] = {}
+        for i in range(out.index, -1, -1):
+            g = pending[i]
+            node = nodes[i]
+            nodes[i] = pending[i] = None
+            if g is not None:
+                vjp, parents, needs = node
+                if vjp is None:  # a leaf no node consumed: out itself
+                    leaf_grads[i] = g
+                    on_gradient(i, g)
+                else:
+                    for p, ct in zip(parents, vjp(g, needs)):
+                        if ct is not None and p >= 0:
+                            prev = pending[p]
+                            pending[p] = ct if prev is None else prev + ct
+            for leaf in finishing.get(i, ()):  # also when node i had no cotangent
+                g = pending[leaf]
+                if g is not None:
+                    pending[leaf] = None
+                    leaf_grads[leaf] = g
+                    on_gradient(leaf, g)
+        self.nodes = []
+        return leaf_grads
+
+
+def _last_consumers(nodes: list[Any], top: int) -> dict[int, list[int]]:
+    """``{node index: [leaves it is the last consumer of]}`` over nodes ``0..top``: the
+    backward pass runs nodes from `top` down, so a leaf's last consumer is its lowest."""
+    last: dict[int, int] = {}
+    for j in range(top, -1, -1):
+        vjp, parents, _ = nodes[j]
+        if vjp is not None:
+            for p in parents:
+                if p >= 0 and nodes[p][0] is None:
+                    last[p] = j
+    finishing: dict[int, list[int]] = {}
+    for leaf, j in last.items():
+        finishing.setdefault(j, []).append(leaf)
+    return finishing
 
 
 class Traced:
@@ -247,7 +301,10 @@ def _owned(g: Any, like: Any, seen: set[int]) -> Any:
 
 
 def value_and_grad(
-    f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+    f: Callable[..., Any],
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+    on_gradient: Callable[[int, Any], None] | None = None,
 ) -> Callable[..., Any]:
     """Return a function computing ``f(*args)`` and its gradient with respect to
     ``args[argnums]`` (pytrees of floating arrays; a tuple of trees for a tuple of argnums).
@@ -255,10 +312,23 @@ def value_and_grad(
     `f` must return a scalar, or ``(scalar, aux)`` with ``has_aux=True``; the value is
     then ``(scalar, aux)``.
 
+    `on_gradient(position, gradient)`, if given, is called once for every leaf of the
+    differentiated trees (`position` counts their leaves in `luxnn.tree.leaves` order, one
+    argument after the other) as soon as the backward pass has finished that leaf's
+    gradient, with the very array the result will hold (which must not be written to):
+    the last layers' gradients come while the first layers' are still being computed (a
+    data-parallel optimizer starts averaging them then). Leaves that get no cotangent
+    are reported, with their zeros, after the backward pass.
+
     >>> import numpy as np
     >>> value, g = value_and_grad(lambda w: (w * w).sum())(np.array([1.0, 2.0]))
     >>> float(value), g.tolist()
     (5.0, [2.0, 4.0])
+    >>> finished = []
+    >>> _ = value_and_grad(lambda p: (p["a"] * 2.0 * p["b"]).sum(), on_gradient=lambda i, g: finished.append(i))(
+    ...     {"a": np.ones(2), "b": np.ones(2)})
+    >>> finished  # "b" (position 1) is last used by the last product, so it is finished first
+    [1, 0]
     """
     single = isinstance(argnums, int)
     nums = (argnums,) if single else tuple(argnums)
@@ -291,21 +361,45 @@ def value_and_grad(
         raw = _stop(out)
         if not isinstance(raw, (int, float)) and getattr(raw, "size", None) != 1:
             raise TypeError(f"value_and_grad: f must return a scalar, got {type(raw).__name__} of shape {getattr(raw, 'shape', None)}")
-        if type(out) is Traced and out.tape is tape:
-            leaf_grads = tape.backward(out, np.ones_like(raw))
-        else:
-            leaf_grads = {}
         seen: set[int] = set()
+        if on_gradient is None:
+            if type(out) is Traced and out.tape is tape:
+                leaf_grads = tape.backward(out, np.ones_like(raw))
+            else:
+                leaf_grads = {}
 
-        def grad_of(t: Any) -> Any:
-            g = leaf_grads.get(t.index)
-            return np.zeros_like(t.value) if g is None else _owned(g, t.value, seen)
+            def grad_of(t: Any) -> Any:
+                g = leaf_grads.get(t.index)
+                return np.zeros_like(t.value) if g is None else _owned(g, t.value, seen)
 
+        else:
+            grad_of = _reported_gradients(tape, out, raw, [t for _, traced in traced_args for t in traced], seen, on_gradient)
         grads = tuple(tree.unflatten(struct, [grad_of(t) for t in traced]) for struct, traced in traced_args)
         value = (raw, aux) if has_aux else raw
         return value, grads[0] if single else grads
 
     return wrapped
+
+
+def _reported_gradients(
+    tape: Tape, out: Any, raw: Any, leaves: list[Traced], seen: set[int], on_gradient: Callable[[int, Any], None]
+) -> Callable[[Traced], Any]:
+    """Run the backward pass reporting each leaf's final gradient to `on_gradient` (the
+    leaves are the tape's first nodes, so a leaf's node index is its position), then the
+    leaves it gave none; returns the gradient of each leaf, as `value_and_grad` hands out."""
+    owned: dict[int, Any] = {}
+
+    def finished(index: int, g: Any) -> None:
+        owned[index] = g = _owned(g, leaves[index].value, seen)
+        on_gradient(index, g)
+
+    if type(out) is Traced and out.tape is tape:
+        tape.backward(out, np.ones_like(raw), finished)
+    for t in leaves:
+        if t.index not in owned:
+            owned[t.index] = g = np.zeros_like(t.value)
+            on_gradient(t.index, g)
+    return lambda t: owned[t.index]
 
 
 def grad(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:

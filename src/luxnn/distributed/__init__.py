@@ -18,9 +18,11 @@ that raises abort the whole job instead of leaving the others waiting)::
     dist.save(backend, "ckpt.safetensors", ts)   # rank 0 writes; every rank can lx.load it
 
 - `backend`: `initialize`, `local_rank`, `total_workers`, the backends and their
-  `CollectiveStats` (``backend.stats``: calls, bytes, seconds in collectives);
+  `CollectiveStats` (``backend.stats``: calls, bytes, seconds in collectives), `Pending`
+  (a collective in flight, from ``backend.start_allreduce``);
 - `collectives`: `bcast_`, `allreduce_`, `reduce_` on trees of arrays, `synchronize`;
-- `optimizer`: `DistributedOptimizer` and its `GradientBuckets`;
+- `optimizer`: `DistributedOptimizer` and its `GradientBuckets`; with ``overlap=True``
+  the buckets' allreduces run during the backward pass (a `ListeningTransformation`);
 - `data`: `DistributedDataLoader`; `checkpoint`: `save`;
 - `launch`: finding ``mpiexec``, and ``luxnn demo --workers N``.
 
@@ -32,15 +34,16 @@ False
 """
 
 from .backend import (
-    OPS, Backend, CollectiveStats, MPIBackend, NCCLBackend, initialize, is_initialized, local_rank, total_workers,
+    OPS, Backend, CollectiveStats, MPIBackend, NCCLBackend, Pending, initialize, is_initialized, local_rank,
+    total_workers,
 )  # fmt: skip
 from .checkpoint import save
 from .collectives import allreduce_, bcast_, reduce_, synchronize
 from .data import DistributedDataLoader
-from .optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer, GradientBuckets
+from .optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer, GradientBuckets, ListeningTransformation
 
 __all__ = [
     "initialize", "is_initialized", "local_rank", "total_workers", "bcast_", "allreduce_", "reduce_",
-    "synchronize", "DistributedOptimizer", "GradientBuckets", "DistributedDataLoader", "save",
-    "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "OPS", "DEFAULT_BUCKET_BYTES",
+    "synchronize", "DistributedOptimizer", "GradientBuckets", "ListeningTransformation", "DistributedDataLoader",
+    "save", "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "Pending", "OPS", "DEFAULT_BUCKET_BYTES",
 ]  # fmt: skip

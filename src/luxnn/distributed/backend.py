@@ -23,7 +23,7 @@ import numpy as np
 from .. import parallel
 
 __all__ = [
-    "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "OPS", "initialize", "is_initialized",
+    "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "Pending", "OPS", "initialize", "is_initialized",
     "local_rank", "total_workers", "check_backend", "check_root", "check_int",
 ]  # fmt: skip
 
@@ -55,6 +55,33 @@ class CollectiveStats:
 
     def reset(self) -> None:
         self.calls, self.bytes, self.seconds = 0, 0, 0.0
+
+
+class Pending:
+    """A collective in flight (`Backend.start_allreduce`). `wait()` returns once its result
+    is in the array (later calls return at once); `test()` says whether it has finished,
+    without blocking, and under MPI also lets it progress (MPICH moves a non-blocking
+    collective on only inside MPI calls). Both count towards the backend's `stats`."""
+
+    __slots__ = ("_test", "_wait", "_stats", "finished")
+
+    def __init__(self, test: Any, wait: Any, stats: CollectiveStats) -> None:
+        self._test, self._wait, self._stats = test, wait, stats
+        self.finished = False
+
+    def test(self) -> bool:
+        if not self.finished:
+            t0 = time.perf_counter()
+            self.finished = bool(self._test())
+            self._stats.seconds += time.perf_counter() - t0
+        return self.finished
+
+    def wait(self) -> None:
+        if self._wait is not None:
+            t0 = time.perf_counter()
+            self._wait()
+            self._wait, self.finished = None, True
+            self._stats.seconds += time.perf_counter() - t0
 
 
 class Backend:
@@ -96,6 +123,37 @@ class Backend:
     def bcast(self, a: Any, root: int = 0) -> None:
         """Overwrite `a` on every rank with `root`'s `a`."""
         self._collective("bcast", a, None, root)
+
+    def start_allreduce(self, a: Any, op: str = "sum") -> Pending:
+        """Begin reducing `a` (a C-contiguous NumPy or CuPy array, left alone until the wait)
+        over the ranks with `op`, without waiting for it: the returned `Pending`'s ``wait()``
+        finishes it. Every rank must start the same collectives in the same order."""
+        if op not in OPS:
+            raise ValueError(f"start_allreduce: expected op in {OPS}, got {op!r}")
+        if not a.flags.c_contiguous:
+            raise ValueError("start_allreduce: expected a C-contiguous array (it is reduced in place, later)")
+        t0 = time.perf_counter()
+        test, wait = self._start(a, op)
+        if op == "avg":
+            wait = _then_divide(wait, a, self.size)
+        self.stats.calls += 1
+        self.stats.bytes += a.nbytes
+        self.stats.seconds += time.perf_counter() - t0
+        return Pending(test, wait, self.stats)
+
+    def _start(self, buf: Any, op: str) -> tuple[Any, Any]:
+        """Start an allreduce of `buf` in place: ``(test, wait)`` callables."""
+        if isinstance(buf, np.ndarray):
+            request = self.comm.Iallreduce(self._in_place, buf, op=self._ops[op])
+            return request.Test, request.Wait
+        host = buf.get()  # a CuPy array: through the host, as `_transport`
+        request = self.comm.Iallreduce(self._in_place, host, op=self._ops[op])
+
+        def wait() -> None:
+            request.Wait()
+            buf.set(host)
+
+        return request.Test, wait
 
     def _collective(self, name: str, a: Any, op: str | None, root: int | None) -> None:
         t0 = time.perf_counter()
@@ -153,8 +211,15 @@ class MPIBackend(Backend):
 
 
 class NCCLBackend(Backend):
-    """CuPy arrays through NCCL (`cupy.cuda.nccl`) on the current stream, each rank on the
-    GPU of its rank on the host; NumPy arrays and Python objects through MPI."""
+    """CuPy arrays through NCCL (`cupy.cuda.nccl`), each rank on the GPU of its rank on the
+    host; NumPy arrays and Python objects through MPI, which also carries NCCL's unique id.
+
+    A blocking collective runs on the current stream and waits for it, so that `stats` time
+    the transfer. `start_allreduce` runs on a stream of the backend's own, after the work
+    queued on the current stream (an event), and its ``wait()`` makes the current stream
+    wait for it (another event) without blocking the host: the backward pass queues its
+    kernels while the buckets travel.
+    """
 
     kind = "nccl"
 
@@ -170,6 +235,7 @@ class NCCLBackend(Backend):
         count = cupy.cuda.runtime.getDeviceCount()
         if count == 0:
             raise RuntimeError("initialize('nccl'): no CUDA device on this host")
+        # NCCL takes the current device for the communicator's: bind it before.
         self.device = cupy.cuda.Device(self.host_rank % count)
         self.device.use()
         self._cupy = cupy
@@ -178,20 +244,25 @@ class NCCLBackend(Backend):
             np.dtype(name): getattr(nccl, f"NCCL_{name.upper()}")
             for name in ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64")
         }
-        unique_id = nccl.get_unique_id() if self.rank == 0 else None
+        unique_id = nccl.get_unique_id() if self.rank == 0 else None  # a tuple of 128 ints
         self.nccl = nccl.NcclCommunicator(self.size, comm.bcast(unique_id, root=0), self.rank)
+        self._stream = cupy.cuda.Stream(non_blocking=True)  # start_allreduce's, on this rank's GPU
+
+    def _datatype(self, buf: Any) -> int:
+        datatype = self._nccl_types.get(buf.dtype)
+        if datatype is None:
+            raise TypeError(f"the NCCL backend carries {sorted(str(t) for t in self._nccl_types)} arrays, got {buf.dtype}")
+        return datatype
 
     def _transport(self, name: str, buf: Any, op: str | None, root: int | None) -> None:
         if isinstance(buf, np.ndarray):
             self._mpi_collective(name, buf, op, root)
             return
-        datatype = self._nccl_types.get(buf.dtype)
-        if datatype is None:
-            raise TypeError(f"the NCCL backend carries {sorted(str(t) for t in self._nccl_types)} arrays, got {buf.dtype}")
-        ptr, count, stream = buf.data.ptr, buf.size, self._cupy.cuda.get_current_stream().ptr
+        ptr, count, datatype = buf.data.ptr, buf.size, self._datatype(buf)
+        stream = self._cupy.cuda.get_current_stream().ptr
         if name == "allreduce":
             self.nccl.allReduce(ptr, ptr, count, datatype, self._nccl_ops[op], stream)
-        elif name == "reduce":
+        elif name == "reduce":  # in place: only the root's buffer is written
             self.nccl.reduce(ptr, ptr, count, datatype, self._nccl_ops[op], root, stream)
         else:
             self.nccl.bcast(ptr, count, datatype, root, stream)
@@ -199,6 +270,23 @@ class NCCLBackend(Backend):
     def _finish(self, buf: Any) -> None:
         if not isinstance(buf, np.ndarray):
             self._cupy.cuda.get_current_stream().synchronize()
+
+    def _start(self, buf: Any, op: str) -> tuple[Any, Any]:
+        if isinstance(buf, np.ndarray):
+            return super()._start(buf, op)
+        cuda = self._cupy.cuda
+        self._stream.wait_event(cuda.get_current_stream().record())  # after the copies into `buf`
+        self.nccl.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._datatype(buf), self._nccl_ops[op], self._stream.ptr)
+        reduced = self._stream.record()
+        return (lambda: reduced.done), (lambda: cuda.get_current_stream().wait_event(reduced))
+
+
+def _then_divide(wait: Any, a: Any, size: int) -> Any:
+    def finish() -> None:
+        wait()
+        a[...] /= size
+
+    return finish
 
 
 # ---- the process's backend --------------------------------------------------------------------

@@ -9,18 +9,25 @@ own), made once for a layout of gradients and kept; each buffer is summed over t
 place; the average is unpacked into fresh arrays (the division by the number of ranks and
 the copy are one pass), and the inner transformation gets those. Every rank then holds the
 same averaged gradients, so the same updates, and replicas started equal stay bit-identical.
+
+With ``overlap=True`` the buckets travel during the backward pass, as PyTorch DDP's do:
+buckets are filled in reverse parameter order (the order in which the backward pass
+finishes gradients), a bucket's non-blocking allreduce starts as soon as its last gradient
+is in, and `update` waits for them. The training verbs drive it through the optimizer's
+``listen`` method (see `ListeningTransformation`); the arithmetic is that of the blocking
+path, bucket for bucket.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .. import memory, optim, tree
 from ..backend import is_array, module_of
-from .backend import Backend, check_backend, check_int
+from .backend import Backend, Pending, check_backend, check_int
 from .collectives import check_same_layout
 
-__all__ = ["DistributedOptimizer", "GradientBuckets", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["DistributedOptimizer", "GradientBuckets", "ListeningTransformation", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # PyTorch DDP's default bucket_cap_mb
 
@@ -40,8 +47,17 @@ class GradientBuckets:
 
     The buffers are made (outside any allocator cache) on the first call and again only
     when the layout (structure, dtypes, shapes, devices) changes; a new layout is checked
-    to be every rank's (one small collective) before any buffer travels.
-    `pack`, `allreduce` and `unpack` are its three passes.
+    to be every rank's (one small collective) before any buffer travels. Leaves go into
+    buckets from the last to the first, and `buffers` are in the order their last leaf
+    comes in that walk. `pack`, `allreduce` and `unpack` are `average`'s three passes.
+
+    A round streams gradients in instead: `begin` returns ``receive(position,
+    gradient)``, which copies leaf `position` in and starts a bucket's non-blocking
+    allreduce once the bucket is full and every bucket before it has started; `collect`
+    waits for them and unpacks. A round that is not collected (its backward pass raised)
+    is finished by `discard` (also called by `begin`, `pack`): its buckets not yet
+    started are started, whatever they hold, so that every rank has started the same
+    collectives, and all are waited for; nothing of it is kept.
 
     >>> buckets = GradientBuckets(backend, bucket_bytes=1 << 20)  # doctest: +SKIP
     >>> buckets.average({"w": np.full(3, float(dist.local_rank(backend)))})  # doctest: +SKIP
@@ -54,6 +70,9 @@ class GradientBuckets:
         self.buffers: list[Any] = []  # the flat buffers, in the order they are reduced
         self._key: Any = None
         self._views: list[Any] = []  # leaf i's place in its buffer, shaped as leaf i
+        self._bucket_of: list[int] = []  # leaf i's buffer
+        self._members: list[int] = []  # leaves per buffer
+        self._round: _Round | None = None
 
     def average(self, x: Any) -> Any:
         leaves, structure = tree.flatten(x)
@@ -63,9 +82,8 @@ class GradientBuckets:
 
     def pack(self, leaves: list[Any], structure: tree.Structure) -> None:
         """Copy `leaves` (a flattened tree, with its `structure`) into the buffers."""
-        key = (structure, tuple((a.dtype, a.shape, a.device) if is_array(a) else type(a) for a in leaves))
-        if key != self._key:
-            self._build(tree.unflatten(structure, leaves), key)
+        self.discard()
+        self._layout(leaves, structure)
         for view, leaf in zip(self._views, leaves):
             view[...] = leaf
 
@@ -79,6 +97,65 @@ class GradientBuckets:
         size = self.backend.size
         return [module_of(view).divide(view, size) for view in self._views]
 
+    # ---- rounds -------------------------------------------------------------------------------
+
+    def begin(self, leaves: list[Any], structure: tree.Structure) -> Callable[[int, Any], None]:
+        """Open a round for gradients laid out as `leaves` (a flattened tree, such as the
+        parameters); returns ``receive(position, gradient)``, to be called once per leaf."""
+        self.discard()
+        self._layout(leaves, structure)
+        self._round = _Round(self._members)
+        return self._receive
+
+    def _receive(self, position: int, gradient: Any) -> None:
+        round_ = self._round
+        self._views[position][...] = gradient
+        round_.received[position] = gradient
+        bucket = self._bucket_of[position]
+        round_.missing[bucket] -= 1
+        if round_.missing[bucket] == 0 and bucket == len(round_.pending):
+            self._start_full(round_)
+        elif round_.pending:
+            round_.progress()
+
+    def _start_full(self, round_: "_Round") -> None:
+        # In bucket order, which is every rank's: collectives must start in one order.
+        pending, missing = round_.pending, round_.missing
+        while len(pending) < len(missing) and missing[len(pending)] == 0:
+            pending.append(self.backend.start_allreduce(self.buffers[len(pending)], "sum"))
+
+    def holds(self, leaves: list[Any]) -> bool:
+        """Whether the open round has received every gradient, and these very arrays."""
+        round_ = self._round
+        return (
+            round_ is not None
+            and len(round_.pending) == len(self.buffers)
+            and len(leaves) == len(round_.received)
+            and all(a is b for a, b in zip(leaves, round_.received))
+        )
+
+    def collect(self) -> list[Any]:
+        """Wait for the round's allreduces; the leaves' averages, as `unpack`."""
+        round_, self._round = self._round, None
+        for pending in round_.pending:
+            pending.wait()
+        return self.unpack()
+
+    def discard(self) -> None:
+        """Finish the open round, if any, without using it (see the class docstring)."""
+        round_, self._round = self._round, None
+        if round_ is None:
+            return
+        round_.missing = [0] * len(round_.missing)
+        self._start_full(round_)
+        for pending in round_.pending:
+            pending.wait()
+
+    def _layout(self, leaves: list[Any], structure: tree.Structure) -> None:
+        key = (structure, tuple((a.dtype, a.shape, a.device) if is_array(a) else type(a) for a in leaves))
+        if key != self._key:
+            self._build(tree.unflatten(structure, leaves), key)
+
     def _build(self, x: Any, key: Any) -> None:
         for path, leaf in tree.paths(x):
             if not is_array(leaf):
@@ -87,47 +164,114 @@ class GradientBuckets:
         _check_one_device("DistributedOptimizer", x, "gradients")
         check_same_layout(self.backend, "DistributedOptimizer", x)
         leaves = tree.leaves(x)
-        runs: dict[Any, list[list[int]]] = {}  # dtype -> buckets of leaf indices
-        for i, leaf in enumerate(leaves):
-            buckets = runs.setdefault(leaf.dtype, [[]])
-            used = sum(leaves[j].nbytes for j in buckets[-1])
-            if buckets[-1] and used + leaf.nbytes > self.bucket_bytes:
-                buckets.append([])
-            buckets[-1].append(i)
-        buffers, views = [], [None] * len(leaves)
+        buckets: list[list[int]] = []
+        filling: dict[Any, list[int]] = {}  # dtype -> the bucket being filled
+        for i in reversed(range(len(leaves))):  # the backward pass finishes the last leaves first
+            members = filling.get(leaves[i].dtype)
+            if members and sum(leaves[j].nbytes for j in members) + leaves[i].nbytes > self.bucket_bytes:
+                buckets.append(members)
+                members = None
+            if members is None:
+                members = filling[leaves[i].dtype] = []
+            members.append(i)
+        buckets += filling.values()
+        buckets.sort(key=lambda members: -members[-1])  # by the leaf that fills them, first filled first
+        buffers, views, bucket_of = [], [None] * len(leaves), [0] * len(leaves)
         with memory.uncached():  # kept for as long as the layout lasts, no part of a step
-            for dtype, buckets in runs.items():
-                for members in buckets:
-                    xp = module_of(leaves[members[0]])
-                    buffer = xp.empty(sum(leaves[j].size for j in members), dtype)
-                    offset = 0
-                    for j in members:
-                        views[j] = buffer[offset : offset + leaves[j].size].reshape(leaves[j].shape)
-                        offset += leaves[j].size
-                    buffers.append(buffer)
-        self.buffers, self._views, self._key = buffers, views, key
+            for b, members in enumerate(buckets):
+                xp = module_of(leaves[members[0]])
+                buffer = xp.empty(sum(leaves[j].size for j in members), leaves[members[0]].dtype)
+                offset = 0
+                for j in members:
+                    views[j] = buffer[offset : offset + leaves[j].size].reshape(leaves[j].shape)
+                    bucket_of[j] = b
+                    offset += leaves[j].size
+                buffers.append(buffer)
+        self.buffers, self._views, self._bucket_of, self._key = buffers, views, bucket_of, key
+        self._members = [len(members) for members in buckets]
+
+
+class _Round:
+    """What one round has done: leaves still missing per bucket, the started allreduces
+    (of buckets ``0..len(pending)-1``), and the gradients received, by position."""
+
+    __slots__ = ("missing", "pending", "received")
+
+    def __init__(self, members: list[int]) -> None:
+        self.missing = list(members)
+        self.pending: list[Pending] = []
+        self.received: list[Any] = [None] * sum(members)
+
+    def progress(self) -> None:
+        """Let the oldest unfinished allreduce move on (MPI progresses inside its calls)."""
+        for pending in self.pending:
+            if not pending.test():
+                return
+
+
+class ListeningTransformation(optim.GradientTransformation):
+    """A `GradientTransformation` that also takes gradients while the backward pass
+    finishes them: ``listen(params)`` is called by the training verbs before each
+    backward pass and returns ``on_gradient(position, gradient)`` (or None), which
+    `luxnn.ad.value_and_grad` calls once per leaf of the parameters' tree (`position` in
+    `luxnn.tree.leaves` order) as soon as its gradient is final. `update` then gets those
+    very gradient arrays; arrays replaced in between are taken as they come, but arrays
+    written to in place are not seen.
+    """
+
+    def __new__(cls, init: Callable, update: Callable, listen: Callable[[Any], Any]) -> "ListeningTransformation":
+        self = super().__new__(cls, init, update)
+        self.listen = listen
+        return self
+
+    def __reduce__(self) -> Any:
+        return type(self), (self.init, self.update, self.listen)
+
+
+class _Averaged:
+    """`optimizer` on the gradients averaged by `buckets`."""
+
+    def __init__(self, optimizer: optim.GradientTransformation, buckets: GradientBuckets) -> None:
+        self.optimizer, self.buckets = optimizer, buckets
+
+    def init(self, params: Any) -> Any:
+        _check_one_device("DistributedOptimizer", params, "parameters")
+        return self.optimizer.init(params)
+
+    def update(self, grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        leaves, structure = tree.flatten(grads)
+        if self.buckets.holds(leaves):
+            averaged = tree.unflatten(structure, self.buckets.collect())
+        else:
+            averaged = self.buckets.average(grads)
+        return self.optimizer.update(averaged, state, params)
+
+    def listen(self, params: Any) -> Callable[[int, Any], None]:
+        return self.buckets.begin(*tree.flatten(params))
 
 
 def DistributedOptimizer(backend: Backend, optimizer: optim.GradientTransformation, *,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> optim.GradientTransformation:  # noqa: N802 - Lux's name
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = False) -> optim.GradientTransformation:  # noqa: N802 - Lux's name
     """`optimizer` on the gradients averaged over the ranks (in buckets of at most
     `bucket_bytes`, see `GradientBuckets`): a `GradientTransformation` whose state is
     `optimizer`'s own, so a `TrainState` takes it as it is. Parameters and gradients must
     each be on one device.
 
-    >>> opt = dist.DistributedOptimizer(backend, lx.optim.adam(1e-3))  # doctest: +SKIP
+    ``overlap=True`` averages during the backward pass of the training verbs (a
+    `ListeningTransformation`): each bucket's allreduce starts once the backward pass has
+    finished its gradients, and `update` waits for them. The results are those of
+    ``overlap=False``. Gradients changed in place between `compute_gradients` and
+    `apply_gradients` would not be seen, which is why it is not the default.
+
+    >>> opt = dist.DistributedOptimizer(backend, lx.optim.adam(1e-3), overlap=True)  # doctest: +SKIP
     >>> ts = lx.TrainState(model, ps, st, opt)  # doctest: +SKIP
     """
     backend = check_backend(backend, "DistributedOptimizer")
     if not isinstance(optimizer, optim.GradientTransformation):
         raise TypeError(f"DistributedOptimizer: expected an optimizer (luxnn.optim.GradientTransformation), got {type(optimizer).__name__}")
-    buckets = GradientBuckets(backend, bucket_bytes)
-
-    def init(params: Any) -> Any:
-        _check_one_device("DistributedOptimizer", params, "parameters")
-        return optimizer.init(params)
-
-    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        return optimizer.update(buckets.average(grads), state, params)
-
-    return optim.GradientTransformation(init, update)
+    if not isinstance(overlap, bool):
+        raise TypeError(f"DistributedOptimizer: expected overlap True or False, got {overlap!r}")
+    stage = _Averaged(optimizer, GradientBuckets(backend, bucket_bytes))
+    if overlap:
+        return ListeningTransformation(stage.init, stage.update, stage.listen)
+    return optim.GradientTransformation(stage.init, stage.update)
