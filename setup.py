@@ -1,4 +1,4 @@
-"""Build the allocator's C core and the BLAS holds with the package (``pip install -e .``)."""
+"""Build the allocator's C core, the BLAS holds and the LSTM cell kernels with the package (``pip install -e .``)."""
 import numpy
 from setuptools import Extension, setup
 
@@ -11,5 +11,11 @@ setup(
             extra_compile_args=["-O2", "-std=c11"],
         ),
         Extension("luxnn._blas", sources=["src/luxnn/_blas.c"], extra_compile_args=["-O2", "-std=c11"]),
+        Extension(
+            "luxnn.ops._recurrent",
+            sources=["src/luxnn/ops/_recurrent.c"],
+            include_dirs=[numpy.get_include()],
+            extra_compile_args=["-O3", "-std=c11", "-fno-trapping-math"],  # so that the cell loops vectorise
+        ),
     ]
 )

@@ -7,19 +7,17 @@ PyTorch's LSTM on the CPU runs oneDNN's fused RNN primitive (forward and backwar
 ``--no-onednn`` also times it with oneDNN off, PyTorch's own ATen LSTM (a GEMM per step
 and a fused cell kernel, autograd through the steps), the peer a NumPy step is closest to.
 
-    python benchmarks/lstm_step.py [--rounds 7] [--per-round 3] [--no-cache]
+    python benchmarks/lstm_step.py [--rounds 7] [--per-round 3] [--no-cache] [--no-onednn]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import warnings
 
+from peers import add_step_options, time_against_peers
+
 from luxnn.bench import models
-from luxnn.bench.machine import blas, blas_summary
-from luxnn.bench.runner import interleaved_rounds
 
 MODEL = models.LSTM()
 
@@ -39,9 +37,7 @@ def without_onednn(step):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--per-round", type=int, default=3)
-    parser.add_argument("--no-cache", action="store_true", help="train without the allocator cache")
+    add_step_options(parser)
     parser.add_argument("--no-onednn", action="store_true", help="also time PyTorch with oneDNN off")
     args = parser.parse_args()
 
@@ -56,15 +52,7 @@ def main() -> None:
         f"LSTM classifier: batch {MODEL.batch}, sequence {MODEL.length}, input {MODEL.inputs}, "
         f"hidden {MODEL.hidden}, {MODEL.classes} classes, float32, Adam"
     )
-    print(f"kernels: {blas_summary(blas())}; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset')}")
-    samples = interleaved_rounds(steps, args.rounds, args.per_round, warmup=3)
-    base = statistics.median(samples["luxnn"])
-    # The last column is luxnn's step time over this row's: the target is <= 1.3x PyTorch.
-    print(f"{'step':<26} {'median':>9} {'IQR':>8} {'luxnn time / this':>18}")
-    for name, s in samples.items():
-        q = statistics.quantiles(s, n=4) if len(s) > 1 else (s[0], s[0], s[0])
-        med = statistics.median(s)
-        print(f"{name:<26} {med * 1e3:>7.2f}ms {(q[2] - q[0]) * 1e3:>6.2f}ms {base / med:>17.2f}x")
+    time_against_peers(steps, args)  # the target: luxnn time / PyTorch's >= 1 / 1.3
 
 
 if __name__ == "__main__":

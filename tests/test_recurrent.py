@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import luxnn as lx
+import luxnn.ops.recurrent as rec
+from luxnn.ops import _recurrent
 from luxnn.ops.recurrent import gru_sequence, lstm_sequence, rnn_sequence
 from test_ad_primitives import check_grad  # the one finite-difference checker
 
@@ -186,18 +188,185 @@ def test_primitive_vjps_match_finite_differences(reverse, batch):
         xw = np.sign(xw) * (0.2 + np.abs(xw))  # away from relu's kink
         check_grad(lambda xw, w, h0: rnn_sequence(xw, w, h0, activation=activation, reverse=reverse, last_only=activation == "relu"), xw, r.normal(size=(hidden, hidden)) * 0.3, h0)
     for last_only in (False, True):
-        check_grad(lambda *a: lstm_sequence(*a, reverse=reverse, last_only=last_only), r.normal(size=(seq, batch, 4 * hidden)), r.normal(size=(hidden, 4 * hidden)), h0, c0)
+        x, w_ih, b = r.normal(size=(batch, seq, 3)), r.normal(size=(3, 4 * hidden)), r.normal(size=4 * hidden)
+        check_grad(lambda *a: lstm_sequence(*a, reverse=reverse, last_only=last_only), x, w_ih, b, r.normal(size=(hidden, 4 * hidden)), h0, c0)
+    check_grad(lambda x, w_ih, w_hh, h0, c0: lstm_sequence(x, w_ih, None, w_hh, h0, c0, reverse=reverse), x, w_ih, r.normal(size=(hidden, 4 * hidden)), h0, c0)
     check_grad(lambda *a: gru_sequence(*a, reverse=reverse), r.normal(size=(seq, batch, 3 * hidden)), r.normal(size=(hidden, 3 * hidden)), r.normal(size=3 * hidden), h0)
     check_grad(lambda xw, w, h0: gru_sequence(xw, w, None, h0, reverse=reverse, last_only=True), r.normal(size=(seq, batch, 3 * hidden)), r.normal(size=(hidden, 3 * hidden)), h0)
 
 
 def test_primitives_reject_mismatched_shapes():
-    with pytest.raises(ValueError, match=r"lstm_sequence: expected xw \(seq >= 1, batch, 4 \* H\).*got shapes \(3, 2, 6\), \(2, 8\)"):
-        lstm_sequence(np.ones((3, 2, 6)), np.ones((2, 8)), np.ones((2, 2)), np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"lstm_sequence: expected x \(batch, seq >= 1, in\), w_ih \(in, 4 \* H\).*got shapes \[\(2, 3, 5\), \(5, 6\), None, \(2, 8\)"):
+        lstm_sequence(np.ones((2, 3, 5)), np.ones((5, 6)), None, np.ones((2, 8)), np.ones((2, 2)), np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"got shapes .*\(7,\), \(2, 8\), \(2, 2\), \(3, 2\)\]"):
+        lstm_sequence(np.ones((2, 3, 5)), np.ones((5, 8)), np.ones(7), np.ones((2, 8)), np.ones((2, 2)), np.ones((3, 2)))
     with pytest.raises(ValueError, match="activation must be 'tanh' or 'relu'"):
         rnn_sequence(np.ones((1, 2, 2)), np.ones((2, 2)), np.ones((2, 2)), activation="gelu")
     with pytest.raises(ValueError, match=r"expected b_hh of shape \(6,\), got \(5,\)"):
         gru_sequence(np.ones((1, 2, 6)), np.ones((2, 6)), np.ones(5), np.ones((2, 2)))
+
+
+# -- the LSTM's C cell kernels and its passes split over threads -----------------------------
+
+
+def cell_operands(r, rows, hidden, dtype):
+    """Random operands of one step's kernels, each a row block of a larger buffer (row
+    strides as in a pass over (batch, seq, .) buffers)."""
+    def block(cols, scale=1.0):
+        return (r.normal(size=(rows, 3, cols)) * scale).astype(dtype)[:, 1]
+
+    return {
+        "pre": block(4 * hidden, 3.0), "c_prev": block(hidden), "g": block(2 * hidden), "dh": block(hidden),
+        "dc": block(hidden),
+    }  # fmt: skip
+
+
+def run_cell(forward, backward, ops, hidden, with_g):
+    """Both kernels on copies of `ops`; every array they write."""
+    gates, dh, dc = ops["pre"].copy(), ops["dh"].copy(), ops["dc"].copy()
+    rows, dtype = gates.shape[0], gates.dtype
+    h, c, tanh_c, h_next = (np.empty((rows, hidden), dtype) for _ in range(4))
+    forward(gates, ops["c_prev"], h, c, tanh_c, h_next)
+    d = np.empty((rows, 4 * hidden), dtype)
+    backward(gates, tanh_c, ops["c_prev"], ops["g"] if with_g else None, dh, dc, d)
+    return {"gates": gates, "h": h, "c": c, "tanh_c": tanh_c, "h_next": h_next, "d": d, "dh": dh, "dc": dc}
+
+
+@pytest.mark.parametrize("rows, hidden", [(1, 1), (5, 3), (4, 17), (3, 64)])
+@pytest.mark.parametrize("with_g", [False, True])
+def test_c_cell_kernels_match_the_array_kernels(rows, hidden, with_g):
+    """The C kernels against the array-API ones (the CuPy path): float64 to rounding, and
+    float32 (its own tanh) against float64 within float32's precision."""
+    ops64 = cell_operands(np.random.default_rng(rows * 100 + hidden), rows, hidden, np.float64)
+    want = run_cell(rec._lstm_forward_arrays, rec._lstm_backward_arrays, ops64, hidden, with_g)
+    got = run_cell(_recurrent.lstm_forward, _recurrent.lstm_backward, ops64, hidden, with_g)
+    ops32 = {k: v.astype(np.float32) for k, v in ops64.items()}
+    got32 = run_cell(_recurrent.lstm_forward, _recurrent.lstm_backward, ops32, hidden, with_g)
+    for name, w in want.items():
+        scale = max(float(np.abs(w).max()), 1.0)
+        assert np.abs(got[name] - w).max() <= 1e-13 * scale, name
+        assert got32[name].dtype == np.float32
+        assert np.abs(got32[name] - w).max() <= 2e-6 * scale, name
+    np.testing.assert_array_equal(got["h_next"], got["h"])
+
+
+def test_float32_gates_are_within_a_few_ulp_and_saturate():
+    """The float32 kernel's tanh and sigmoids on a dense grid of pre-activations, beyond
+    saturation, against float64's; never beyond [-1, 1] or [0, 1]."""
+    hidden = 1 << 14
+    pre = np.tile(np.linspace(-30, 30, hidden, dtype=np.float32), (1, 4))
+    pre[0, :hidden] = np.geomspace(1e-8, 0.5, hidden, dtype=np.float32)  # tiny pre-activations
+    gates, zeros = pre.copy(), np.zeros((1, hidden), np.float32)
+    _recurrent.lstm_forward(gates, zeros, *(np.empty((1, hidden), np.float32) for _ in range(3)), None)
+    x = pre.astype(np.float64)
+    want = np.concatenate([1 / (1 + np.exp(-x[:, : 2 * hidden])), np.tanh(x[:, 2 * hidden : 3 * hidden]), 1 / (1 + np.exp(-x[:, 3 * hidden :]))], axis=1)
+    eps = float(np.finfo(np.float32).eps)
+    assert np.abs(gates - want).max() <= 4 * eps  # absolute: the sigmoids near 0 and 1
+    g = slice(2 * hidden, 3 * hidden)
+    assert (np.abs(gates[:, g] - want[:, g]) <= 4 * eps * np.abs(want[:, g])).all()  # tanh: relative
+    assert np.abs(gates[:, g]).max() <= 1 and gates.min() >= -1
+    sig = np.concatenate([gates[:, : 2 * hidden], gates[:, 3 * hidden :]], axis=1)
+    assert sig.min() >= 0 and sig.max() <= 1
+
+
+def test_c_cell_kernels_reject_bad_arrays():
+    rows, hidden = 2, 3
+    ok = {"gates": np.zeros((rows, 4 * hidden)), "c_prev": np.zeros((rows, hidden))}
+    outs = [np.zeros((rows, hidden)) for _ in range(3)]
+    with pytest.raises(TypeError, match="c_prev: expected dtype float64, got .*float32"):
+        _recurrent.lstm_forward(ok["gates"], ok["c_prev"].astype(np.float32), *outs, None)
+    with pytest.raises(ValueError, match=r"h: expected shape \(2, 3\), got \(2, 4\)"):
+        _recurrent.lstm_forward(ok["gates"], ok["c_prev"], np.zeros((rows, 4)), *outs[1:], None)
+    with pytest.raises(ValueError, match="c: expected rows of contiguous elements"):
+        _recurrent.lstm_forward(ok["gates"], ok["c_prev"], outs[0], np.zeros((rows, 2 * hidden))[:, ::2], outs[2], None)
+    frozen = np.zeros((rows, hidden))
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="tanh_c: expected a writable array"):
+        _recurrent.lstm_forward(ok["gates"], ok["c_prev"], outs[0], outs[1], frozen, None)
+    with pytest.raises(ValueError, match=r"gates: expected a 2-d NumPy array of shape \(rows, 4 \* H\)"):
+        _recurrent.lstm_forward(np.zeros((rows, 5)), ok["c_prev"], *outs, None)
+    with pytest.raises(TypeError, match="g: expected a NumPy array, got list"):
+        _recurrent.lstm_backward(ok["gates"], outs[0], ok["c_prev"], [1.0], outs[1], outs[2], np.zeros((rows, 4 * hidden)))
+
+
+@pytest.fixture
+def split_passes(monkeypatch):
+    """Every LSTM pass cut into blocks of the batch on three threads, however small; yields
+    the list of the block counts of the passes run."""
+    monkeypatch.setattr(rec, "_CUT_MADDS", 0)
+    monkeypatch.setattr(rec, "_ROWS_PER_THREAD", 1)
+    counts = []
+
+    def counted(kernel, like, *, rows, blas):
+        counts.append(len(lx.parallel.cut(like.shape[0], rows)))
+        lx.parallel.for_blocks(kernel, like, rows=rows, blas=blas)
+
+    monkeypatch.setattr(rec, "for_blocks", counted)
+    threads = lx.parallel.num_threads()
+    lx.parallel.set_num_threads(3)
+    yield counts
+    lx.parallel.set_num_threads(threads)
+
+
+def lstm_args(r, batch, seq, n_in, hidden, dtype=np.float64):
+    return [a.astype(dtype) for a in (r.normal(size=(batch, seq, n_in)), r.normal(size=(n_in, 4 * hidden)) * 0.5,
+            r.normal(size=4 * hidden) * 0.5, r.normal(size=(hidden, 4 * hidden)) * 0.5, r.normal(size=(batch, hidden)),
+            r.normal(size=(batch, hidden)))]  # fmt: skip
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("last_only", [False, True])
+def test_lstm_passes_split_over_threads_agree_with_one_block(split_passes, monkeypatch, reverse, last_only):
+    """An odd batch cut into three blocks of rows (2, 2, 3): the gradients against finite
+    differences, and outputs and gradients as in one block."""
+    args = lstm_args(np.random.default_rng(9), 7, 5, 3, 4)
+    f = lambda *a: lstm_sequence(*a, reverse=reverse, last_only=last_only)  # noqa: E731
+    check_grad(f, *args)
+    weights = np.random.default_rng(10).normal(size=f(*args).shape)
+    loss = lx.value_and_grad(lambda *a: (f(*a) * weights).sum(), argnums=tuple(range(6)))
+    split_counts = len(split_passes)
+    (split_value, split_grads), split_y = loss(*args), f(*args)
+    assert split_passes[split_counts:] == [3, 3, 3]  # forward and backward, then forward
+    monkeypatch.setattr(rec, "_CUT_MADDS", 1 << 62)
+    (value, grads), y = loss(*args), f(*args)
+    assert split_passes[-3:] == [1, 1, 1]
+    np.testing.assert_allclose(split_y, y, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(split_value, value, rtol=1e-12)
+    for g_split, g in zip(split_grads, grads, strict=True):
+        np.testing.assert_allclose(g_split, g, rtol=1e-10, atol=1e-12)
+
+
+def test_float32_lstm_agrees_with_float64():
+    """The whole primitive, forward and backward, in float32 (the C kernel's own tanh)
+    against float64, within float32's precision over a 30-step recurrence."""
+    r = np.random.default_rng(10)
+    args64 = [a * 0.5 for a in lstm_args(r, 9, 30, 5, 16)]
+    args32 = [a.astype(np.float32) for a in args64]
+    weights = r.normal(size=(9, 30, 32))
+
+    def value_and_grads(args):
+        return lx.value_and_grad(lambda *a: (lstm_sequence(*a) * weights.astype(a[0].dtype)).sum(), argnums=tuple(range(6)))(*args)
+
+    (v64, g64), (v32, g32) = value_and_grads(args64), value_and_grads(args32)
+    assert abs(float(v32) - float(v64)) <= 1e-4 * max(1.0, abs(float(v64)))
+    for a, b in zip(g32, g64):
+        assert a.dtype == np.float32
+        assert np.abs(a - b).max() <= 1e-4 * max(1.0, float(np.abs(b).max()))
+
+
+def test_lstm_takes_mixed_dtypes_and_strided_inputs():
+    """Arguments of different floating dtypes compute in their result type; inputs whose
+    rows are not contiguous (a column-strided x, a broadcast carry) give the same result
+    as contiguous copies."""
+    r = np.random.default_rng(11)
+    x, w_ih, b, w_hh, h0, c0 = lstm_args(r, 3, 4, 2, 5)
+    wide = np.repeat(x, 2, axis=2)[:, :, ::2]  # equal to x, column stride 2
+    carry = np.broadcast_to(h0[:1], h0.shape)
+    want = lstm_sequence(x, w_ih, b, w_hh, carry.copy(), c0)
+    np.testing.assert_allclose(lstm_sequence(wide, w_ih, b, w_hh, carry, c0), want, rtol=1e-12, atol=1e-12)
+    mixed = lstm_sequence(x.astype(np.float32), w_ih, b, w_hh.astype(np.float32), carry.copy(), c0)
+    assert mixed.dtype == np.float64
+    np.testing.assert_allclose(mixed, lstm_sequence(x.astype(np.float32).astype(np.float64), w_ih, b, w_hh.astype(np.float32).astype(np.float64), carry.copy(), c0), rtol=1e-12, atol=1e-12)
 
 
 # -- layers: initialisation, dtypes, errors, a custom cell, training -------------------------

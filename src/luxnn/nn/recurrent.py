@@ -207,8 +207,11 @@ class LSTMCell(RecurrentCell):
     carry_names = ("h0", "c0")
 
     def _scan(self, xs, ps, carry, reverse, last_only):
-        xw = self._input_projection(xs, ps, self._both_biases(ps))
-        return lstm_sequence(xw, ps["weight_hh"], *carry, reverse=reverse, last_only=last_only)
+        # The primitive is batch first and makes the input projection itself (into each step's GEMM).
+        xp = array_namespace(xs)
+        x = xp.permute_dims(xs, (1, 0, 2))
+        out = lstm_sequence(x, ps["weight_ih"], self._both_biases(ps), ps["weight_hh"], *carry, reverse=reverse, last_only=last_only)
+        return out if last_only else xp.permute_dims(out, (1, 0, 2))
 
     def _carry_of(self, packed):
         return packed[:, : self.hidden], packed[:, self.hidden :]

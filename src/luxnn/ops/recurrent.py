@@ -1,28 +1,36 @@
 """Recurrent cells run over whole sequences: one primitive per cell, whose backward pass
 is backpropagation through time in one loop.
 
-Each takes the input projection of every step at once (``x_t @ W_ih + b``, computed by
-the caller as one GEMM over all steps, time-major), makes one GEMM per step for the hidden
-projection into a preallocated gate buffer, and applies the gate nonlinearities and the
-cell update in place on it. The backward pass walks the steps in reverse with one GEMM per
-step for the hidden state's cotangent, and forms the hidden weight's gradient afterwards
-as one GEMM over all steps. Equations, gate order and bias placement are PyTorch's, so
-weights copy over from ``torch.nn.RNN/LSTM/GRU`` by a transpose.
+A pass runs one GEMM per step into a preallocated gate buffer and applies the gate
+nonlinearities and the cell update in place on it; the backward pass walks the steps in
+reverse with one GEMM per step for the hidden state's cotangent and forms the weights'
+gradients afterwards as GEMMs over all steps. Equations, gate order and bias placement are
+PyTorch's, so weights copy over from ``torch.nn.RNN/LSTM/GRU`` by a transpose.
 
-Shapes are time-major, ``(seq, batch, features)``, so that each step's rows are one
-contiguous block. ``reverse=True`` runs from the last step to the first; outputs stay
-aligned with the inputs' positions (as the backward half of PyTorch's bidirectional RNNs).
-``last_only=True`` returns only the output of the last step taken, ``(batch, P)``, whose
-cotangent then seeds the backward pass (no cotangent of zeros for every other step).
+`rnn_sequence` and `gru_sequence` take the input projection of every step (``x_t @ W_ih +
+b``, one GEMM over all steps made by the caller), time-major ``(seq, batch, features)``.
+`lstm_sequence` takes the inputs themselves, batch first, and makes each step's input and
+hidden projections one GEMM; its cell's pointwise work is one C pass per step on NumPy
+arrays (`luxnn.ops._recurrent`), and its passes run on the kernel threads, each taking rows
+of the batch for the whole sequence (see `_by_rows`).
+
+``reverse=True`` runs from the last step to the first; outputs stay aligned with the
+inputs' positions (as the backward half of PyTorch's bidirectional RNNs). ``last_only=True``
+returns only the output of the last step taken, ``(batch, P)``, whose cotangent then seeds
+the backward pass (no cotangent of zeros for every other step).
 """
 
 from __future__ import annotations
+
+import functools
+import operator
 
 import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from ..parallel import matmul
+from ..parallel import for_blocks, matmul, num_threads
+from . import _recurrent
 
 __all__ = ["rnn_sequence", "lstm_sequence", "gru_sequence"]
 
@@ -38,6 +46,30 @@ def _check(who, xw, w_hh, gates, carries):
             f"got shapes {xw.shape}, {w_hh.shape} and {[c.shape for c in carries]}"
         )
     return hidden
+
+
+def _operand(a, dtype, xp):
+    """`a` in `dtype`, with rows of contiguous elements (as the C cell kernels read them)."""
+    a = a.astype(dtype, copy=False)
+    return xp.ascontiguousarray(a) if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize else a
+
+
+# A pass runs the whole sequence on each thread's own rows of the batch: no row depends on
+# another, so the threads never wait for one another inside the pass (cutting each step's
+# GEMM instead would make them meet at every step, a hundred times in the benchmark's).
+_ROWS_PER_THREAD = 8  # at least: with fewer, a thread's GEMMs run far below the BLAS's speed
+_CUT_MADDS = 1 << 22  # a pass's hidden-projection work below which one thread is faster
+
+
+def _by_rows(kernel, like, madds_per_row):
+    """Run ``kernel(lo, hi)`` over the rows of `like` ``(batch, ...)``, an array of the
+    pass's backend: one block per thread, each with the BLAS on one thread, when each gets
+    enough rows and the pass's GEMMs are large enough (their multiply-adds per batch row
+    given); else one block on this thread."""
+    batch = like.shape[0]
+    parts = min(num_threads(), batch // _ROWS_PER_THREAD)
+    split = parts > 1 and batch * madds_per_row >= _CUT_MADDS
+    for_blocks(kernel, like, rows=-(-batch // parts) if split else max(batch, 1), blas=True)
 
 
 def _order(seq, reverse):
@@ -124,91 +156,161 @@ def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False, last_only=Fa
     return _result(hs, last_only, reverse), vjp
 
 
-# The LSTM's gates i, f, g, o are sigmoid, sigmoid, tanh, sigmoid. sigmoid(x) =
-# (1 + tanh(x / 2)) / 2, so all four are one tanh over the step's gate buffer between two
-# per-column affine maps, tanh(x * half) * half + shift, which never overflows. Their
-# derivatives come from the gates themselves (s * (1 - s), 1 - g^2): the pre-activations
-# are not kept, which halves what the forward pass writes for the backward one to read.
-def _lstm_constants(hidden, dtype, xp):
-    """(half, shift), each ``(4H,)``: 0.5 and 0.5 in the sigmoid gates' columns, 1 and 0 in g's."""
-    half = xp.full(4 * hidden, 0.5, dtype)
-    half[2 * hidden : 3 * hidden] = 1.0
-    shift = half.copy()
-    shift[2 * hidden : 3 * hidden] = 0.0
-    return half, shift
+# A step's gate nonlinearities and cell update: on NumPy arrays one C pass (`_recurrent`),
+# on other arrays (CuPy) these array-API passes over the step's blocks. sigmoid(x) = (1 +
+# tanh(x / 2)) / 2, which never overflows. The derivatives come from the activated gates
+# themselves (s * (1 - s), 1 - g^2): the pre-activations are not kept, which halves what
+# the forward pass writes for the backward one to read.
+def _lstm_forward_arrays(gates, c_prev, h, c, tanh_c, h_next):
+    """One step on ``(rows, .)`` blocks, as `_recurrent.lstm_forward`: `gates` ``(rows,
+    4H)``, the pre-activations, becomes the activated gates i, f, g, o; writes c, h and
+    tanh(c), each ``(rows, H)``, from c_prev, and h into `h_next` too unless it is None."""
+    H = h.shape[1]
+    for sig in (gates[:, : 2 * H], gates[:, 3 * H :]):
+        sig *= 0.5
+        np.tanh(sig, out=sig)
+        sig += 1
+        sig *= 0.5
+    i, f, g, o = gates[:, :H], gates[:, H : 2 * H], gates[:, 2 * H : 3 * H], gates[:, 3 * H :]
+    np.tanh(g, out=g)
+    np.multiply(f, c_prev, out=c)
+    np.multiply(i, g, out=h)  # i * g, with h as scratch
+    c += h
+    np.tanh(c, out=tanh_c)
+    np.multiply(o, tanh_c, out=h)
+    if h_next is not None:
+        h_next[...] = h
+
+
+def _lstm_backward_arrays(gates, tanh_c, c_prev, g, dh, dc, d):
+    """One step's backward pass on ``(rows, .)`` blocks, as `_recurrent.lstm_backward`:
+    adds the step's output cotangent `g` ``(rows, 2H)`` (None: none) into dh and dc, writes
+    the pre-activation cotangent `d` ``(rows, 4H)``, and leaves c_prev's cotangent in dc."""
+    H = dh.shape[1]
+    if g is not None:
+        dh += g[:, :H]
+        dc += g[:, H:]
+    i, f, gg, o = gates[:, :H], gates[:, H : 2 * H], gates[:, 2 * H : 3 * H], gates[:, 3 * H :]
+    di, df, dg, do = d[:, :H], d[:, H : 2 * H], d[:, 2 * H : 3 * H], d[:, 3 * H :]
+    np.multiply(tanh_c, tanh_c, out=do)  # dc += dh * o * (1 - tanh(c)^2), with do as scratch
+    np.subtract(1, do, out=do)
+    do *= o
+    do *= dh
+    dc += do
+    np.multiply(dh, tanh_c, out=do)
+    np.multiply(dc, gg, out=di)
+    np.multiply(dc, c_prev, out=df)
+    np.multiply(dc, i, out=dg)
+    dc *= f
+    slopes = (1 - gates) * gates  # s * (1 - s), then 1 - g^2 in g's columns
+    slopes[:, 2 * H : 3 * H] = 1 - gg * gg
+    d *= slopes
+
+
+def _lstm_cell(xp):
+    """The (forward, backward) step kernels for arrays of `xp`."""
+    if xp is np:
+        return _recurrent.lstm_forward, _recurrent.lstm_backward
+    return _lstm_forward_arrays, _lstm_backward_arrays
 
 
 @primitive
-def lstm_sequence(xw, w_hh, h0, c0, *, reverse=False, last_only=False):
-    """LSTM over a sequence, as PyTorch (gates i, f, g, o)::
+def lstm_sequence(x, w_ih, b, w_hh, h0, c0, *, reverse=False, last_only=False):
+    """LSTM over a batch of sequences, as PyTorch (gates i, f, g, o)::
 
-        i, f, g, o = sigmoid, sigmoid, tanh, sigmoid of (xw[t] + h_{t-1} @ w_hh)
+        i, f, g, o = sigmoid, sigmoid, tanh, sigmoid of (x_t @ w_ih + b + h_{t-1} @ w_hh)
         c_t = f * c_{t-1} + i * g
         h_t = o * tanh(c_t)
 
-    Shapes: xw ``(seq, batch, 4H)`` (``x_t @ W_ih + b_ih + b_hh``), w_hh ``(H, 4H)``, h0 and
-    c0 ``(batch, H)`` -> ``(seq, batch, 2H)``: ``[h_t | c_t]`` at every step (``(batch,
-    2H)`` with `last_only`; the carry is part of the output, so a cell step is the
-    one-step sequence).
+    Shapes, batch first: x ``(batch, seq, in)``, w_ih ``(in, 4H)``, b ``(4H,)`` (``b_ih +
+    b_hh``, or None), w_hh ``(H, 4H)``, h0 and c0 ``(batch, H)`` -> ``(batch, seq, 2H)``:
+    ``[h_t | c_t]`` at every step (``(batch, 2H)`` with `last_only`; the carry is part of
+    the output, so a cell step is the one-step sequence).
 
-    >>> out = lstm_sequence(np.ones((3, 2, 8)), np.zeros((2, 8)), np.zeros((2, 2)), np.zeros((2, 2)))
+    Each step is one GEMM, ``[h_{t-1} | x_t | 1] @ [w_hh; w_ih; b]``, whose left rows the
+    pass lays out for every step beforehand (the previous step's h lands in them), so that
+    the backward pass forms the gradients of w_hh, w_ih and b together as one GEMM over all
+    steps. Threads each take rows of the batch for the whole pass.
+
+    >>> out = lstm_sequence(np.ones((2, 3, 5)), np.zeros((5, 8)), None, np.zeros((2, 8)), np.zeros((2, 2)), np.zeros((2, 2)))
     >>> out.shape
-    (3, 2, 4)
+    (2, 3, 4)
     """
-    H = _check("lstm_sequence", xw, w_hh, 4, (h0, c0))
-    xp = module_of(xw)
-    seq, batch, _ = xw.shape
-    dtype = np.result_type(xw, w_hh, h0, c0)
-    half, shift = _lstm_constants(H, dtype, xp)
-    gates = xp.empty(xw.shape, dtype)  # i, f, g, o
-    out = xp.empty((seq, batch, 2 * H), dtype)
-    tanh_c = xp.empty((seq, batch, H), dtype)
-    hs, cs = out[:, :, :H], out[:, :, H:]
-    for t in _order(seq, reverse):
-        a, h, c = gates[t], hs[t], cs[t]
-        np.matmul(_previous(hs, h0, t, seq, reverse), w_hh, out=a)
-        a += xw[t]
-        a *= half
-        np.tanh(a, out=a)
-        a *= half
-        a += shift
-        np.multiply(a[:, H : 2 * H], _previous(cs, c0, t, seq, reverse), out=c)
-        np.multiply(a[:, :H], a[:, 2 * H : 3 * H], out=h)  # i * g, with h_t as scratch
-        c += h
-        np.tanh(c, out=tanh_c[t])
-        np.multiply(a[:, 3 * H :], tanh_c[t], out=h)
+    H = _check_lstm(x, w_ih, b, w_hh, h0, c0)
+    xp = module_of(x)
+    batch, seq, n_in = x.shape
+    dtype = np.result_type(*(a for a in (x, w_ih, b, w_hh, h0, c0) if a is not None))
+    h0, c0 = (_operand(a, dtype, xp) for a in (h0, c0))
+    forward_cell, backward_cell = _lstm_cell(xp)
+    # rows [h_prev | x_t | 1] (the 1 only with a bias), and the stacked weights
+    width = H + n_in + (b is not None)
+    inputs = xp.empty((batch, seq, width), dtype)
+    weights = xp.concatenate([w_hh, w_ih] + ([] if b is None else [b.reshape(1, -1)])).astype(dtype, copy=False)
+    gates = xp.empty((batch, seq, 4 * H), dtype)  # i, f, g, o
+    out = xp.empty((batch, seq, 2 * H), dtype)
+    tanh_c = xp.empty((batch, seq, H), dtype)
+    order = _order(seq, reverse)
+
+    def forward(lo, hi):
+        rows = inputs[lo:hi]
+        rows[:, :, H : H + n_in] = x[lo:hi]
+        if b is not None:
+            rows[:, :, -1] = 1
+        rows[:, order[0], :H] = h0[lo:hi]
+        c_prev = c0[lo:hi]
+        for k, t in enumerate(order):
+            a, c = gates[lo:hi, t], out[lo:hi, t, H:]
+            np.matmul(rows[:, t], weights, out=a)
+            h_next = rows[:, order[k + 1], :H] if k + 1 < seq else None
+            forward_cell(a, c_prev, out[lo:hi, t, :H], c, tanh_c[lo:hi, t], h_next)
+            c_prev = c
+
+    _by_rows(forward, h0, seq * weights.size)
 
     def vjp(g, needs):
-        d = xp.empty(xw.shape, dtype)  # the cotangent of each step's pre-activation
+        g = _operand(g, dtype, xp)
+        d = xp.empty((batch, seq, 4 * H), dtype)  # the cotangent of each step's pre-activation
         dhc = _carried(g, (batch, 2 * H), dtype, last_only, xp)  # [dh | dc]
         dh, dc = dhc[:, :H], dhc[:, H:]
-        scratch = xp.empty((batch, H), dtype)
-        slopes = xp.empty((batch, 4 * H), dtype)  # each gate's derivative
-        for t in reversed(_order(seq, reverse)):
-            a, tc, dt = gates[t], tanh_c[t], d[t]
-            if not last_only:
-                dhc += g[t]
-            # dc += dh * o * (1 - tanh(c)^2), and o * (1 - tanh(c)^2) = o - h * tanh(c)
-            np.multiply(hs[t], tc, out=scratch)
-            np.subtract(a[:, 3 * H :], scratch, out=scratch)
-            scratch *= dh
-            dc += scratch
-            np.multiply(dh, tc, out=dt[:, 3 * H :])  # do
-            np.multiply(dc, a[:, 2 * H : 3 * H], out=dt[:, :H])  # di
-            np.multiply(dc, _previous(cs, c0, t, seq, reverse), out=dt[:, H : 2 * H])  # df
-            np.multiply(dc, a[:, :H], out=dt[:, 2 * H : 3 * H])  # dg
-            dc *= a[:, H : 2 * H]
-            np.subtract(1, a, out=slopes)  # s * (1 - s), then 1 - g^2 in g's columns
-            slopes *= a
-            g_slope = slopes[:, 2 * H : 3 * H]
-            np.multiply(a[:, 2 * H : 3 * H], a[:, 2 * H : 3 * H], out=g_slope)
-            np.subtract(1, g_slope, out=g_slope)
-            dt *= slopes
-            np.matmul(dt, w_hh.T, out=dh)
-        gw = _hidden_weight_grad(hs, h0, d, reverse) if needs[1] else None
-        return d, gw, dh, dc
+        gx = xp.empty(x.shape, dtype) if needs[0] else None
+        weight_grads = {}  # each block's sum over its rows and steps, by its first row
 
-    return _result(out, last_only, reverse), vjp
+        def backward(lo, hi):
+            for k in range(seq - 1, -1, -1):
+                t = order[k]
+                c_prev = c0[lo:hi] if k == 0 else out[lo:hi, order[k - 1], H:]
+                g_t = None if last_only else g[lo:hi, t]
+                backward_cell(gates[lo:hi, t], tanh_c[lo:hi, t], c_prev, g_t, dh[lo:hi], dc[lo:hi], d[lo:hi, t])
+                if k > 0 or needs[4]:
+                    np.matmul(d[lo:hi, t], weights[:H].T, out=dh[lo:hi])
+            # Then, over all of the block's steps at once (its rows are contiguous):
+            d_rows = d[lo:hi].reshape(-1, 4 * H)
+            if needs[0]:
+                np.matmul(d_rows, weights[H : H + n_in].T, out=gx[lo:hi].reshape(-1, n_in))
+            if any(needs[1:4]):
+                weight_grads[lo] = np.matmul(inputs[lo:hi].reshape(-1, width).T, d_rows)  # [w_hh; w_ih; b]'s
+
+        _by_rows(backward, h0, seq * (w_hh.size + weights.size))
+        gw_ih = gb = gw_hh = None
+        if weight_grads:
+            grads = functools.reduce(operator.add, (weight_grads[lo] for lo in sorted(weight_grads)))
+            gw_hh, gw_ih, gb = grads[:H], grads[H : H + n_in], grads[-1] if b is not None else None
+        return gx, gw_ih, gb, gw_hh, dh, dc
+
+    return (out[:, order[-1]].copy() if last_only else out), vjp
+
+
+def _check_lstm(x, w_ih, b, w_hh, h0, c0):
+    """The hidden size, after checking the shapes `lstm_sequence` takes."""
+    hidden = w_hh.shape[0] if w_hh.ndim == 2 else 0
+    batch, n_in = (x.shape[0], x.shape[2]) if x.ndim == 3 else (0, 0)
+    ok = x.ndim == 3 and x.shape[1] >= 1 and w_hh.shape == (hidden, 4 * hidden) and w_ih.shape == (n_in, 4 * hidden)
+    if not ok or (b is not None and b.shape != (4 * hidden,)) or any(c.shape != (batch, hidden) for c in (h0, c0)):
+        raise ValueError(
+            "lstm_sequence: expected x (batch, seq >= 1, in), w_ih (in, 4 * H), b (4 * H,) or None, w_hh (H, 4 * H) "
+            f"and h0, c0 (batch, H), got shapes {[None if a is None else a.shape for a in (x, w_ih, b, w_hh, h0, c0)]}"
+        )
+    return hidden
 
 
 @primitive

@@ -1,0 +1,81 @@
+/* The LSTM cell kernels for one element type: included by _recurrent.c once per dtype,
+ * with T the element type, TANH its tanh and KERNEL(name) the name with its dtype's
+ * suffix. Row strides are in elements. Each row is a function of its own whose blocks
+ * are restrict parameters (disjoint, as the callers' are), so that the compiler
+ * vectorises its loop; CLONES compiles it for the vector units there are. */
+
+CLONES static void
+KERNEL(lstm_forward_row)(npy_intp H, T *restrict ai, T *restrict af, T *restrict ag, T *restrict ao,
+                         const T *restrict cp, T *restrict h, T *restrict c, T *restrict tanh_c,
+                         T *restrict h_next)
+{
+    for (npy_intp j = 0; j < H; j++) {
+        T i = (T)0.5 * TANH((T)0.5 * ai[j]) + (T)0.5;
+        T f = (T)0.5 * TANH((T)0.5 * af[j]) + (T)0.5;
+        T g = TANH(ag[j]);
+        T o = (T)0.5 * TANH((T)0.5 * ao[j]) + (T)0.5;
+        ai[j] = i;
+        af[j] = f;
+        ag[j] = g;
+        ao[j] = o;
+        T cn = f * cp[j] + i * g;
+        T tc = TANH(cn);
+        c[j] = cn;
+        tanh_c[j] = tc;
+        h[j] = o * tc;
+    }
+    if (h_next != NULL) {
+        for (npy_intp j = 0; j < H; j++)
+            h_next[j] = h[j];
+    }
+}
+
+static void
+KERNEL(lstm_forward)(npy_intp rows, npy_intp H, T *gates, npy_intp s_gates, const T *c_prev, npy_intp s_cp, T *h,
+                     npy_intp s_h, T *c, npy_intp s_c, T *tanh_c, npy_intp s_tc, T *h_next, npy_intp s_hn)
+{
+    for (npy_intp r = 0; r < rows; r++) {
+        T *a = gates + r * s_gates;
+        KERNEL(lstm_forward_row)(H, a, a + H, a + 2 * H, a + 3 * H, c_prev + r * s_cp, h + r * s_h, c + r * s_c,
+                                 tanh_c + r * s_tc, h_next == NULL ? NULL : h_next + r * s_hn);
+    }
+}
+
+CLONES static void
+KERNEL(lstm_backward_row)(npy_intp H, const T *restrict ai, const T *restrict af, const T *restrict ag,
+                          const T *restrict ao, const T *restrict tanh_c, const T *restrict cp,
+                          const T *restrict gh, const T *restrict gc, T *restrict dh, T *restrict dc,
+                          T *restrict di, T *restrict df, T *restrict dg, T *restrict d_o)
+{
+    if (gh != NULL) {
+        for (npy_intp j = 0; j < H; j++) {
+            dh[j] += gh[j];
+            dc[j] += gc[j];
+        }
+    }
+    for (npy_intp j = 0; j < H; j++) {
+        T i = ai[j], f = af[j], g = ag[j], o = ao[j];
+        T tc = tanh_c[j], dhj = dh[j];
+        T dcj = dc[j] + dhj * o * ((T)1 - tc * tc);
+        di[j] = dcj * g * i * ((T)1 - i);
+        df[j] = dcj * cp[j] * f * ((T)1 - f);
+        dg[j] = dcj * i * ((T)1 - g * g);
+        d_o[j] = dhj * tc * o * ((T)1 - o);
+        dc[j] = dcj * f;
+    }
+}
+
+static void
+KERNEL(lstm_backward)(npy_intp rows, npy_intp H, const T *gates, npy_intp s_gates, const T *tanh_c, npy_intp s_tc,
+                      const T *c_prev, npy_intp s_cp, const T *g_out, npy_intp s_g, T *dh, npy_intp s_dh, T *dc,
+                      npy_intp s_dc, T *d, npy_intp s_d)
+{
+    for (npy_intp r = 0; r < rows; r++) {
+        const T *a = gates + r * s_gates;
+        const T *g = g_out == NULL ? NULL : g_out + r * s_g;
+        T *dr = d + r * s_d;
+        KERNEL(lstm_backward_row)(H, a, a + H, a + 2 * H, a + 3 * H, tanh_c + r * s_tc, c_prev + r * s_cp, g,
+                                  g == NULL ? NULL : g + H, dh + r * s_dh, dc + r * s_dc, dr, dr + H, dr + 2 * H,
+                                  dr + 3 * H);
+    }
+}
