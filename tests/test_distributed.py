@@ -45,8 +45,10 @@ def passed(output: str, name: str) -> bool:
 @pytest.mark.parametrize(
     "name",
     ["initialize", "bad input", "threads", "collectives", "buckets", "synchronize",
-     "training equals one process, replicas bit-identical", "shards disjoint and covering", "loader settings",
-     "checkpoint"],
+     "training equals one process, replicas bit-identical", "overlap: training equals one process, replicas bit-identical",
+     "overlap: allreduces start in the backward pass, results as without overlap",
+     "overlap: a backward pass that raises leaves nothing pending", "overlap: replaced gradients",
+     "shards disjoint and covering", "loader settings", "checkpoint"],
 )  # fmt: skip
 def test_two_ranks(checks, name):
     assert passed(checks, name), checks[-4000:]
@@ -75,8 +77,9 @@ def test_errors_name_the_backend_and_the_devices(checks):
 
 
 @needs_mpi
-def test_a_raising_rank_ends_the_job_with_its_traceback():
-    done = run_workers("raising_rank.py", timeout=120)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_raising_rank_ends_the_job_with_its_traceback(overlap):
+    done = run_workers("raising_rank.py", *(["overlap"] if overlap else []), timeout=120)
     ended = time.time()
     assert done.returncode != 0
     assert "RuntimeError: rank 1 fails on purpose" in done.stdout and "finished" not in done.stdout

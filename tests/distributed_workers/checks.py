@@ -164,23 +164,99 @@ ps, st = lx.setup(np.random.default_rng(rank), model)
 ps, st = dist.synchronize(backend, (lx.tree.map(lambda a: a.astype(np.float64), ps), st))
 start = lx.tree.map(np.copy, ps)
 loss_fn, ad = lx.losses.MSELoss(), lx.AutoTape()
-ts = lx.TrainState(model, ps, st, dist.DistributedOptimizer(backend, lx.optim.adam(1e-2)))
-loader = dist.DistributedDataLoader(backend, (x, y), 32, seed=3)
-assert len(loader) == 1
-for _ in range(10):
-    for batch in loader:
-        assert batch[0].shape == (32, 5)
-        _, loss, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
-assert ts.step == 10
 reference = lx.TrainState(model, lx.tree.map(np.copy, start), st, lx.optim.adam(1e-2))
 for _ in range(10):
     _, _, _, reference = lx.single_train_step_(ad, loss_fn, (x, y), reference)
-for got, want in zip(lx.tree.leaves(ts.parameters), lx.tree.leaves(reference.parameters)):
-    error = np.abs(got - want).max() / np.abs(want).max()
-    assert error < 1e-10, error
-assert not np.allclose(ts.parameters["layer_1"]["weight"], start["layer_1"]["weight"])  # it trained
-assert same_on_every_rank(ts.parameters) and same_on_every_rank(ts.optimizer_state)
-say("PASS training equals one process, replicas bit-identical")
+# overlap=True with one bucket per array (bucket_bytes=1): every allreduce starts in the backward pass.
+for overlap, bucket_bytes, name in ((False, dist.DEFAULT_BUCKET_BYTES, ""), (True, 1, "overlap: ")):
+    optimizer = dist.DistributedOptimizer(backend, lx.optim.adam(1e-2), bucket_bytes=bucket_bytes, overlap=overlap)
+    ts = lx.TrainState(model, lx.tree.map(np.copy, start), st, optimizer)
+    loader = dist.DistributedDataLoader(backend, (x, y), 32, seed=3)
+    assert len(loader) == 1
+    for _ in range(10):
+        for batch in loader:
+            assert batch[0].shape == (32, 5)
+            _, loss, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
+    assert ts.step == 10
+    for got, want in zip(lx.tree.leaves(ts.parameters), lx.tree.leaves(reference.parameters)):
+        error = np.abs(got - want).max() / np.abs(want).max()
+        assert error < 1e-10, error
+    assert not np.allclose(ts.parameters["layer_1"]["weight"], start["layer_1"]["weight"])  # it trained
+    assert same_on_every_rank(ts.parameters) and same_on_every_rank(ts.optimizer_state)
+    say(f"PASS {name}training equals one process, replicas bit-identical")
+
+
+# ---- overlap: the allreduces start in the backward pass; a backward pass that raises ------------------------
+class Probe:
+    """The identity as a primitive whose VJP runs `Probe.action()` when the backward pass reaches it."""
+
+    action = staticmethod(lambda: None)
+
+
+@lx.ad.primitive
+def probe(a):
+    def vjp(g, needs):
+        Probe.action()
+        return (g,)
+
+    return a, vjp
+
+
+model = lx.Chain(lx.Dense(5, 16, activation="tanh"), lx.WrappedFunction(probe), lx.Dense(16, 8, activation="tanh"), lx.Dense(8, 3))
+ps, st = dist.synchronize(backend, lx.tree.map(lambda a: a.astype(np.float64), lx.setup(np.random.default_rng(0), model)))
+batches = [(x[32 * rank : 32 * rank + 32] * k, y[32 * rank : 32 * rank + 32]) for k in (1.0, 0.5, 2.0, 1.5)]
+
+
+def train(overlap, fail_at=None):
+    """Four steps on `batches`; with `fail_at`, the backward pass of one more step before
+    batch `fail_at` raises at the probe (on every rank), and is caught."""
+    optimizer = dist.DistributedOptimizer(backend, lx.optim.adam(1e-2), bucket_bytes=1, overlap=overlap)
+    ts = lx.TrainState(model, lx.tree.map(np.copy, ps), st, optimizer)
+    started = []
+    for i, batch in enumerate(batches):
+        if i == fail_at:
+            def fail():
+                started.append(backend.stats.calls - before)
+                raise ArithmeticError("the probe fails")
+
+            Probe.action, before = fail, backend.stats.calls
+            assert "the probe fails" in raises(ArithmeticError, lx.single_train_step_, ad, loss_fn, batch, ts)
+        Probe.action, before = (lambda: started.append(backend.stats.calls - before)), backend.stats.calls
+        _, _, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
+    Probe.action = lambda: None
+    return ts, started
+
+
+blocking, started = train(overlap=False)
+assert started == [0] * 4  # nothing travels before update
+overlapped, started = train(overlap=True)
+assert started == [4] * 4, started  # layers 3 and 4 (weights and biases, a bucket each) are on their way
+for got, want in zip(lx.tree.leaves(overlapped.parameters), lx.tree.leaves(blocking.parameters)):
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=0)
+assert same_on_every_rank(overlapped.parameters)
+say("PASS overlap: allreduces start in the backward pass, results as without overlap")
+
+# The failed step had started 4 allreduces; the next step's start runs its 2 others (on
+# whatever its buckets hold, so that every rank has started the same ones) and waits for
+# all 6: the steps after it neither hang nor see its buckets.
+recovered, started = train(overlap=True, fail_at=2)
+assert started == [4, 4, 4, 2 + 4, 4], started
+for got, want in zip(lx.tree.leaves(recovered.parameters), lx.tree.leaves(blocking.parameters)):
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=0)
+assert same_on_every_rank(recovered.parameters)
+say("PASS overlap: a backward pass that raises leaves nothing pending")
+
+# Gradients replaced between compute_gradients and apply_gradients are averaged as they come.
+for overlap in (False, True):
+    optimizer = dist.DistributedOptimizer(backend, lx.optim.sgd(0.1), bucket_bytes=1, overlap=overlap)
+    ts = lx.TrainState(model, lx.tree.map(np.copy, ps), st, optimizer)
+    grads, _, _, ts = lx.compute_gradients(ad, loss_fn, batches[0], ts)
+    ts = lx.apply_gradients(ts, lx.tree.map(lambda g: 2.0 * g, grads))
+    if overlap:
+        np.testing.assert_allclose(ts.parameters["layer_1"]["weight"], doubled, rtol=1e-13, atol=0)
+    doubled = ts.parameters["layer_1"]["weight"]
+say("PASS overlap: replaced gradients")
+
 
 # ---- shards: disjoint, covering ------------------------------------------------------------------------
 samples = np.arange(70)

@@ -1,6 +1,7 @@
 """Rank 1 raises inside its third training step while rank 0 goes on into the gradients'
-allreduce: under ``python -m mpi4py`` the job must end, with rank 1's traceback. Prints
-the time of the raise, for the test to measure how long the job outlived it."""
+allreduce (``raising_rank.py overlap``: its non-blocking allreduces, started in the
+backward pass): under ``python -m mpi4py`` the job must end, with rank 1's traceback.
+Prints the time of the raise, for the test to measure how long the job outlived it."""
 
 import sys
 import time
@@ -13,7 +14,8 @@ from luxnn import distributed as dist
 backend = dist.initialize("mpi")
 model = lx.Dense(4, 2)
 ps, st = dist.synchronize(backend, lx.setup(np.random.default_rng(0), model))
-ts = lx.TrainState(model, ps, st, dist.DistributedOptimizer(backend, lx.optim.sgd(0.1)))
+overlap = sys.argv[1:] == ["overlap"]
+ts = lx.TrainState(model, ps, st, dist.DistributedOptimizer(backend, lx.optim.sgd(0.1), overlap=overlap))
 mse = lx.losses.MSELoss()
 steps = 0
 

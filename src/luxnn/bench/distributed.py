@@ -21,6 +21,10 @@ Steps (each the same on every rank; gradients and data are zeros or fixed draws)
   pack, allreduce, unpack (average) as one step does, in an allocator cache;
 - ``mlp-ranks``: the suite's MLP step (``training/mlp``) on each rank's share of its batch
   with `DistributedOptimizer`; ``mlp-whole``: the plain step on the whole batch;
+- ``mlp-buckets``, ``mlp-overlap``: ``mlp-ranks`` with 256 KiB buckets (two: the second
+  layer's gradients and the first layer's bias, then the first layer's weight), without
+  and with ``overlap=True``; ``mlp-local``: the share's step with the plain optimizer,
+  the computation without any communication;
 - ``mlp-allreduce``: the MLP's gradients through `GradientBuckets.average`, i.e. the
   communication of one ``mlp-ranks`` step; ``noop``: nothing.
 """
@@ -88,12 +92,19 @@ def _mlp_share(backend: Any) -> tuple[Any, tuple]:
     return mlp, (x[lo : lo + share], y[lo : lo + share])
 
 
-def _mlp_ranks(backend: Any) -> Callable[[], None]:
+OVERLAP_BUCKET_BYTES = 256 << 10
+
+
+def _mlp_share_step(backend: Any, distributed: bool, **options: Any) -> Callable[[], None]:
+    """The MLP step on this rank's share, with `DistributedOptimizer(**options)` or, if not
+    `distributed`, the plain optimizer."""
     import luxnn as lx
     from luxnn import distributed as dist
 
     mlp, data = _mlp_share(backend)
-    optimizer = dist.DistributedOptimizer(backend, lx.optim.sgd(mlp.lr))
+    optimizer = lx.optim.sgd(mlp.lr)
+    if distributed:
+        optimizer = dist.DistributedOptimizer(backend, optimizer, **options)
     return models.luxnn_train_step(models.luxnn_mlp(mlp.sizes), optimizer, lx.losses.CrossEntropyLoss(), data, "default")
 
 
@@ -123,7 +134,10 @@ STEPS: dict[str, Callable[[Any], Callable[[], None]]] = {
     "allreduce-raw": _allreduce_raw,
     "allreduce-bucket": _allreduce_bucket,
     "allreduce-update": _allreduce_update,
-    "mlp-ranks": _mlp_ranks,
+    "mlp-ranks": lambda backend: _mlp_share_step(backend, True),
+    "mlp-buckets": lambda backend: _mlp_share_step(backend, True, bucket_bytes=OVERLAP_BUCKET_BYTES),
+    "mlp-overlap": lambda backend: _mlp_share_step(backend, True, bucket_bytes=OVERLAP_BUCKET_BYTES, overlap=True),
+    "mlp-local": lambda backend: _mlp_share_step(backend, False),
     "mlp-whole": _mlp_whole,
     "mlp-allreduce": _mlp_allreduce,
     "noop": lambda backend: lambda: None,

@@ -113,6 +113,9 @@ def _distributed() -> list[Group]:
         Group(mlp, (
             row(mlp, "2 ranks, batch split", 2, "mlp-ranks"),
             row(mlp, "2 ranks, gradient allreduce", 2, "mlp-allreduce"),
+            row(mlp, "2 ranks, 256 KiB buckets", 2, "mlp-buckets"),
+            row(mlp, "2 ranks, 256 KiB buckets, overlap", 2, "mlp-overlap"),
+            row(mlp, "2 ranks, no allreduce", 2, "mlp-local"),
             row(mlp, "1 process, whole batch", 1, "mlp-whole"),
             row(mlp, "round trip, 2 ranks", 2, "noop"),
             row(mlp, "round trip, 1 process", 1, "noop"),
