@@ -29,8 +29,10 @@ def test_gradients_and_parameters_kept_from_a_step_keep_their_values(verb):
     for k in range(3):
         grads, _, _, ts = verb(AD, loss, _batch(k), ts)
     kept_grads = grads
-    kept_params = ts.parameters if verb is lx.single_train_step else lx.tree.map(np.copy, ts.parameters)
-    kept_opt = ts.optimizer_state
+    # The in-place verb writes the parameters and the optimizer's moments by contract: keep copies.
+    kept_params, kept_opt = ts.parameters, ts.optimizer_state
+    if verb is lx.single_train_step_:
+        kept_params, kept_opt = lx.tree.map(np.copy, (kept_params, kept_opt))
     snapshot = lx.tree.map(np.copy, (kept_grads, kept_params, kept_opt))
     for k in range(50):
         _, _, _, ts = verb(AD, loss, _batch(100 + k), ts)

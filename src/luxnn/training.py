@@ -158,9 +158,13 @@ def _compute_gradients(objective: Objective, data: Any, ts: TrainState) -> tuple
     return grads, loss, stats, ts.replace(states=states)
 
 
-def _apply_gradients(ts: TrainState, grads: Any, apply: Callable[[Any, Any], Any]) -> TrainState:
+def _apply_gradients(ts: TrainState, grads: Any, in_place: bool) -> TrainState:
+    if in_place:
+        opt_state = optim.update_and_apply_(ts.optimizer, grads, ts.optimizer_state, ts.parameters)
+        return ts.replace(optimizer_state=opt_state, step=ts.step + 1)
     updates, opt_state = ts.optimizer.update(grads, ts.optimizer_state, ts.parameters)
-    return ts.replace(parameters=apply(ts.parameters, updates), optimizer_state=opt_state, step=ts.step + 1)
+    return ts.replace(parameters=optim.apply_updates(ts.parameters, updates), optimizer_state=opt_state,
+                      step=ts.step + 1)
 
 
 def compute_gradients(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
@@ -175,15 +179,23 @@ def compute_gradients(ad: AutoTape, objective: Objective, data: Any, ts: TrainSt
 
 def apply_gradients(ts: TrainState, grads: Any) -> TrainState:
     """One optimizer update with `grads`; returns a new `TrainState` with new parameter
-    arrays (the old ones are left untouched)."""
+    and optimizer-state arrays (optax's pure update: `ts` is left untouched and stays
+    valid, e.g. for a retried step)."""
     with step(ts.allocator_cache, begins=False):
-        return _apply_gradients(ts, grads, optim.apply_updates)
+        return _apply_gradients(ts, grads, False)
 
 
 def apply_gradients_(ts: TrainState, grads: Any) -> TrainState:
-    """One optimizer update with `grads`, written into the parameter arrays in place."""
+    """One optimizer update with `grads`, written in place: the updates are added into the
+    parameter arrays and the optimizer's moments are updated in their arrays
+    (`luxnn.optim.update_and_apply_`), with the numbers of `apply_gradients`.
+
+    It consumes `ts`: use the returned `TrainState` from then on (`ts`, and every copy
+    sharing its arrays, such as ``ts.replace(...)``, sees the new values). `grads` are not
+    written. Bad input (gradients that do not match the parameters, a read-only
+    parameter) raises `ValueError` before anything is written."""
     with step(ts.allocator_cache, begins=False):
-        return _apply_gradients(ts, grads, optim.apply_updates_)
+        return _apply_gradients(ts, grads, True)
 
 
 def single_train_step(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
@@ -191,12 +203,13 @@ def single_train_step(ad: AutoTape, objective: Objective, data: Any, ts: TrainSt
     _check_ad(ad)
     with step(ts.allocator_cache):
         grads, loss, stats, ts = _compute_gradients(objective, data, ts)
-        return grads, loss, stats, _apply_gradients(ts, grads, optim.apply_updates)
+        return grads, loss, stats, _apply_gradients(ts, grads, False)
 
 
 def single_train_step_(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
-    """`compute_gradients` then `apply_gradients_` (parameters updated in place)."""
+    """`compute_gradients` then `apply_gradients_`: parameters and optimizer state updated
+    in place, `ts` consumed (see `apply_gradients_`)."""
     _check_ad(ad)
     with step(ts.allocator_cache):
         grads, loss, stats, ts = _compute_gradients(objective, data, ts)
-        return grads, loss, stats, _apply_gradients(ts, grads, optim.apply_updates_)
+        return grads, loss, stats, _apply_gradients(ts, grads, True)

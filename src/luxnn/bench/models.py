@@ -371,10 +371,12 @@ class LSTM:
 
 @dataclass(frozen=True)
 class OptimAdam:
-    """``optim/adam``: one Adam update (``update`` then ``apply_updates_``) over the
-    parameter tree of ``training/transformer`` with fixed float32 gradients; the peer is the
-    same update as a hand-written per-leaf NumPy loop (moments updated in place, one scratch
-    buffer per leaf, no allocation), and the same loop under optax's contract; the wrapped variants put the same Adam inside
+    """``optim/adam``: one Adam update over the parameter tree of ``training/transformer``
+    with fixed float32 gradients, as the in-place verb ``apply_gradients_`` runs it (no
+    allocator cache, as the peer); the peer is the same update as a hand-written per-leaf
+    NumPy loop (moments updated in place, one scratch buffer per leaf, no allocation).
+    ``functional=True``: optax's pure ``update`` then ``apply_updates_``, whose peer is the
+    same loop under optax's contract. The wrapped variants put the same Adam inside
     ``masked`` (every leaf selected), ``multi_transform`` (two groups, matrices and the
     rest) and ``inject_hyperparams``."""
 
@@ -399,9 +401,17 @@ class OptimAdam:
             return optim.inject_hyperparams(optim.adam)(learning_rate=self.lr)
         raise ValueError(f"OptimAdam: unknown wrapper {wrapper!r}")
 
-    def luxnn(self, wrapper: str = "adam") -> Step:
+    def luxnn(self, wrapper: str = "adam", functional: bool = False) -> Step:
         ps, grads = self.tree()
         opt = self.optimizer(wrapper)
+        if not functional:
+            ts = lx.TrainState(self.transformer.luxnn_model(), ps, {}, opt, allocator_cache=None)
+
+            def step_() -> None:
+                nonlocal ts
+                ts = lx.apply_gradients_(ts, grads)
+
+            return step_
         state = opt.init(ps)
 
         def step() -> None:

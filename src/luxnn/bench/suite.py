@@ -15,10 +15,11 @@ A `Group` is set up once in a process and its variants are timed in interleaved 
   smaller sizes (their rows are never compared with the full ones);
 - ``distributed/allreduce-25MiB (...)`` and ``distributed/mlp (...)``: steps run in the
   ranks of an ``mpiexec`` job through a proxy (`distributed` says how, and what each row runs);
-- ``optim/adam (luxnn)``, ``(numpy by hand)``, ``(numpy by hand, pure)``, ``(masked)``,
-  ``(multi_transform)``, ``(inject_hyperparams)``: one Adam update over the transformer
-  row's parameter tree, the hand-written loop in place and under optax's contract, and the
-  same Adam inside each wrapper (``optim/adam-quick``: the quick tree);
+- ``optim/adam (luxnn)``, ``(numpy by hand)``, ``(luxnn, functional)``, ``(numpy by hand,
+  pure)``, ``(masked)``, ``(multi_transform)``, ``(inject_hyperparams)``: one Adam update
+  over the transformer row's parameter tree as ``apply_gradients_`` runs it, the
+  hand-written loop in place, optax's pure update and the loop under its contract, and the
+  same Adam inside each wrapper, in place (``optim/adam-quick``: the quick tree);
 - ``time_to_load``: ``import luxnn`` in a fresh process, one per round (at least 5).
 """
 
@@ -91,6 +92,7 @@ def _optim(model: models.OptimAdam, suffix: str) -> Group:
     name = f"optim/adam{suffix}"
     variants = [Variant(f"{name} (luxnn)", lambda _cache: model.luxnn(), "wrapped"),
                 Variant(f"{name} (numpy by hand)", lambda _cache: model.numpy(), "wrapped"),
+                Variant(f"{name} (luxnn, functional)", lambda _cache: model.luxnn(functional=True), "wrapped"),
                 Variant(f"{name} (numpy by hand, pure)", lambda _cache: model.numpy(pure=True), "wrapped")]
     variants += [Variant(f"{name} ({w})", lambda _cache, w=w: model.luxnn(w), "wrapped")
                  for w in ("masked", "multi_transform", "inject_hyperparams")]

@@ -26,7 +26,11 @@ Conventions the rest of luxnn relies on:
   array module (NumPy or CuPy) and stay arrays inside `update` (never a Python int: no host
   round trip per step on a GPU), so the whole state saves and loads as a pytree of arrays.
 - `update` is pure: it returns new update and moment arrays and never writes into `grads`,
-  `params` or the old state (an old state stays valid, e.g. for a retried step).
+  `params` or the old state (an old state stays valid, e.g. for a retried step). Its
+  in-place twin `GradientTransformation.update_` gives the same numbers but writes the new
+  moments into the old state's arrays (the state is consumed); `update_and_apply_` also
+  adds each leaf's update into its parameter as soon as it is computed. The in-place
+  training verbs (`apply_gradients_`, `single_train_step_`) run it; the others run `update`.
 - Arithmetic runs in at least float32 and updates come back in the gradient's dtype, so
   float16 parameters keep float32 moments. Scalars enter as Python floats, so under NEP 50
   float32 arrays stay float32.

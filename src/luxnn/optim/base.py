@@ -21,7 +21,7 @@ from luxnn.backend import module_of
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "EmptyState",
-    "apply_updates", "apply_updates_", "incremental_update", "periodic_update", "global_norm",
+    "apply_updates", "apply_updates_", "update_and_apply_", "incremental_update", "periodic_update", "global_norm",
     "identity", "set_to_zero", "chain",
 ]  # fmt: skip
 
@@ -36,6 +36,9 @@ class GradientTransformation(NamedTuple):
     """An optimiser: ``init(params) -> opt_state`` and
     ``update(grads, opt_state, params=None) -> (updates, opt_state)``.
 
+    `update` is optax's pure function: it never writes into `grads`, `params` or
+    `opt_state`. `update_` is its in-place twin, for loops that consume their state.
+
     >>> import numpy as np
     >>> from luxnn import optim
     >>> opt = optim.sgd(0.1)
@@ -48,6 +51,30 @@ class GradientTransformation(NamedTuple):
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
 
+    def update_(self, grads: Updates, opt_state: OptState, params: Params = None) -> tuple[Updates, OptState]:
+        """`update` with the same numbers, but free to write the new state into the arrays
+        of `opt_state`, which it consumes: afterwards only the returned state is valid
+        (the old one, and every copy sharing its arrays, may hold new values). It never
+        writes into `grads` or `params`; the updates may share memory with the new state,
+        so use them before the next update. If it raises, `opt_state` may be partly
+        updated (`update_and_apply_` checks its input before anything is written).
+
+        The building blocks, `chain` and the wrappers of `luxnn.optim` update their
+        moments in place; a transformation that has no in-place update (one written as
+        ``GradientTransformation(init_fn, update_fn)``) runs its `update`.
+
+        >>> import numpy as np
+        >>> from luxnn import optim
+        >>> opt = optim.adam(0.1)
+        >>> state = opt.init({"w": np.zeros(2)})
+        >>> mu = state[0].mu["w"]
+        >>> updates, state = opt.update_({"w": np.ones(2)}, state)
+        >>> state[0].mu["w"] is mu, mu
+        (True, array([0.1, 0.1]))
+        """
+        in_place = getattr(getattr(self.update, "__self__", None), "update_in_place", None)
+        return (in_place or self.update)(grads, opt_state, params)
+
 
 class EmptyState(NamedTuple):
     """The state of a transformation that remembers nothing."""
@@ -59,25 +86,113 @@ def transformation(stage: Any) -> GradientTransformation:
     return GradientTransformation(stage.init, stage.update)
 
 
-class Stateless:
-    """Base of the stages that remember nothing: `init` returns `EmptyState`."""
-
-
-# Stages may take part in two protocols of `chain`, which save arrays and passes over
-# memory (a chain's updates are its own until it returns them; the results are those of
-# the stages one after the other):
+# Stages may take part in three protocols, which save arrays and passes over memory (a
+# chain's updates are its own until it returns them; the results are those of the stages
+# one after the other):
+# - ``update_in_place(grads, state, params)``: as ``update``, with the new state written
+#   into the arrays of `state` where they can be (`out_buffer`); what
+#   `GradientTransformation.update_` calls. `chain` and the wrappers forward it to their
+#   inner transformations (`InPlace` gives a stage both from one ``compute``).
+# - ``update_into(grads, state, params, into) -> new_state``: as ``update_in_place``, with
+#   each leaf's update added into ``into[i]`` (the parameters' arrays, in leaf order)
+#   instead of returned, as soon as it is computed: one leaf's update is alive at a time,
+#   and a block may compute every leaf in one `Workspace`. What `update_and_apply_` runs.
 # - ``fresh_updates = True``: the stage's updates are arrays it has just made, held by
 #   nothing else (not the gradients, not a buffer of its state);
 #   ``update_owned(updates, state, params)``: as ``update``, and free to write into
 #   `updates`; `chain` calls it after a stage with fresh updates.
 # - ``folded_factor(state) -> (factor, new_state)``: a stage that only multiplies the
-#   updates by a scalar (a learning rate); ``update_scaled(grads, state, params, factor)``:
-#   as ``update`` with the updates multiplied by `factor`, folded into its last product.
-#   `chain` folds the first into the second when they follow each other (Adam's
-#   direction and the learning rate: one pass over memory fewer per leaf).
+#   updates by a scalar (a learning rate);
+#   ``update_scaled(grads, state, params, factor, in_place, into)``: as ``compute`` with
+#   the updates multiplied by `factor`, folded into its last product. `chain` folds the first
+#   into the second when they follow each other (Adam's direction and the learning rate:
+#   one pass over memory fewer per leaf).
+
+
+class Stateless:
+    """Base of the stages that remember nothing: `init` returns `EmptyState` (so their
+    in-place update is their update)."""
 
     def init(self, params: Params) -> EmptyState:
         return EmptyState()
+
+
+class InPlace:
+    """Base of the stages that can write their new state into the old state's arrays:
+    they define ``compute(grads, state, params, in_place, into=None)``, which is
+    ``update`` with ``in_place=False`` (pure, as optax), ``update_in_place`` with True,
+    and ``update_into`` with `into` given (it then returns None for the updates it added,
+    or the updates, which are then added here)."""
+
+    def compute(self, grads: Updates, state: OptState, params: Params, in_place: bool,
+                into: list | None = None) -> tuple[Updates, OptState]:
+        raise NotImplementedError
+
+    def update(self, grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
+        return self.compute(grads, state, params, False)
+
+    def update_in_place(self, grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
+        return self.compute(grads, state, params, True)
+
+    def update_into(self, grads: Updates, state: OptState, params: Params, into: list) -> OptState:
+        updates, state = self.compute(grads, state, params, True, into)
+        if updates is not None:
+            add_into(into, updates, grads)
+        return state
+
+
+def update_into(transformation: GradientTransformation, grads: Updates, state: OptState, params: Params,
+                into: list) -> OptState:
+    """`transformation`'s in-place update with its updates added into `into` (arrays, one
+    per leaf of `grads`); returns the new state. Transformations without ``update_into``
+    run `GradientTransformation.update_`, and their updates are added after."""
+    stage_into = getattr(getattr(transformation.update, "__self__", None), "update_into", None)
+    if stage_into is not None:
+        return stage_into(grads, state, params, into)
+    updates, state = transformation.update_(grads, state, params)
+    add_into(into, updates, grads)
+    return state
+
+
+def add_into(into: list, updates: Updates, like: Any) -> None:
+    """``into[i] += leaf i of updates``, once every leaf is checked (`updates` shaped as
+    `like`, each array of `into` able to take its update in place)."""
+    for target, u in _in_place_pairs("update_into", like, into, updates, "updates"):
+        target += u
+
+
+class Workspace:
+    """The scratch of each leaf in turn, when each leaf's update is added into its
+    parameter before the next is computed (``update_into``): one flat buffer per compute
+    dtype, as large as the largest array of `like` (the parameters), made on first use."""
+
+    def __init__(self, like: list) -> None:
+        self.size = max((a.size for a in like), default=0)
+        self.buffers: dict = {}
+        self.views: dict = {}
+
+    def __call__(self, like: Any) -> Any:
+        """A scratch array of `like`'s shape and dtype (a view of the buffer: its contents
+        are those of the previous leaf's scratch)."""
+        key = (like.dtype, like.shape)
+        view = self.views.get(key)
+        if view is None:
+            buffer = self.buffers.get(like.dtype)
+            if buffer is None:
+                buffer = self.buffers[like.dtype] = module_of(like).empty(self.size, like.dtype)
+            view = self.views[key] = buffer[: like.size].reshape(like.shape)
+        return view
+
+
+def out_buffer(old: Any, in_place: bool, otherwise: Any = None) -> Any:
+    """The ``out=`` of a new state leaf: `old` itself when an in-place update may overwrite
+    it (a writable array: CuPy's flags have no ``writeable``), else `otherwise` (None: a
+    new array)."""
+    if in_place:
+        flags = getattr(old, "flags", None)
+        if flags is not None and getattr(flags, "writeable", True):
+            return old
+    return otherwise
 
 
 # ----------------------------------------------------------------------------------------
@@ -142,9 +257,14 @@ def scalar_as(value: Any, dtype: Any) -> Any:
     return value.astype(dtype)
 
 
-def leafwise(fn: Callable[..., tuple], first: Any, *others: Any, outputs: int) -> tuple:
+def leafwise(fn: Callable[..., tuple], first: Any, *others: Any, outputs: int, into: list | None = None) -> tuple:
     """Apply `fn` to matching leaves of `first` and `others` (same structure, checked by the
     caller) and return its `outputs` results as trees shaped like `first`.
+
+    With `into` (arrays, one per leaf), each leaf's first result, its update, is added into
+    ``into[i]`` as soon as it is made and not kept: the first tree returned is then None.
+    Result k (k >= 1) whose leaves are all those of ``others[k - 1]`` (a state written in
+    place) comes back as that very tree, not rebuilt.
 
     0-d leaves are passed to `fn` as 1-element arrays and come back 0-d: NumPy turns the
     result of an operation on 0-d arrays into a scalar, which cannot be written into with
@@ -153,14 +273,37 @@ def leafwise(fn: Callable[..., tuple], first: Any, *others: Any, outputs: int) -
     leaves = tree.leaves(first)
     other_leaves = [tree.leaves(o) for o in others]
     results = []
-    for args in zip(leaves, *other_leaves):
+    for i, args in enumerate(zip(leaves, *other_leaves)):
         if getattr(args[0], "ndim", None) == 0:
-            out = fn(*(a.reshape(1) if hasattr(a, "reshape") else a for a in args))
-            results.append(tuple(r.reshape(()) for r in out))
+            views = tuple(a.reshape(1) if hasattr(a, "reshape") else a for a in args)
+            result = tuple(_unviewed(r, views, args) for r in fn(*views))
         else:
-            results.append(fn(*args))
+            result = fn(*args)
+        if into is not None:
+            into[i] += result[0]
+            result = (None, *result[1:])
+        results.append(result)
     columns = list(zip(*results)) if results else [()] * outputs
-    return tuple(shaped_like(first, column) for column in columns)
+    trees = [None if k == 0 and into is not None else _tree_of(first, column, others, other_leaves, k)
+             for k, column in enumerate(columns)]
+    return tuple(trees)
+
+
+def _tree_of(template: Any, column: tuple, others: tuple, other_leaves: list, k: int) -> Any:
+    """`leafwise`'s result k: ``others[k - 1]`` when `column` holds its very leaves, else a
+    tree of `template`'s structure holding `column`."""
+    if 0 < k <= len(others) and all(map(operator.is_, column, other_leaves[k - 1])):
+        return others[k - 1]
+    return shaped_like(template, column)
+
+
+def _unviewed(result: Any, views: tuple, args: tuple) -> Any:
+    """A 0-d result of `leafwise`: the argument itself when `result` is its 1-element view
+    (written in place), else `result` reshaped to 0-d."""
+    for view, arg in zip(views, args):
+        if result is view:
+            return arg
+    return result.reshape(())
 
 
 def shaped_like(template: Any, leaves: Any) -> Any:
@@ -181,14 +324,18 @@ def map_arrays(fn: Callable[..., Any], first: Any, *others: Any) -> Any:
 
 def check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.inf,
                 low_open: bool = False, high_open: bool = False) -> float:
-    """`value` as a Python float, or a ValueError naming `name` and the allowed range."""
+    """`value` as a finite Python float, or a ValueError naming `name` and the allowed
+    range (an infinite or NaN hyperparameter is never meant: it turns every update into
+    inf or NaN)."""
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a real number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     too_low = number <= low if low_open else number < low
     too_high = number >= high if high_open else number > high
-    if math.isnan(number) or too_low or too_high:
+    if too_low or too_high:
         left = "(" if low_open else "["
         right = ")" if high_open or high == math.inf else "]"
         raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")
@@ -318,15 +465,49 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
     >>> apply_updates_({"w": w}, {"w": np.full(2, -0.5)})["w"] is w
     True
     """
-    check_match(params, "params", updates, "updates")
-    pairs = list(zip(tree.leaves(params), tree.leaves(updates)))
+    for p, u in _in_place_pairs("apply_updates_", params, tree.leaves(params), updates, "updates"):
+        p += u
+    return params
+
+
+def _in_place_pairs(who: str, params: Params, targets: list, updates: Updates, updates_name: str) -> list:
+    """The (target, update) leaf pairs (`targets`: the arrays of `params`, or of a tree
+    shaped as them), once every target is checked to take its update in place; else a
+    ValueError naming `who` and the first path that cannot."""
+    check_match(params, "params", updates, updates_name)
+    pairs = list(zip(targets, tree.leaves(updates)))
     for i, (p, u) in enumerate(pairs):
         problem = _in_place_problem(p, u)
         if problem:
-            raise ValueError(f"apply_updates_: the parameter at '{tree.paths(params)[i][0]}' {problem}; nothing was updated")
-    for p, u in pairs:
-        p += u
-    return params
+            raise ValueError(f"{who}: the parameter at '{tree.paths(params)[i][0]}' {problem}; nothing was updated")
+    return pairs
+
+
+def update_and_apply_(optimizer: GradientTransformation, grads: Updates, opt_state: OptState,
+                      params: Params) -> OptState:
+    """One update of `optimizer` added into `params` in place, its state updated in place
+    (`GradientTransformation.update_`); returns the new optimizer state. The numbers are
+    those of ``apply_updates_(params, optimizer.update(grads, opt_state, params)[0])``.
+
+    `opt_state` is consumed (see `update_`). Each leaf's update is added into its
+    parameter as soon as it is computed (the building blocks, `chain` and the wrappers:
+    one leaf's update is alive at a time), so no tree of updates is made. `grads` are
+    checked against `params` first (structure, shapes, writable parameters, dtypes), so
+    bad input raises `ValueError` with the parameters and `opt_state` as they were. This
+    is what the in-place training verbs (`luxnn.apply_gradients_`,
+    `luxnn.single_train_step_`) run.
+
+    >>> import numpy as np
+    >>> from luxnn import optim
+    >>> params = {"w": np.ones(2)}
+    >>> opt = optim.sgd(0.5)
+    >>> state = update_and_apply_(opt, {"w": np.ones(2)}, opt.init(params), params)
+    >>> params["w"]
+    array([0.5, 0.5])
+    """
+    targets = tree.leaves(params)
+    _in_place_pairs("update_and_apply_", params, targets, grads, "grads")  # updates have the gradients' dtypes
+    return update_into(optimizer, grads, opt_state, params, targets)
 
 
 def _in_place_problem(p: Any, u: Any) -> str | None:
@@ -425,14 +606,15 @@ def set_to_zero() -> GradientTransformation:
     return transformation(_SetToZero())
 
 
-class _Chain:
+class _Chain(InPlace):
     def __init__(self, transforms: tuple[GradientTransformation, ...]) -> None:
         self.transforms = transforms
 
     def init(self, params: Params) -> tuple:
         return tuple(t.init(params) for t in self.transforms)
 
-    def update(self, grads: Updates, state: tuple, params: Params = None) -> tuple[Updates, tuple]:
+    def compute(self, grads: Updates, state: tuple, params: Params, in_place: bool,
+                into: list | None = None) -> tuple[Updates, tuple]:
         transforms = self.transforms
         if not isinstance(state, tuple) or len(state) != len(transforms):
             size = len(state) if isinstance(state, tuple) else type(state).__name__
@@ -440,17 +622,23 @@ class _Chain:
         stages = [getattr(t.update, "__self__", None) for t in transforms]
         new_states: list = []
         owned = False  # whether `grads` are arrays the previous stage made and nothing else holds
-        i = 0
-        while i < len(transforms):
-            stage, follower = stages[i], stages[i + 1] if i + 1 < len(stages) else None
+        i, n = 0, len(transforms)
+        while i < n:
+            stage, follower = stages[i], stages[i + 1] if i + 1 < n else None
+            owned_update = getattr(stage, "update_owned", None) if owned else None
             if hasattr(stage, "update_scaled") and hasattr(follower, "folded_factor"):
                 factor, follower_state = follower.folded_factor(state[i + 1])
-                grads, s = stage.update_scaled(grads, state[i], params, factor)
+                last = into if i + 2 == n else None
+                grads, s = stage.update_scaled(grads, state[i], params, factor, in_place, last)
                 new_states += [s, follower_state]
                 i += 2
+            elif into is not None and i + 1 == n and owned_update is None:  # the last stage adds its updates
+                new_states.append(update_into(transforms[i], grads, state[i], params, into))
+                grads = None
+                i += 1
             else:
-                in_place = getattr(stage, "update_owned", None) if owned else None
-                grads, s = (in_place or transforms[i].update)(grads, state[i], params)
+                t = transforms[i]
+                grads, s = (owned_update or (t.update_ if in_place else t.update))(grads, state[i], params)
                 new_states.append(s)
                 i += 1
             owned = getattr(stages[i - 1], "fresh_updates", False)

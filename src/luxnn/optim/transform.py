@@ -4,9 +4,11 @@ docstring says otherwise).
 
 Every block computes in at least float32 (`base.compute_dtype`), keeps its moments in that
 dtype and returns updates in the gradient's dtype, so float16 parameters train without
-their moments underflowing. A block returns new arrays and never writes into `grads`,
-`params` or the old state; temporaries are combined in place (``out=``) on arrays the block
-has just made. Step counts stay 0-d arrays: bias corrections and schedules are computed
+their moments underflowing. A block's `update` returns new arrays and never writes into
+`grads`, `params` or the old state; temporaries are combined in place (``out=``) on arrays
+the block has just made. Its in-place update (`GradientTransformation.update_`) runs the
+same operations in the same order with the old moments as the ``out=`` of the new ones,
+so the two agree bit for bit. Step counts stay 0-d arrays: bias corrections and schedules are computed
 from them as arrays, with no Python int made of the count (no host round trip on a GPU;
 `add_noise` alone reads it, to seed NumPy's generator on the host).
 """
@@ -22,9 +24,10 @@ from luxnn import tree
 from luxnn.backend import module_of
 
 from .base import (
-    EmptyState, GradientTransformation, Params, ScalarOrSchedule, Schedule, Stateless, Updates,
-    cast_like, check_decay, global_norm, check_float, check_learning_rate, check_match, check_params, compute_dtype,
-    identity, leafwise, map_arrays, next_count, scalar_as, transformation, upcast, zero_count, zeros_for, zeros_like_tree,
+    EmptyState, GradientTransformation, InPlace, Params, ScalarOrSchedule, Schedule, Stateless, Updates, Workspace,
+    cast_like, check_decay, global_norm, check_float, check_learning_rate, check_match, check_params, check_steps,
+    compute_dtype, identity, leafwise, map_arrays, next_count, out_buffer, scalar_as, transformation, upcast,
+    zero_count, zeros_for, zeros_like_tree,
 )  # fmt: skip
 
 __all__ = [
@@ -145,20 +148,22 @@ class ZeroNansState(NamedTuple):
 # Leaf arithmetic shared by the blocks (arguments in the compute dtype)
 
 
-def _moment(g: Any, m: Any, decay: float, scratch: Any = None) -> Any:
-    """``decay * m + (1 - decay) * g`` as a new array (`scratch`, if given, is overwritten)."""
+def _moment(g: Any, m: Any, decay: float, scratch: Any = None, out: Any = None) -> Any:
+    """``decay * m + (1 - decay) * g`` into `out` (None: a new array; it may be `m`);
+    `scratch`, if given, is overwritten."""
     xp = module_of(m)
-    out = xp.multiply(m, decay)
+    out = xp.multiply(m, decay, out=out)
     out += xp.multiply(g, 1.0 - decay, out=scratch)
     return out
 
 
-def _moment_of_squares(g: Any, v: Any, decay: float, scratch: Any = None) -> Any:
-    """``decay * v + (1 - decay) * g**2`` as a new array (`scratch`, if given, is overwritten)."""
+def _moment_of_squares(g: Any, v: Any, decay: float, scratch: Any = None, out: Any = None) -> Any:
+    """``decay * v + (1 - decay) * g**2`` into `out` (None: a new array; it may be `v`);
+    `scratch`, if given, is overwritten."""
     xp = module_of(v)
     square = xp.multiply(g, g, out=scratch)
     square *= 1.0 - decay
-    out = xp.multiply(v, decay)
+    out = xp.multiply(v, decay, out=out)
     out += square
     return out
 
@@ -201,6 +206,11 @@ def _mu_hat(mu: Any, g: Any, a: Any, b: Any) -> Any:
     if b is not None:
         out += module_of(g).multiply(g, b)
     return out
+
+
+def _no_buffer(like: Any) -> None:
+    """The ``out=`` of a scratch array outside a `Workspace`: None, a new array."""
+    return None
 
 
 def _correction(decay: float, count: Any) -> Any:
@@ -322,20 +332,21 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule | None, *, flip_sign:
 # Momentum and averages
 
 
-class _Trace:
+class _Trace(InPlace):
     def __init__(self, decay: float, nesterov: bool) -> None:
         self.decay, self.nesterov = decay, nesterov
 
     def init(self, params: Params) -> TraceState:
         return TraceState(trace=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: TraceState, params: Params = None) -> tuple[Updates, TraceState]:
+    def compute(self, grads: Updates, state: TraceState, params: Params, in_place: bool,
+                into: list | None = None) -> tuple[Updates, TraceState]:
         check_match(state.trace, "the optimizer state (momentum)", grads, "grads")
         decay, nesterov = self.decay, self.nesterov
 
         def leaf(g: Any, t: Any) -> tuple[Any, Any]:
             gc = upcast(g)
-            new = t * decay
+            new = module_of(t).multiply(t, decay, out=out_buffer(t, in_place))
             new += gc
             if not nesterov:
                 return cast_like(new, g), new
@@ -343,7 +354,7 @@ class _Trace:
             out += gc
             return cast_like(out, g), new
 
-        updates, traces = leafwise(leaf, grads, state.trace, outputs=2)
+        updates, traces = leafwise(leaf, grads, state.trace, outputs=2, into=into)
         return updates, TraceState(trace=traces)
 
 
@@ -359,24 +370,25 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     return transformation(_Trace(check_float("trace: decay", decay), bool(nesterov)))
 
 
-class _Ema:
+class _Ema(InPlace):
     def __init__(self, decay: float, debias: bool) -> None:
         self.decay, self.debias = decay, debias
 
     def init(self, params: Params) -> EmaState:
         return EmaState(count=zero_count(params), ema=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: EmaState, params: Params = None) -> tuple[Updates, EmaState]:
+    def compute(self, grads: Updates, state: EmaState, params: Params, in_place: bool,
+                into: list | None = None) -> tuple[Updates, EmaState]:
         check_match(state.ema, "the optimizer state (ema)", grads, "grads")
         count = next_count(state.count)
         decay, correction = self.decay, _correction(self.decay, count) if self.debias else None
 
         def leaf(g: Any, e: Any) -> tuple[Any, Any]:
-            new = _moment(upcast(g), e, decay)
+            new = _moment(upcast(g), e, decay, out=out_buffer(e, in_place))
             out = new if correction is None else new * scalar_as(correction, new.dtype)
             return cast_like(out, g), new
 
-        updates, averages = leafwise(leaf, grads, state.ema, outputs=2)
+        updates, averages = leafwise(leaf, grads, state.ema, outputs=2, into=into)
         return updates, EmaState(count=count, ema=averages)
 
 
@@ -396,7 +408,7 @@ def ema(decay: float, debias: bool = True) -> GradientTransformation:
 # Adam and its family
 
 
-class _ScaleByAdam:
+class _ScaleByAdam(InPlace):
     fresh_updates = True
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
@@ -405,25 +417,28 @@ class _ScaleByAdam:
     def init(self, params: Params) -> ScaleByAdamState:
         return ScaleByAdamState(count=zero_count(params), mu=zeros_like_tree(params), nu=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: ScaleByAdamState, params: Params = None):
-        return self.update_scaled(grads, state, params, 1.0)
+    def compute(self, grads: Updates, state: ScaleByAdamState, params: Params, in_place: bool,
+                into: list | None = None):
+        return self.update_scaled(grads, state, params, 1.0, in_place, into)
 
-    def update_scaled(self, grads: Updates, state: ScaleByAdamState, params: Params, factor: Any):
+    def update_scaled(self, grads: Updates, state: ScaleByAdamState, params: Params, factor: Any, in_place: bool,
+                      into: list | None = None):
         check_match(state.mu, "the optimizer state (adam moments)", grads, "grads")
         b1, b2, eps, eps_root, nesterov = self.b1, self.b2, self.eps, self.eps_root, self.nesterov
         count = next_count(state.count)
         c1, c2 = _correction(b1, count), _correction(b2, count)
         a, b = _mu_hat_coefficients(b1, count, c1, nesterov)
         scalars = _PerDtype(c2, a * factor, None if b is None else b * factor)
+        scratch_for = Workspace(into) if into is not None else _no_buffer
 
         def leaf(g: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
             gc = upcast(g)
             xp = module_of(gc)
             c2_, a_, b_ = scalars[gc.dtype]
-            scratch = xp.multiply(gc, 1.0 - b1)
-            mu = xp.multiply(m, b1)
+            scratch = xp.multiply(gc, 1.0 - b1, out=scratch_for(gc))
+            mu = xp.multiply(m, b1, out=out_buffer(m, in_place))
             mu += scratch
-            nu = _moment_of_squares(gc, v, b2, scratch)
+            nu = _moment_of_squares(gc, v, b2, scratch, out_buffer(v, in_place))
             # scratch <- sqrt(nu_hat + eps_root) + eps
             xp.multiply(nu, c2_, out=scratch)
             if eps_root:
@@ -437,7 +452,7 @@ class _ScaleByAdam:
                 scratch *= a_
             return cast_like(scratch, g), mu, nu
 
-        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3)
+        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
         return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
 
@@ -455,7 +470,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
                                        check_float("eps_root", eps_root), bool(nesterov)))
 
 
-class _ScaleByAmsgrad:
+class _ScaleByAmsgrad(InPlace):
     fresh_updates = True
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, correct_mu: bool, correct_nu: bool) -> None:
@@ -466,7 +481,8 @@ class _ScaleByAmsgrad:
         zeros = zeros_like_tree
         return ScaleByAmsgradState(count=zero_count(params), mu=zeros(params), nu=zeros(params), nu_max=zeros(params))
 
-    def update(self, grads: Updates, state: ScaleByAmsgradState, params: Params = None):
+    def compute(self, grads: Updates, state: ScaleByAmsgradState, params: Params, in_place: bool,
+                into: list | None = None):
         check_match(state.mu, "the optimizer state (amsgrad moments)", grads, "grads")
         b1, b2, eps, eps_root = self.b1, self.b2, self.eps, self.eps_root
         count = next_count(state.count)
@@ -477,11 +493,11 @@ class _ScaleByAmsgrad:
             gc = upcast(g)
             xp, dtype = module_of(gc), gc.dtype
             scratch = xp.multiply(gc, 1.0 - b1)
-            mu = xp.multiply(m, b1)
+            mu = xp.multiply(m, b1, out=out_buffer(m, in_place))
             mu += scratch
-            nu = _moment_of_squares(gc, v, b2, scratch)
-            nu_max = xp.multiply(nu, scalar_as(c2, dtype))
-            xp.maximum(v_max, nu_max, out=nu_max)
+            nu = _moment_of_squares(gc, v, b2, scratch, out_buffer(v, in_place))
+            corrected = xp.multiply(nu, scalar_as(c2, dtype), out=scratch)
+            nu_max = xp.maximum(v_max, corrected, out=out_buffer(v_max, in_place))
             xp.add(nu_max, eps_root, out=scratch)
             xp.sqrt(scratch, out=scratch)
             scratch += eps
@@ -489,7 +505,7 @@ class _ScaleByAmsgrad:
             scratch *= scalar_as(c1, dtype)
             return cast_like(scratch, g), mu, nu, nu_max
 
-        updates, mu, nu, nu_max = leafwise(leaf, grads, state.mu, state.nu, state.nu_max, outputs=4)
+        updates, mu, nu, nu_max = leafwise(leaf, grads, state.mu, state.nu, state.nu_max, outputs=4, into=into)
         return updates, ScaleByAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max)
 
 
@@ -507,7 +523,7 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_
                                           bool(bias_correction_nu)))
 
 
-class _ScaleByAdamax:
+class _ScaleByAdamax(InPlace):
     fresh_updates = True
 
     def __init__(self, b1: float, b2: float, eps: float) -> None:
@@ -516,7 +532,8 @@ class _ScaleByAdamax:
     def init(self, params: Params) -> ScaleByAdamState:
         return ScaleByAdamState(count=zero_count(params), mu=zeros_like_tree(params), nu=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: ScaleByAdamState, params: Params = None):
+    def compute(self, grads: Updates, state: ScaleByAdamState, params: Params, in_place: bool,
+                into: list | None = None):
         check_match(state.mu, "the optimizer state (adamax moments)", grads, "grads")
         b1, b2, eps = self.b1, self.b2, self.eps
         count = next_count(state.count)
@@ -526,16 +543,17 @@ class _ScaleByAdamax:
             gc = upcast(g)
             xp = module_of(gc)
             scratch = xp.multiply(gc, 1.0 - b1)
-            mu = xp.multiply(m, b1)
+            mu = xp.multiply(m, b1, out=out_buffer(m, in_place))
             mu += scratch
-            nu = xp.abs(gc)  # nu = max(b2 nu, |g| + eps)
+            xp.multiply(v, b2, out=scratch)  # nu = max(b2 nu, |g| + eps), b2 nu taken before nu is written
+            nu = xp.abs(gc, out=out_buffer(v, in_place))
             nu += eps
-            xp.maximum(xp.multiply(v, b2, out=scratch), nu, out=nu)
+            xp.maximum(scratch, nu, out=nu)
             xp.divide(mu, nu, out=scratch)
             scratch *= scalar_as(c1, gc.dtype)
             return cast_like(scratch, g), mu, nu
 
-        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3)
+        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
         return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
 
@@ -548,7 +566,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
     return transformation(_ScaleByAdamax(check_decay("b1", b1), check_decay("b2", b2), check_float("eps", eps)))
 
 
-class _ScaleByLion:
+class _ScaleByLion(InPlace):
     fresh_updates = True
 
     def __init__(self, b1: float, b2: float) -> None:
@@ -557,7 +575,8 @@ class _ScaleByLion:
     def init(self, params: Params) -> ScaleByLionState:
         return ScaleByLionState(count=zero_count(params), mu=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: ScaleByLionState, params: Params = None):
+    def compute(self, grads: Updates, state: ScaleByLionState, params: Params, in_place: bool,
+                into: list | None = None):
         check_match(state.mu, "the optimizer state (lion momentum)", grads, "grads")
         b1, b2 = self.b1, self.b2
 
@@ -566,9 +585,9 @@ class _ScaleByLion:
             xp = module_of(gc)
             direction = _moment(gc, m, b1)
             xp.sign(direction, out=direction)
-            return cast_like(direction, g), _moment(gc, m, b2)
+            return cast_like(direction, g), _moment(gc, m, b2, out=out_buffer(m, in_place))
 
-        updates, mu = leafwise(leaf, grads, state.mu, outputs=2)
+        updates, mu = leafwise(leaf, grads, state.mu, outputs=2, into=into)
         return updates, ScaleByLionState(count=next_count(state.count), mu=mu)
 
 
@@ -581,7 +600,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     return transformation(_ScaleByLion(check_decay("b1", b1), check_decay("b2", b2)))
 
 
-class _ScaleByRadam:
+class _ScaleByRadam(InPlace):
     fresh_updates = True
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, threshold: float, nesterov: bool) -> None:
@@ -592,7 +611,8 @@ class _ScaleByRadam:
     def init(self, params: Params) -> ScaleByAdamState:
         return ScaleByAdamState(count=zero_count(params), mu=zeros_like_tree(params), nu=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: ScaleByAdamState, params: Params = None):
+    def compute(self, grads: Updates, state: ScaleByAdamState, params: Params, in_place: bool,
+                into: list | None = None):
         check_match(state.mu, "the optimizer state (radam moments)", grads, "grads")
         b1, b2, eps, eps_root, ro_inf = self.b1, self.b2, self.eps, self.eps_root, self.ro_inf
         count = next_count(state.count)
@@ -609,9 +629,9 @@ class _ScaleByRadam:
             gc = upcast(g)
             dtype = gc.dtype
             scratch = xp.multiply(gc, 1.0 - b1)
-            mu = xp.multiply(m, b1)
+            mu = xp.multiply(m, b1, out=out_buffer(m, in_place))
             mu += scratch
-            nu = _moment_of_squares(gc, v, b2, scratch)
+            nu = _moment_of_squares(gc, v, b2, scratch, out_buffer(v, in_place))
             c2_, a, b, r_ = scalars[dtype]
             mu_hat = _mu_hat(mu, gc, a, b)
             xp.multiply(nu, c2_, out=scratch)
@@ -623,7 +643,7 @@ class _ScaleByRadam:
             scratch *= r_
             return cast_like(xp.where(rectify, scratch, mu_hat), g), mu, nu
 
-        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3)
+        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
         return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
 
@@ -641,7 +661,7 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_ro
                                         bool(nesterov)))
 
 
-class _ScaleByBelief:
+class _ScaleByBelief(InPlace):
     fresh_updates = True
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
@@ -650,7 +670,8 @@ class _ScaleByBelief:
     def init(self, params: Params) -> ScaleByBeliefState:
         return ScaleByBeliefState(count=zero_count(params), mu=zeros_like_tree(params), nu=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: ScaleByBeliefState, params: Params = None):
+    def compute(self, grads: Updates, state: ScaleByBeliefState, params: Params, in_place: bool,
+                into: list | None = None):
         check_match(state.mu, "the optimizer state (adabelief moments)", grads, "grads")
         b1, b2, eps, eps_root = self.b1, self.b2, self.eps, self.eps_root
         count = next_count(state.count)
@@ -660,9 +681,9 @@ class _ScaleByBelief:
         def leaf(g: Any, m: Any, s: Any) -> tuple[Any, Any, Any]:
             gc = upcast(g)
             xp, dtype = module_of(gc), gc.dtype
-            mu = _moment(gc, m, b1)
+            mu = _moment(gc, m, b1, out=out_buffer(m, in_place))
             error = xp.subtract(gc, mu)  # the prediction error, against the new moment
-            nu = _moment_of_squares(error, s, b2, error)
+            nu = _moment_of_squares(error, s, b2, error, out_buffer(s, in_place))
             nu += eps_root
             c2_, a, b = scalars[dtype]
             mu_hat = _mu_hat(mu, gc, a, b)
@@ -672,7 +693,7 @@ class _ScaleByBelief:
             xp.divide(mu_hat, scratch, out=scratch)
             return cast_like(scratch, g), mu, nu
 
-        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3)
+        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
         return updates, ScaleByBeliefState(count=count, mu=mu, nu=nu)
 
 
@@ -688,21 +709,22 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_
                                          check_float("eps_root", eps_root), bool(nesterov)))
 
 
-class _ScaleByAdaDelta:
+class _ScaleByAdaDelta(InPlace):
     def __init__(self, rho: float, eps: float) -> None:
         self.rho, self.eps = rho, eps
 
     def init(self, params: Params) -> ScaleByAdaDeltaState:
         return ScaleByAdaDeltaState(e_g=zeros_like_tree(params), e_x=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: ScaleByAdaDeltaState, params: Params = None):
+    def compute(self, grads: Updates, state: ScaleByAdaDeltaState, params: Params, in_place: bool,
+                into: list | None = None):
         check_match(state.e_g, "the optimizer state (adadelta averages)", grads, "grads")
         rho, eps = self.rho, self.eps
 
         def leaf(g: Any, e_g: Any, e_x: Any) -> tuple[Any, Any, Any]:
             gc = upcast(g)
             xp = module_of(gc)
-            new_e_g = _moment_of_squares(gc, e_g, rho)
+            new_e_g = _moment_of_squares(gc, e_g, rho, out=out_buffer(e_g, in_place))
             # sqrt(e_x + eps) / sqrt(e_g + eps) * g
             direction = xp.add(e_x, eps)
             xp.sqrt(direction, out=direction)
@@ -710,9 +732,10 @@ class _ScaleByAdaDelta:
             xp.sqrt(denominator, out=denominator)
             direction /= denominator
             direction *= gc
-            return cast_like(direction, g), new_e_g, _moment_of_squares(direction, e_x, rho, denominator)
+            new_e_x = _moment_of_squares(direction, e_x, rho, denominator, out_buffer(e_x, in_place))
+            return cast_like(direction, g), new_e_g, new_e_x
 
-        updates, e_g, e_x = leafwise(leaf, grads, state.e_g, state.e_x, outputs=3)
+        updates, e_g, e_x = leafwise(leaf, grads, state.e_g, state.e_x, outputs=3, into=into)
         return updates, ScaleByAdaDeltaState(e_g=e_g, e_x=e_x)
 
 
@@ -738,7 +761,7 @@ def _divide_by_root_plus_eps(g: Any, accumulator: Any, eps: float) -> Any:
     return denominator
 
 
-class _ScaleByRms:
+class _ScaleByRms(InPlace):
     fresh_updates = True
 
     def __init__(self, decay: float, eps: float) -> None:
@@ -747,16 +770,17 @@ class _ScaleByRms:
     def init(self, params: Params) -> ScaleByRmsState:
         return ScaleByRmsState(nu=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: ScaleByRmsState, params: Params = None):
+    def compute(self, grads: Updates, state: ScaleByRmsState, params: Params, in_place: bool,
+                into: list | None = None):
         check_match(state.nu, "the optimizer state (rms)", grads, "grads")
         decay, eps = self.decay, self.eps
 
         def leaf(g: Any, v: Any) -> tuple[Any, Any]:
             gc = upcast(g)
-            nu = _moment_of_squares(gc, v, decay)
+            nu = _moment_of_squares(gc, v, decay, out=out_buffer(v, in_place))
             return cast_like(_divide_by_root_plus_eps(gc, nu, eps), g), nu
 
-        updates, nu = leafwise(leaf, grads, state.nu, outputs=2)
+        updates, nu = leafwise(leaf, grads, state.nu, outputs=2, into=into)
         return updates, ScaleByRmsState(nu=nu)
 
 
@@ -772,7 +796,7 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8) -> GradientTransformatio
     return transformation(_ScaleByRms(check_float("decay", decay, high=1.0), check_float("eps", eps)))
 
 
-class _ScaleByStddev:
+class _ScaleByStddev(InPlace):
     fresh_updates = True
 
     def __init__(self, decay: float, eps: float) -> None:
@@ -781,20 +805,21 @@ class _ScaleByStddev:
     def init(self, params: Params) -> ScaleByStddevState:
         return ScaleByStddevState(mu=zeros_like_tree(params), nu=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: ScaleByStddevState, params: Params = None):
+    def compute(self, grads: Updates, state: ScaleByStddevState, params: Params, in_place: bool,
+                into: list | None = None):
         check_match(state.mu, "the optimizer state (centered rms)", grads, "grads")
         decay, eps = self.decay, self.eps
 
         def leaf(g: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
             gc = upcast(g)
             xp = module_of(gc)
-            mu = _moment(gc, m, decay)
-            nu = _moment_of_squares(gc, v, decay)
+            mu = _moment(gc, m, decay, out=out_buffer(m, in_place))
+            nu = _moment_of_squares(gc, v, decay, out=out_buffer(v, in_place))
             variance = mu * mu
             xp.subtract(nu, variance, out=variance)
             return cast_like(_divide_by_root_plus_eps(gc, variance, eps), g), mu, nu
 
-        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3)
+        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
         return updates, ScaleByStddevState(mu=mu, nu=nu)
 
 
@@ -808,7 +833,7 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8) -> GradientTransforma
     return transformation(_ScaleByStddev(check_float("decay", decay, high=1.0), check_float("eps", eps)))
 
 
-class _ScaleByRss:
+class _ScaleByRss(InPlace):
     fresh_updates = True
 
     def __init__(self, initial_accumulator_value: float, eps: float) -> None:
@@ -822,17 +847,18 @@ class _ScaleByRss:
 
         return ScaleByRssState(sum_of_squares=tree.map(start, params))
 
-    def update(self, grads: Updates, state: ScaleByRssState, params: Params = None):
+    def compute(self, grads: Updates, state: ScaleByRssState, params: Params, in_place: bool,
+                into: list | None = None):
         check_match(state.sum_of_squares, "the optimizer state (adagrad sums)", grads, "grads")
         eps = self.eps
 
         def leaf(g: Any, s: Any) -> tuple[Any, Any]:
             gc = upcast(g)
-            sums = gc * gc
-            sums += s
+            square = gc * gc
+            sums = module_of(s).add(square, s, out=out_buffer(s, in_place, otherwise=square))
             return cast_like(_divide_by_root_plus_eps(gc, sums, eps), g), sums
 
-        updates, sums = leafwise(leaf, grads, state.sum_of_squares, outputs=2)
+        updates, sums = leafwise(leaf, grads, state.sum_of_squares, outputs=2, into=into)
         return updates, ScaleByRssState(sum_of_squares=sums)
 
 
@@ -896,7 +922,7 @@ def _factored_dims(shape: tuple, factored: bool, min_dim_size_to_factor: int) ->
     return int(order[-2]), int(order[-1])
 
 
-class _ScaleByFactoredRms:
+class _ScaleByFactoredRms(InPlace):
     def __init__(self, factored: bool, decay_rate: float, step_offset: int, min_dim_size_to_factor: int,
                  epsilon: float) -> None:
         self.factored, self.decay_rate, self.step_offset = factored, decay_rate, step_offset
@@ -920,7 +946,8 @@ class _ScaleByFactoredRms:
         v_row, v_col, v = leafwise(leaf, params, outputs=3)
         return FactoredState(count=zero_count(params), v_row=v_row, v_col=v_col, v=v)
 
-    def update(self, grads: Updates, state: FactoredState, params: Params = None):
+    def compute(self, grads: Updates, state: FactoredState, params: Params, in_place: bool,
+                into: list | None = None):
         check_params("scale_by_factored_rms", params)
         check_match(params, "params", grads, "grads")
         xp = module_of(state.count)
@@ -936,15 +963,15 @@ class _ScaleByFactoredRms:
             square += epsilon
             dims = self._dims(g.shape)
             if dims is None:
-                new_v = v * d
+                new_v = xp.multiply(v, d, out=out_buffer(v, in_place))
                 new_v += square * (1.0 - d)
                 update = new_v ** -0.5
                 update *= gc
                 return cast_like(update, g), v_row, v_col, new_v
             d1, d0 = dims
-            new_row = v_row * d
+            new_row = xp.multiply(v_row, d, out=out_buffer(v_row, in_place))
             new_row += square.mean(axis=d0) * (1.0 - d)
-            new_col = v_col * d
+            new_col = xp.multiply(v_col, d, out=out_buffer(v_col, in_place))
             new_col += square.mean(axis=d1) * (1.0 - d)
             reduced_d1 = d1 - 1 if d1 > d0 else d1
             row_factor = (new_row / new_row.mean(axis=reduced_d1, keepdims=True)) ** -0.5
@@ -953,7 +980,7 @@ class _ScaleByFactoredRms:
             update *= xp.expand_dims(col_factor, d1)
             return cast_like(update, g), new_row, new_col, v
 
-        updates, v_row, v_col, v = leafwise(leaf, grads, state.v_row, state.v_col, state.v, outputs=4)
+        updates, v_row, v_col, v = leafwise(leaf, grads, state.v_row, state.v_col, state.v, outputs=4, into=into)
         return updates, FactoredState(count=next_count(state.count), v_row=v_row, v_col=v_col, v=v)
 
 
@@ -967,7 +994,9 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
     >>> opt = optim.chain(scale_by_factored_rms(), optim.scale(-1e-2))
     """
     return transformation(_ScaleByFactoredRms(bool(factored), check_float("decay_rate", decay_rate),
-                                              int(step_offset), int(min_dim_size_to_factor),
+                                              check_steps("step_offset", step_offset, positive=False),
+                                              check_steps("min_dim_size_to_factor", min_dim_size_to_factor,
+                                                          positive=False),
                                               check_float("epsilon", epsilon)))
 
 

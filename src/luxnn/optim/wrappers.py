@@ -15,6 +15,7 @@ changed mid-run with `set_hyperparams`).
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
@@ -23,9 +24,9 @@ from luxnn import tree
 from luxnn.backend import module_of
 
 from .base import (
-    GradientTransformation, Params, Updates, cast_like, check_match, check_steps,
-    check_transformation, map_arrays, module_of_tree, shaped_like, next_count, scalar_as, transformation, upcast, where, zero_count,
-    zeros_like_tree,
+    GradientTransformation, InPlace, Params, Updates, cast_like, check_match, check_steps, check_transformation,
+    map_arrays, module_of_tree, next_count, out_buffer, scalar_as, shaped_like, transformation, update_into, upcast,
+    where, zero_count, zeros_like_tree,
 )  # fmt: skip
 
 __all__ = [
@@ -150,12 +151,39 @@ def _params_leaves(params: Params, grads: Updates, count: int) -> list | None:
     return leaves
 
 
+def _update(inner: GradientTransformation, in_place: bool) -> Callable[..., Any]:
+    """`inner`'s update, in place (`GradientTransformation.update_`) or pure."""
+    return inner.update_ if in_place else inner.update
+
+
+def _inner_update(inner: GradientTransformation, grads: Updates, state: Any, params: Params, in_place: bool,
+                  into: list | None) -> tuple[Updates, Any]:
+    """`inner`'s update: pure, in place, or with `into` added into it (updates None)."""
+    if into is not None:
+        return None, update_into(inner, grads, state, params, into)
+    return _update(inner, in_place)(grads, state, params)
+
+
+def _zero_updates(grads: Updates, into: list | None) -> Updates:
+    """Updates of -0.0; with `into`, None: adding -0.0 would leave every array as it is."""
+    return None if into is not None else tree.map(_zero_update, grads)
+
+
 def _masked_update(inner: GradientTransformation, selected: list, template: Any, leaves: list,
-                   params_leaves: list | None, inner_state: Any) -> Any:
+                   params_leaves: list | None, inner_state: Any, in_place: bool, into: list | None) -> Any:
     """`inner`'s update of the `selected` leaves (of a tree shaped as `template`), written
-    into `leaves` (the others stay); returns the inner state."""
+    into `leaves` (the others stay), or with `into` added into the selected arrays of
+    `into` (those leaves set to None); returns the inner state."""
     hidden_params = None if params_leaves is None else _hide(selected, params_leaves, template)
-    new, inner_state = inner.update(_hide(selected, leaves, template), inner_state, hidden_params)
+    hidden = _hide(selected, leaves, template)
+    if into is not None:
+        inner_into = [target for target, keep in zip(into, selected) if keep]
+        inner_state = update_into(inner, hidden, inner_state, hidden_params, inner_into)
+        for i, keep in enumerate(selected):
+            if keep:
+                leaves[i] = None
+        return inner_state
+    new, inner_state = _update(inner, in_place)(hidden, inner_state, hidden_params)
     new_leaves = iter(tree.leaves(new))
     for i, keep in enumerate(selected):
         if keep:
@@ -163,7 +191,7 @@ def _masked_update(inner: GradientTransformation, selected: list, template: Any,
     return inner_state
 
 
-class _Masked:
+class _Masked(InPlace):
     def __init__(self, inner: GradientTransformation, mask: Any) -> None:
         self.inner, self.mask = inner, mask
 
@@ -174,11 +202,17 @@ class _Masked:
     def init(self, params: Params) -> MaskedState:
         return MaskedState(inner_state=self.inner.init(_hide(self._selected(params), tree.leaves(params), params)))
 
-    def update(self, grads: Updates, state: MaskedState, params: Params = None) -> tuple[Updates, MaskedState]:
+    def compute(self, grads: Updates, state: MaskedState, params: Params, in_place: bool,
+                into: list | None = None) -> tuple[Updates, MaskedState]:
         leaves = tree.leaves(grads)
         inner_state = _masked_update(self.inner, self._selected(grads), grads, leaves,
-                                     _params_leaves(params, grads, len(leaves)), state.inner_state)
-        return shaped_like(grads, leaves), MaskedState(inner_state=inner_state)
+                                     _params_leaves(params, grads, len(leaves)), state.inner_state, in_place, into)
+        if into is None:
+            return shaped_like(grads, leaves), MaskedState(inner_state=inner_state)
+        for target, passed in zip(into, leaves):
+            if passed is not None:  # an unselected leaf: its update is the incoming one
+                target += passed
+        return None, MaskedState(inner_state=inner_state)
 
 
 def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
@@ -197,7 +231,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     return transformation(_Masked(check_transformation("masked: inner", inner), mask))
 
 
-class _MultiTransform:
+class _MultiTransform(InPlace):
     def __init__(self, transforms: dict, param_labels: Any) -> None:
         self.transforms, self.param_labels = transforms, param_labels
 
@@ -222,7 +256,8 @@ class _MultiTransform:
             for name, t in self.transforms.items()
         })  # fmt: skip
 
-    def update(self, grads: Updates, state: MultiTransformState, params: Params = None):
+    def compute(self, grads: Updates, state: MultiTransformState, params: Params, in_place: bool,
+                into: list | None = None):
         if not isinstance(state, MultiTransformState) or state.inner_states.keys() != self.transforms.keys():
             raise ValueError(f"multi_transform of labels {sorted(map(str, self.transforms))} got another "
                              f"optimizer's state ({type(state).__name__})")
@@ -231,9 +266,10 @@ class _MultiTransform:
         inner_states = {}
         for name, t in self.transforms.items():
             selected = [label == name for label in labels]
-            inner = _masked_update(t, selected, grads, leaves, params_leaves, state.inner_states[name].inner_state)
+            inner = _masked_update(t, selected, grads, leaves, params_leaves, state.inner_states[name].inner_state,
+                                   in_place, into)
             inner_states[name] = MaskedState(inner)
-        return shaped_like(grads, leaves), MultiTransformState(inner_states)
+        return None if into is not None else shaped_like(grads, leaves), MultiTransformState(inner_states)
 
 
 def multi_transform(transforms: dict[Any, GradientTransformation], param_labels: Any) -> GradientTransformation:
@@ -261,7 +297,7 @@ def multi_transform(transforms: dict[Any, GradientTransformation], param_labels:
 # Gradient accumulation
 
 
-class _MultiSteps:
+class _MultiSteps(InPlace):
     def __init__(self, opt: GradientTransformation, every_k_schedule: Any, use_grad_mean: bool) -> None:
         self.opt, self.every_k_schedule, self.use_grad_mean = opt, every_k_schedule, use_grad_mean
 
@@ -272,7 +308,8 @@ class _MultiSteps:
         return MultiStepsState(mini_step=zero_count(params), gradient_step=zero_count(params),
                                inner_opt_state=self.opt.init(params), acc_grads=zeros_like_tree(params))
 
-    def update(self, grads: Updates, state: MultiStepsState, params: Params = None):
+    def compute(self, grads: Updates, state: MultiStepsState, params: Params, in_place: bool,
+                into: list | None = None):
         check_match(state.acc_grads, "the optimizer state (accumulated gradients)", grads, "grads")
         mini = state.mini_step
         k = self._k(state.gradient_step)
@@ -280,22 +317,23 @@ class _MultiSteps:
 
         def accumulate(g: Any, acc: Any) -> Any:
             gc = upcast(g)
+            xp = module_of(gc)
             if not self.use_grad_mean:
-                return gc + acc
-            out = gc - acc
-            out *= scalar_as(share, out.dtype)
-            out += acc
-            return out
+                return xp.add(gc, acc, out=out_buffer(acc, in_place))
+            step = gc - acc
+            step *= scalar_as(share, step.dtype)
+            return xp.add(step, acc, out=out_buffer(acc, in_place, otherwise=step))
 
         acc = map_arrays(accumulate, grads, state.acc_grads)
         mini_next = module_of(mini).asarray((mini + 1) % k)
         # The one read of the step on the host: the inner update runs only every k-th step.
         if bool(mini == k - 1):
-            updates, inner_state = self.opt.update(tree.map(cast_like, acc, grads), state.inner_opt_state, params)
+            updates, inner_state = _inner_update(self.opt, tree.map(cast_like, acc, grads), state.inner_opt_state,
+                                                 params, in_place, into)
+            # New zeros, not the accumulator zeroed: the updates may be the accumulator.
             return updates, MultiStepsState(mini_next, next_count(state.gradient_step), inner_state,
                                             zeros_like_tree(acc))
-        return tree.map(_zero_update, grads), MultiStepsState(mini_next, state.gradient_step,
-                                                              state.inner_opt_state, acc)
+        return _zero_updates(grads, into), MultiStepsState(mini_next, state.gradient_step, state.inner_opt_state, acc)
 
 
 class MultiSteps(GradientTransformation):
@@ -344,7 +382,7 @@ class MultiSteps(GradientTransformation):
 # Skipping non-finite updates
 
 
-class _ApplyIfFinite:
+class _ApplyIfFinite(InPlace):
     def __init__(self, inner: GradientTransformation, max_consecutive_errors: int) -> None:
         self.inner, self.max_consecutive_errors = inner, max_consecutive_errors
 
@@ -353,7 +391,8 @@ class _ApplyIfFinite:
         return ApplyIfFiniteState(notfinite_count=zero_count(params), last_finite=xp.asarray(True),
                                   total_notfinite=zero_count(params), inner_state=self.inner.init(params))
 
-    def update(self, grads: Updates, state: ApplyIfFiniteState, params: Params = None):
+    def compute(self, grads: Updates, state: ApplyIfFiniteState, params: Params, in_place: bool,
+                into: list | None = None):
         xp = module_of(state.notfinite_count)
         finite = xp.asarray(True)
         for g in tree.leaves(grads):
@@ -362,9 +401,9 @@ class _ApplyIfFinite:
         total = xp.where(finite, state.total_notfinite, state.total_notfinite + 1)
         # One read on the host: the inner update runs only when it is applied.
         if bool(finite | (notfinite > self.max_consecutive_errors)):
-            updates, inner_state = self.inner.update(grads, state.inner_state, params)
+            updates, inner_state = _inner_update(self.inner, grads, state.inner_state, params, in_place, into)
         else:
-            updates, inner_state = tree.map(_zero_update, grads), state.inner_state
+            updates, inner_state = _zero_updates(grads, into), state.inner_state
         return updates, ApplyIfFiniteState(xp.asarray(notfinite), xp.asarray(finite), xp.asarray(total), inner_state)
 
 
@@ -391,7 +430,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
 # Hyperparameters in the state
 
 
-class _Injected:
+class _Injected(InPlace):
     def __init__(self, factory: Callable[..., GradientTransformation], static: dict, numeric: dict,
                  schedules: dict) -> None:
         self.factory, self.static, self.numeric, self.schedules = factory, static, numeric, schedules
@@ -411,13 +450,14 @@ class _Injected:
         inner_state = self.inner({**hyperparams, **scheduled}).init(params)
         return InjectHyperparamsState(count, hyperparams, scheduled, inner_state)
 
-    def update(self, grads: Updates, state: InjectHyperparamsState, params: Params = None):
+    def compute(self, grads: Updates, state: InjectHyperparamsState, params: Params, in_place: bool,
+                into: list | None = None):
         if not isinstance(state, InjectHyperparamsState):
             raise ValueError(f"inject_hyperparams({getattr(self.factory, '__name__', self.factory)}) got another "
                              f"optimizer's state ({type(state).__name__})")
         scheduled = self._scheduled(state.count)
         inner = self.inner({**state.hyperparams, **scheduled})
-        updates, inner_state = inner.update(grads, state.inner_state, params)
+        updates, inner_state = _inner_update(inner, grads, state.inner_state, params, in_place, into)
         return updates, InjectHyperparamsState(next_count(state.count), state.hyperparams, scheduled, inner_state)
 
 
@@ -505,6 +545,8 @@ def set_hyperparams(target: Any, **values: float) -> Any:
             number = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"set_hyperparams: {name} must be a real number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"set_hyperparams: {name} must be a finite number, got {value!r}")
         if not any(name in s.hyperparams for s in found):
             if any(name in s.scheduled for s in found):
                 raise ValueError(f"set_hyperparams: {name} comes from a schedule; give inject_hyperparams a number "
