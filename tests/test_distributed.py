@@ -116,18 +116,8 @@ def test_bench_rows_run_their_steps_in_an_mpi_job():
         distributed.proxy(2, "no-such-step")  # the ranks raise; mpi4py ends the job
 
 
-def _have_gpu() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: no GPU
-        return False
-
-
 @needs_mpi
-@pytest.mark.skipif(not _have_gpu(), reason="the NCCL backend needs CuPy and a CUDA GPU; scripts/gpu_check.sh runs it on one")
-def test_nccl_on_one_gpu():
+def test_nccl_on_one_gpu(gpu):  # `gpu` skips, with the reason, where no GPU is usable; gpu_check.sh runs it
     done = run_workers("nccl_one_gpu.py", ranks=1)
     assert done.returncode == 0 and "PASS nccl" in done.stdout, done.stdout[-4000:]
 

@@ -67,6 +67,10 @@ assert "floating-point" in raises(TypeError, dist.allreduce_, backend, np.ones(2
 assert "root" in raises(ValueError, dist.bcast_, backend, np.ones(2), root=2)
 assert "read-only" in raises(ValueError, dist.allreduce_, backend, np.broadcast_to(np.ones(1), (3,)))
 assert "at 'b'" in raises(TypeError, dist.allreduce_, backend, {"a": np.ones(1), "b": 1.5})
+assert "op in" in raises(ValueError, backend.start_allreduce, np.ones(2), "mean")
+assert "C-contiguous" in raises(ValueError, backend.start_allreduce, np.ones((2, 2))[:, 0])
+assert "overlap True or False" in raises(TypeError, dist.DistributedOptimizer, backend, lx.optim.sgd(0.1), overlap="yes")
+assert "bucket_bytes an integer >= 1" in raises(ValueError, dist.DistributedOptimizer, backend, lx.optim.sgd(0.1), bucket_bytes=0)
 say("PASS bad input")
 
 
@@ -112,6 +116,15 @@ for dtype in (np.float32, np.float64):
     dist.bcast_(backend, x, root=1)
     for got, want in zip(lx.tree.leaves(x), lx.tree.leaves(base)):
         np.testing.assert_array_equal(got, want * 2)
+for op, factor in expected_of.items():  # non-blocking, both ranks' allreduces in flight at once
+    arrays = [np.full(3, rank + 1.0), np.full(2, 2.0 * (rank + 1), np.float32)]
+    pending = [backend.start_allreduce(a, op) for a in arrays]
+    for p in reversed(pending):
+        p.wait()
+        p.wait()  # a second wait returns at once (and divides no second time)
+    np.testing.assert_array_equal(arrays[0], np.full(3, factor))
+    np.testing.assert_array_equal(arrays[1], np.full(2, 2.0 * factor, np.float32))
+    assert all(p.test() for p in pending)
 say("PASS collectives")
 
 # ---- buckets: per dtype, at most bucket_bytes, a larger array alone ------------------------------------
