@@ -117,6 +117,19 @@ def test_bench_rows_run_their_steps_in_an_mpi_job():
 
 
 @needs_mpi
+def test_bench_prints_the_time_steps_spend_in_collectives():
+    command = [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "luxnn.bench.distributed", "collectives", "5", "mlp-overlap", "mlp-local"]
+    env = {**os.environ, **ONE_BLAS_THREAD}
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:]
+    lines = re.findall(r"^(mlp-\w+): [0-9.]+ ms per step, ([0-9.]+) ms of it in collectives \(medians of 4 calls on each of 2 ranks\)$", done.stdout, re.M)
+    figures = dict(lines)
+    assert len(lines) == 2 and set(figures) == {"mlp-overlap", "mlp-local"}, done.stdout  # rank 0 prints
+    assert float(figures["mlp-local"]) == 0
+    assert float(figures["mlp-overlap"]) > 0
+
+
+@needs_mpi
 def test_nccl_on_one_gpu(gpu):  # `gpu` skips, with the reason, where no GPU is usable; gpu_check.sh runs it
     done = run_workers("nccl_one_gpu.py", ranks=1)
     assert done.returncode == 0 and "PASS nccl" in done.stdout, done.stdout[-4000:]

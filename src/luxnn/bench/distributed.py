@@ -12,6 +12,12 @@ the last of their steps is gone. A proxied call costs a round trip more than the
 
     mpiexec -n 2 python -m mpi4py -m luxnn.bench.distributed serve SOCKET
 
+The time a step spends in collectives (``backend.stats``: blocked in them, or for
+non-blocking ones in starting, testing and waiting) is no row of the suite; this prints
+it, with the step's time, as medians over interleaved calls of the steps named:
+
+    mpiexec -n 2 python -m mpi4py -m luxnn.bench.distributed collectives [CALLS] STEP...
+
 Steps (each the same on every rank; gradients and data are zeros or fixed draws):
 
 - ``allreduce-raw``: mpi4py's ``Allreduce`` in place of a 25 MiB float32 buffer;
@@ -172,6 +178,32 @@ def serve(address: str) -> None:
             _send(stream, "ok")
 
 
+def collectives(calls: int, names: list[str]) -> None:
+    """A rank: `calls` rounds of one call of each step in `names`; rank 0 prints each
+    step's median time and median seconds in collectives per call (every rank's median
+    step time is the slowest rank's: each step ends in a collective)."""
+    import statistics
+    import time
+
+    from luxnn import distributed as dist
+
+    backend = dist.initialize("mpi")
+    steps = {name: STEPS[name](backend) for name in names}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for _ in range(calls):
+        for name, step in steps.items():
+            backend.barrier()
+            t0, in_collectives = time.perf_counter(), backend.stats.seconds
+            step()
+            times[name].append((time.perf_counter() - t0, backend.stats.seconds - in_collectives))
+    if backend.rank == 0:
+        for name, samples in times.items():
+            step_s = statistics.median(t for t, _ in samples[calls // 5 :])  # the first fifth warms up
+            comm_s = statistics.median(c for _, c in samples[calls // 5 :])
+            print(f"{name}: {step_s * 1e3:.3f} ms per step, {comm_s * 1e3:.3f} ms of it in collectives "
+                  f"(medians of {calls - calls // 5} calls on each of {backend.size} ranks)", flush=True)
+
+
 # ---- the runner's side ---------------------------------------------------------------------------
 
 
@@ -256,6 +288,11 @@ def proxy(ranks: int, name: str) -> models.Step:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["serve"] or len(sys.argv) != 3:
-        sys.exit("usage: mpiexec -n N python -m mpi4py -m luxnn.bench.distributed serve SOCKET")
-    serve(sys.argv[2])
+    if sys.argv[1:2] == ["serve"] and len(sys.argv) == 3:
+        serve(sys.argv[2])
+    elif sys.argv[1:2] == ["collectives"] and len(sys.argv) > 2:
+        counted = sys.argv[2].isdigit()
+        collectives(int(sys.argv[2]) if counted else 200, sys.argv[3 if counted else 2 :])
+    else:
+        sys.exit("usage: mpiexec -n N python -m mpi4py -m luxnn.bench.distributed serve SOCKET\n"
+                 f"       mpiexec -n N python -m mpi4py -m luxnn.bench.distributed collectives [CALLS] STEP... ({', '.join(STEPS)})")
