@@ -313,9 +313,10 @@ def shaped_like(template: Any, leaves: Any) -> Any:
     return tree.map(lambda _: next(it), template)
 
 
-def map_arrays(fn: Callable[..., Any], first: Any, *others: Any) -> Any:
-    """`tree.map` for leaf arithmetic: as `leafwise` with one result, arrays in and out."""
-    return leafwise(lambda *args: (fn(*args),), first, *others, outputs=1)[0]
+def map_arrays(fn: Callable[..., Any], first: Any, *others: Any, into: list | None = None) -> Any:
+    """`tree.map` for leaf arithmetic: as `leafwise` with one result, arrays in and out
+    (with `into`, added into its arrays: None)."""
+    return leafwise(lambda *args: (fn(*args),), first, *others, outputs=1, into=into)[0]
 
 
 # ----------------------------------------------------------------------------------------

@@ -230,10 +230,15 @@ class _Scale(Stateless):
 
     def update(self, grads: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         factor = self.factor
-        return map_arrays(lambda g: _times(g, factor), grads), state
+        return _scaled(grads, factor), state
 
     def update_owned(self, updates: Updates, state: EmptyState, params: Params = None):
         return _scale_in_place(updates, self.factor), state
+
+    def update_into(self, grads: Updates, state: EmptyState, params: Params, into: list) -> EmptyState:
+        factor = self.factor
+        _scaled(grads, factor, into)
+        return state
 
     def folded_factor(self, state: EmptyState) -> tuple[float, EmptyState]:
         return self.factor, state
@@ -243,6 +248,11 @@ def _times(g: Any, factor: Any) -> Any:
     """``g * factor`` computed in `g`'s compute dtype, returned in `g`'s dtype."""
     gc = upcast(g)
     return cast_like(gc * scalar_as(factor, gc.dtype), g)
+
+
+def _scaled(grads: Updates, factor: Any, into: list | None = None) -> Updates:
+    """Every leaf times `factor` (`_times`), as new arrays or added into `into`."""
+    return map_arrays(lambda g: _times(g, factor), grads, into=into)
 
 
 def _scale_in_place(updates: Updates, factor: Any) -> Updates:
@@ -279,11 +289,16 @@ class _ScaleBySchedule:
 
     def update(self, grads: Updates, state: ScaleByScheduleState, params: Params = None):
         factor, state = self.folded_factor(state)
-        return map_arrays(lambda g: _times(g, factor), grads), state
+        return _scaled(grads, factor), state
 
     def update_owned(self, updates: Updates, state: ScaleByScheduleState, params: Params = None):
         factor, state = self.folded_factor(state)
         return _scale_in_place(updates, factor), state
+
+    def update_into(self, grads: Updates, state: ScaleByScheduleState, params: Params, into: list):
+        factor, state = self.folded_factor(state)
+        _scaled(grads, factor, into)
+        return state
 
     def folded_factor(self, state: ScaleByScheduleState) -> tuple[Any, ScaleByScheduleState]:
         return self.step_size_fn(state.count), ScaleByScheduleState(next_count(state.count))
@@ -1059,7 +1074,7 @@ class _ClipByGlobalNorm(Stateless):
             return grads, state
         norm = global_norm(grads)
         factor = self.max_norm / module_of(norm).maximum(norm, self.max_norm)  # exactly 1 when norm <= max_norm
-        return map_arrays(lambda g: _times(g, factor), grads), state
+        return _scaled(grads, factor), state
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

@@ -40,6 +40,9 @@ class MaskedNode(NamedTuple):
     """Stands for a leaf a `masked` transformation does not see: a node with no leaves."""
 
 
+_MASKED = MaskedNode()  # one for every hidden leaf: it holds nothing
+
+
 class MaskedState(NamedTuple):
     """The inner transformation's state, over the leaves the mask selects."""
 
@@ -139,7 +142,7 @@ def _bool_leaf(value: Any) -> str | None:
 
 def _hide(selected: list, leaves: list, template: Any) -> Any:
     """The tree of `leaves` (shaped as `template`) with the unselected ones `MaskedNode`."""
-    return shaped_like(template, [leaf if keep else MaskedNode() for leaf, keep in zip(leaves, selected)])
+    return shaped_like(template, [leaf if keep else _MASKED for leaf, keep in zip(leaves, selected)])
 
 
 def _params_leaves(params: Params, grads: Updates, count: int) -> list | None:
