@@ -12,7 +12,8 @@
 #             (float64 to 1e-10, float32 to 1e-4 relative) and of the primitives
 #   demo-mlp  luxnn demo --device gpu --model mlp
 #   demo-cnn  luxnn demo --device gpu --model cnn
-#   nccl      luxnn.distributed's NCCL backend on one GPU (mpiexec -n 1; skipped without mpi4py)
+#   nccl      luxnn.distributed's NCCL backend on one GPU (mpiexec -n 1): collectives, start_allreduce,
+#             blocking and overlapped DistributedOptimizer steps (skipped, with the reason, without mpi4py)
 #   table     benchmarks/gpu_step.py: time, driver allocations, peak live and reserved
 #             per training step without a pool, with CuPy's pool and with the luxnn cache
 # The table comes last. Exit status: 0 all stages passed, 1 a stage failed, 2 no usable GPU.
@@ -64,7 +65,7 @@ stage tests 90 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py 
 stage match 45 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -k "match_the_cpu"
 stage demo-mlp 30 "$PYTHON" -m luxnn.cli demo --device gpu --model mlp --epochs 5 --no-progress
 stage demo-cnn 30 "$PYTHON" -m luxnn.cli demo --device gpu --model cnn --epochs 2 --no-progress
-stage nccl 30 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_distributed.py -k nccl
+stage nccl 30 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_distributed.py -k nccl_on_one_gpu
 stage table 60 "$PYTHON" benchmarks/gpu_step.py
 
 for name in tests match nccl; do  # the pytest summaries: counts and skip reasons

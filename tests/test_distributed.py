@@ -130,6 +130,14 @@ def test_bench_prints_the_time_steps_spend_in_collectives():
 
 
 @needs_mpi
+def test_the_nccl_backend_calls_cupys_nccl_as_documented():
+    done = run_workers("nccl_fake.py")  # a stand-in for CuPy and its NCCL: no GPU needed
+    assert done.returncode == 0, done.stdout[-4000:]
+    for name in ("blocking collectives", "start_allreduce", "buckets"):
+        assert passed(done.stdout, f"fake nccl: {name}"), done.stdout[-4000:]
+
+
+@needs_mpi
 def test_nccl_on_one_gpu(gpu):  # `gpu` skips, with the reason, where no GPU is usable; gpu_check.sh runs it
     done = run_workers("nccl_one_gpu.py", ranks=1)
     assert done.returncode == 0 and "PASS nccl" in done.stdout, done.stdout[-4000:]

@@ -69,6 +69,7 @@ assert "read-only" in raises(ValueError, dist.allreduce_, backend, np.broadcast_
 assert "at 'b'" in raises(TypeError, dist.allreduce_, backend, {"a": np.ones(1), "b": 1.5})
 assert "op in" in raises(ValueError, backend.start_allreduce, np.ones(2), "mean")
 assert "C-contiguous" in raises(ValueError, backend.start_allreduce, np.ones((2, 2))[:, 0])
+assert "floating-point" in raises(TypeError, backend.start_allreduce, np.ones(2, np.int64), "avg")
 assert "overlap True or False" in raises(TypeError, dist.DistributedOptimizer, backend, lx.optim.sgd(0.1), overlap="yes")
 assert "bucket_bytes an integer >= 1" in raises(ValueError, dist.DistributedOptimizer, backend, lx.optim.sgd(0.1), bucket_bytes=0)
 say("PASS bad input")

@@ -132,6 +132,8 @@ class Backend:
             raise ValueError(f"start_allreduce: expected op in {OPS}, got {op!r}")
         if not a.flags.c_contiguous:
             raise ValueError("start_allreduce: expected a C-contiguous array (it is reduced in place, later)")
+        if op == "avg" and not np.issubdtype(a.dtype, np.inexact):
+            raise TypeError(f"start_allreduce: op='avg' needs a floating-point array, got {a.dtype}")
         t0 = time.perf_counter()
         test, wait = self._start(a, op)
         if op == "avg":
