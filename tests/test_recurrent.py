@@ -209,84 +209,100 @@ def test_primitives_reject_mismatched_shapes():
 # -- the LSTM's C cell kernels and its passes split over threads -----------------------------
 
 
-def cell_operands(r, rows, hidden, dtype):
-    """Random operands of one step's kernels, each a row block of a larger buffer (row
-    strides as in a pass over (batch, seq, .) buffers)."""
-    def block(cols, scale=1.0):
-        return (r.normal(size=(rows, 3, cols)) * scale).astype(dtype)[:, 1]
+def pass_operands(r, rows, seq, hidden, K, dtype):
+    """Random operands of the passes over a block of rows, each a view into a larger
+    buffer (strides as a block of a batch has)."""
+    def block(*shape, scale=1.0):
+        return (r.normal(size=(rows + 2, *shape)) * scale).astype(dtype)[1:-1]
 
     return {
-        "pre": block(4 * hidden, 3.0), "c_prev": block(hidden), "g": block(2 * hidden), "dh": block(hidden),
-        "dc": block(hidden),
+        "inputs": block(seq, K), "weights": (r.normal(size=(K, 4 * hidden)) * 0.5).astype(dtype),
+        "c0": np.broadcast_to(r.normal(size=hidden).astype(dtype), (rows, hidden)), "g": block(seq, 2 * hidden),
+        "dhc": block(2 * hidden),
     }  # fmt: skip
 
 
-def run_cell(forward, backward, ops, hidden, with_g):
-    """Both kernels on copies of `ops`; every array they write."""
-    gates, dh, dc = ops["pre"].copy(), ops["dh"].copy(), ops["dc"].copy()
-    rows, dtype = gates.shape[0], gates.dtype
-    h, c, tanh_c, h_next = (np.empty((rows, hidden), dtype) for _ in range(4))
-    forward(gates, ops["c_prev"], h, c, tanh_c, h_next)
-    d = np.empty((rows, 4 * hidden), dtype)
-    backward(gates, tanh_c, ops["c_prev"], ops["g"] if with_g else None, dh, dc, d)
-    return {"gates": gates, "h": h, "c": c, "tanh_c": tanh_c, "h_next": h_next, "d": d, "dh": dh, "dc": dc}
+def run_passes(forward, backward, ops, reverse, with_g):
+    """Both passes on copies of `ops`; every array they write."""
+    inputs, dhc = ops["inputs"].copy(), ops["dhc"].copy()
+    rows, seq, _ = inputs.shape
+    hidden, dtype = ops["weights"].shape[1] // 4, inputs.dtype
+    gates, out, tanh_c = (np.empty((rows, seq, n), dtype) for n in (4 * hidden, 2 * hidden, hidden))
+    forward(inputs, ops["weights"], gates, out, tanh_c, ops["c0"], reverse)
+    d = np.empty_like(gates)
+    backward(gates, tanh_c, out, ops["c0"], ops["g"] if with_g else None, dhc, d, ops["weights"], reverse, True)
+    return {"inputs": inputs, "gates": gates, "out": out, "tanh_c": tanh_c, "d": d, "dhc": dhc}
 
 
-@pytest.mark.parametrize("rows, hidden", [(1, 1), (5, 3), (4, 17), (3, 64)])
+@pytest.mark.parametrize("rows, seq, hidden, K", [(1, 1, 1, 2), (5, 3, 3, 7), (4, 6, 17, 20), (3, 2, 64, 64)])
+@pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("with_g", [False, True])
-def test_c_cell_kernels_match_the_array_kernels(rows, hidden, with_g):
-    """The C kernels against the array-API ones (the CuPy path): float64 to rounding, and
+def test_c_passes_match_the_array_passes(rows, seq, hidden, K, reverse, with_g):
+    """The C passes against the array-API ones (the CuPy path): float64 to rounding, and
     float32 (its own tanh) against float64 within float32's precision."""
-    ops64 = cell_operands(np.random.default_rng(rows * 100 + hidden), rows, hidden, np.float64)
-    want = run_cell(rec._lstm_forward_arrays, rec._lstm_backward_arrays, ops64, hidden, with_g)
-    got = run_cell(_recurrent.lstm_forward, _recurrent.lstm_backward, ops64, hidden, with_g)
+    ops64 = pass_operands(np.random.default_rng(rows * 100 + hidden), rows, seq, hidden, K, np.float64)
+    want = run_passes(rec._lstm_forward_steps, rec._lstm_backward_steps, ops64, reverse, with_g)
+    got = run_passes(_recurrent.lstm_forward_pass, _recurrent.lstm_backward_pass, ops64, reverse, with_g)
     ops32 = {k: v.astype(np.float32) for k, v in ops64.items()}
-    got32 = run_cell(_recurrent.lstm_forward, _recurrent.lstm_backward, ops32, hidden, with_g)
+    ops32["c0"] = np.broadcast_to(ops64["c0"][0].astype(np.float32), ops64["c0"].shape)  # broadcast, as float64's
+    got32 = run_passes(_recurrent.lstm_forward_pass, _recurrent.lstm_backward_pass, ops32, reverse, with_g)
     for name, w in want.items():
         scale = max(float(np.abs(w).max()), 1.0)
-        assert np.abs(got[name] - w).max() <= 1e-13 * scale, name
+        assert np.abs(got[name] - w).max() <= 1e-12 * scale, name
         assert got32[name].dtype == np.float32
-        assert np.abs(got32[name] - w).max() <= 2e-6 * scale, name
-    np.testing.assert_array_equal(got["h_next"], got["h"])
+        assert np.abs(got32[name] - w).max() <= 1e-5 * scale, name
 
 
 def test_float32_gates_are_within_a_few_ulp_and_saturate():
-    """The float32 kernel's tanh and sigmoids on a dense grid of pre-activations, beyond
-    saturation, against float64's; never beyond [-1, 1] or [0, 1]."""
-    hidden = 1 << 14
-    pre = np.tile(np.linspace(-30, 30, hidden, dtype=np.float32), (1, 4))
-    pre[0, :hidden] = np.geomspace(1e-8, 0.5, hidden, dtype=np.float32)  # tiny pre-activations
-    gates, zeros = pre.copy(), np.zeros((1, hidden), np.float32)
-    _recurrent.lstm_forward(gates, zeros, *(np.empty((1, hidden), np.float32) for _ in range(3)), None)
-    x = pre.astype(np.float64)
-    want = np.concatenate([1 / (1 + np.exp(-x[:, : 2 * hidden])), np.tanh(x[:, 2 * hidden : 3 * hidden]), 1 / (1 + np.exp(-x[:, 3 * hidden :]))], axis=1)
+    """The float32 pass's tanh and sigmoids on a dense grid of pre-activations (made exact
+    by identity weights), beyond saturation, against float64's; never beyond [-1, 1] or
+    [0, 1]."""
+    hidden = 1 << 12
+    pre = np.tile(np.linspace(-30, 30, hidden, dtype=np.float32), 4)
+    pre[:hidden] = np.geomspace(1e-8, 0.5, hidden, dtype=np.float32)  # tiny pre-activations
+    # rows [h_prev | x] = [0 | pre] and weights [0; I]: the GEMM gives `pre` exactly
+    inputs = np.concatenate([np.zeros(hidden, np.float32), pre]).reshape(1, 1, -1)
+    weights = np.concatenate([np.zeros((hidden, 4 * hidden), np.float32), np.eye(4 * hidden, dtype=np.float32)])
+    gates, out, tanh_c = (np.empty((1, 1, n), np.float32) for n in (4 * hidden, 2 * hidden, hidden))
+    _recurrent.lstm_forward_pass(inputs, weights, gates, out, tanh_c, np.zeros((1, hidden), np.float32), False)
+    gates, x = gates[0, 0], pre.astype(np.float64)
+    want = np.concatenate([1 / (1 + np.exp(-x[: 2 * hidden])), np.tanh(x[2 * hidden : 3 * hidden]), 1 / (1 + np.exp(-x[3 * hidden :]))])
     eps = float(np.finfo(np.float32).eps)
     assert np.abs(gates - want).max() <= 4 * eps  # absolute: the sigmoids near 0 and 1
     g = slice(2 * hidden, 3 * hidden)
-    assert (np.abs(gates[:, g] - want[:, g]) <= 4 * eps * np.abs(want[:, g])).all()  # tanh: relative
-    assert np.abs(gates[:, g]).max() <= 1 and gates.min() >= -1
-    sig = np.concatenate([gates[:, : 2 * hidden], gates[:, 3 * hidden :]], axis=1)
+    assert (np.abs(gates[g] - want[g]) <= 4 * eps * np.abs(want[g])).all()  # tanh: relative
+    assert np.abs(gates[g]).max() <= 1 and gates.min() >= -1
+    sig = np.concatenate([gates[: 2 * hidden], gates[3 * hidden :]])
     assert sig.min() >= 0 and sig.max() <= 1
 
 
-def test_c_cell_kernels_reject_bad_arrays():
-    rows, hidden = 2, 3
-    ok = {"gates": np.zeros((rows, 4 * hidden)), "c_prev": np.zeros((rows, hidden))}
-    outs = [np.zeros((rows, hidden)) for _ in range(3)]
-    with pytest.raises(TypeError, match="c_prev: expected dtype float64, got .*float32"):
-        _recurrent.lstm_forward(ok["gates"], ok["c_prev"].astype(np.float32), *outs, None)
-    with pytest.raises(ValueError, match=r"h: expected shape \(2, 3\), got \(2, 4\)"):
-        _recurrent.lstm_forward(ok["gates"], ok["c_prev"], np.zeros((rows, 4)), *outs[1:], None)
-    with pytest.raises(ValueError, match="c: expected rows of contiguous elements"):
-        _recurrent.lstm_forward(ok["gates"], ok["c_prev"], outs[0], np.zeros((rows, 2 * hidden))[:, ::2], outs[2], None)
-    frozen = np.zeros((rows, hidden))
+def test_c_passes_reject_bad_arrays():
+    rows, seq, hidden, K = 2, 3, 4, 6
+    ok = pass_operands(np.random.default_rng(0), rows, seq, hidden, K, np.float64)
+    gates, out, tanh_c = (np.empty((rows, seq, n)) for n in (4 * hidden, 2 * hidden, hidden))
+
+    def forward(**change):
+        a = {"inputs": ok["inputs"].copy(), "weights": ok["weights"], "gates": gates, "out": out, "tanh_c": tanh_c, "c0": ok["c0"], **change}
+        _recurrent.lstm_forward_pass(*a.values(), False)
+
+    with pytest.raises(TypeError, match="c0: expected dtype float64, got .*float32"):
+        forward(c0=np.zeros((rows, hidden), np.float32))
+    with pytest.raises(ValueError, match=r"out: expected shape \(2, 3, 8\) \(-1: any\), got \(2, 3, 7\)"):
+        forward(out=np.empty((rows, seq, 7)))
+    with pytest.raises(ValueError, match=r"weights: expected shape \(6, 16\) \(-1: any\), got \(5, 16\)"):
+        forward(weights=np.zeros((5, 4 * hidden)))
+    with pytest.raises(ValueError, match="tanh_c: expected contiguous elements along the last axis"):
+        forward(tanh_c=np.empty((rows, seq, 2 * hidden))[:, :, ::2])
+    frozen = gates.copy()
     frozen.flags.writeable = False
-    with pytest.raises(ValueError, match="tanh_c: expected a writable array"):
-        _recurrent.lstm_forward(ok["gates"], ok["c_prev"], outs[0], outs[1], frozen, None)
-    with pytest.raises(ValueError, match=r"gates: expected a 2-d NumPy array of shape \(rows, 4 \* H\)"):
-        _recurrent.lstm_forward(np.zeros((rows, 5)), ok["c_prev"], *outs, None)
+    with pytest.raises(ValueError, match="gates: expected a writable array"):
+        forward(gates=frozen)
+    with pytest.raises(ValueError, match=r"gates: expected a 3-d NumPy array of shape \(rows, seq >= 1, 4 \* H\)"):
+        forward(gates=np.empty((rows, seq, 5)))
+    with pytest.raises(ValueError, match=r"inputs: expected at least H = 4 columns, got 3"):
+        forward(inputs=np.zeros((rows, seq, 3)), weights=np.zeros((3, 4 * hidden)))
     with pytest.raises(TypeError, match="g: expected a NumPy array, got list"):
-        _recurrent.lstm_backward(ok["gates"], outs[0], ok["c_prev"], [1.0], outs[1], outs[2], np.zeros((rows, 4 * hidden)))
+        _recurrent.lstm_backward_pass(gates, tanh_c, out, ok["c0"], [1.0], ok["dhc"].copy(), np.empty_like(gates), ok["weights"], False, True)
 
 
 @pytest.fixture

@@ -1,22 +1,24 @@
-/* luxnn.ops._recurrent: the LSTM cell's pointwise work of one step, forward and backward,
- * in one pass over the step's rows (used by luxnn.ops.recurrent on NumPy arrays).
+/* luxnn.ops._recurrent: the LSTM's passes over a block of batch rows, forward and
+ * backward, step after step in C (used by luxnn.ops.recurrent on NumPy arrays).
  *
  * ---- Why C ---------------------------------------------------------------------------
- * Between one step's hidden-projection GEMM and the next, the cell applies four gate
- * nonlinearities and updates its carry: written with NumPy that is ten passes forward and
- * eighteen backward over (batch, 4H) and (batch, H) blocks, each a call with its own
- * overhead, as long together as the GEMM itself at the benchmark's sizes. Here each is one
- * loop over the columns of each row, with the GIL released, so that the threads running
- * different rows of a batch (luxnn.ops.recurrent cuts it) run at once.
+ * A step is a GEMM and the cell's pointwise work: four gate nonlinearities and the carry's
+ * update. Written with NumPy the pointwise work is ten passes forward and eighteen
+ * backward over (rows, 4H) and (rows, H) blocks, as long together as the GEMM at the
+ * benchmark's sizes; here it is one loop over each row's columns. And the whole pass runs
+ * with the GIL released, once: luxnn.ops.recurrent runs one pass per kernel thread, each
+ * on rows of its own, and a pass written in Python took the GIL back twice per step, the
+ * threads waiting for one another at each of those handovers.
  *
  * ---- Equations (PyTorch's; gates i, f, g, o in the column blocks of width H) ----------
- * forward:   i, f, o = sigmoid(.), g = tanh(.) of the step's pre-activations, written back
- *            into gates;  c = f * c_prev + i * g;  tanh_c = tanh(c);  h = o * tanh_c (and a
- *            copy of h where the caller keeps the next step's input)
+ * forward:   a = [h_prev | x_t | 1] @ [w_hh; w_ih; b] (one GEMM);
+ *            i, f, o = sigmoid(a), g = tanh(a), written back into the gate buffer;
+ *            c = f * c_prev + i * g;  tanh_c = tanh(c);  h = o * tanh_c, written into the
+ *            output and into the next step's GEMM input
  * backward:  with [dh | dc] += the step's output cotangent (if given),
  *            dc' = dc + dh * o * (1 - tanh_c^2)
  *            d = [dc' * g * i(1 - i) | dc' * c_prev * f(1 - f) | dc' * i * (1 - g^2) | dh * tanh_c * o(1 - o)]
- *            dc = dc' * f   (the cotangent carried to the step before)
+ *            dc = dc' * f;  dh = d @ w_hh^T   (the cotangents carried to the step before)
  * sigmoid(x) = (1 + tanh(x / 2)) / 2, which never overflows.
  *
  * ---- tanh ----------------------------------------------------------------------------
@@ -25,17 +27,30 @@
  * x itself near 0), branch-free so that the compiler vectorises the loops; the C library's
  * tanhf is a call per element, several times slower than the whole loop.
  *
+ * ---- The BLAS ------------------------------------------------------------------------
+ * NumPy's own OpenBLAS, the one np.matmul calls (so that luxnn.parallel's holds on its
+ * threads hold here too): found among the loaded libraries when the module loads, its
+ * cblas_sgemm and cblas_dgemm with 64-bit (the scipy_/64_ names NumPy's wheels use) or
+ * 32-bit integers. HAS_GEMM says whether they were found; without them the passes raise
+ * and luxnn.ops.recurrent runs its own loop in Python.
+ *
  * ---- Arrays --------------------------------------------------------------------------
- * Every argument is a 2-D NumPy array of one floating dtype (float32 or float64) with
- * unit column stride and any row stride (the callers pass row blocks of time-major
- * buffers); shapes and writability are checked, and a mismatch raises ValueError or
- * TypeError naming the argument.
+ * NumPy arrays of one floating dtype (float32 or float64) with unit stride along their
+ * last axis and any other strides; shapes and writability are checked, a mismatch raises
+ * ValueError or TypeError naming the argument.
  */
+#define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
 #include <numpy/arrayobject.h>
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__linux__)
+#include <dlfcn.h>
+#include <link.h>
+#endif
 
 static float
 tanh_f32(float x)
@@ -72,6 +87,107 @@ tanh_f64(double x)
 #define CLONES
 #endif
 
+/* ---- the BLAS ------------------------------------------------------------------------ */
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 }; /* CBLAS's constants */
+typedef void (*sgemm64_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t, const float *,
+                           int64_t, float, float *, int64_t);
+typedef void (*dgemm64_fn)(int, int, int, int64_t, int64_t, int64_t, double, const double *, int64_t,
+                           const double *, int64_t, double, double *, int64_t);
+typedef void (*sgemm32_fn)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t, const float *,
+                           int32_t, float, float *, int32_t);
+typedef void (*dgemm32_fn)(int, int, int, int32_t, int32_t, int32_t, double, const double *, int32_t,
+                           const double *, int32_t, double, double *, int32_t);
+
+static void *sgemm = NULL, *dgemm = NULL;
+static int blas_int64 = 0;
+
+/* C (m, n) = A (m, k) @ op(B), row-major, op(B) = B (k, n) or, with trans_b, B^T of B (n, k). */
+static void
+gemm_f32(int trans_b, npy_intp m, npy_intp n, npy_intp k, const float *a, npy_intp lda, const float *b,
+         npy_intp ldb, float *c, npy_intp ldc)
+{
+    int tb = trans_b ? TRANS : NO_TRANS;
+    if (blas_int64)
+        ((sgemm64_fn)sgemm)(ROW_MAJOR, NO_TRANS, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+    else
+        ((sgemm32_fn)sgemm)(ROW_MAJOR, NO_TRANS, tb, (int32_t)m, (int32_t)n, (int32_t)k, 1.0f, a, (int32_t)lda, b,
+                            (int32_t)ldb, 0.0f, c, (int32_t)ldc);
+}
+
+static void
+gemm_f64(int trans_b, npy_intp m, npy_intp n, npy_intp k, const double *a, npy_intp lda, const double *b,
+         npy_intp ldb, double *c, npy_intp ldc)
+{
+    int tb = trans_b ? TRANS : NO_TRANS;
+    if (blas_int64)
+        ((dgemm64_fn)dgemm)(ROW_MAJOR, NO_TRANS, tb, m, n, k, 1.0, a, lda, b, ldb, 0.0, c, ldc);
+    else
+        ((dgemm32_fn)dgemm)(ROW_MAJOR, NO_TRANS, tb, (int32_t)m, (int32_t)n, (int32_t)k, 1.0, a, (int32_t)lda, b,
+                            (int32_t)ldb, 0.0, c, (int32_t)ldc);
+}
+
+#if defined(__linux__)
+/* dl_iterate_phdr's callback: keeps the path of a loaded OpenBLAS, NumPy's if there is one. */
+static int
+find_openblas(struct dl_phdr_info *info, size_t size, void *found)
+{
+    const char *path = info->dlpi_name, *base = strrchr(path, '/');
+    char **best = (char **)found;
+    (void)size;
+    if (strstr(base == NULL ? path : base + 1, "openblas") == NULL)
+        return 0;
+    if (*best == NULL || (strstr(*best, "numpy") == NULL && strstr(path, "numpy") != NULL)) {
+        free(*best);
+        *best = strdup(path);
+    }
+    return 0;
+}
+
+static void
+load_gemm(void)
+{
+    static const struct { const char *s, *d; int int64; } names[] = {
+        {"scipy_cblas_sgemm64_", "scipy_cblas_dgemm64_", 1},
+        {"cblas_sgemm64_", "cblas_dgemm64_", 1},
+        {"scipy_cblas_sgemm", "scipy_cblas_dgemm", 0},
+        {"cblas_sgemm", "cblas_dgemm", 0},
+    };
+    char *path = NULL;
+    dl_iterate_phdr(find_openblas, &path);
+    if (path == NULL)
+        return;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD); /* a reference to the library already loaded */
+    free(path);
+    if (lib == NULL)
+        return;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        void *s = dlsym(lib, names[i].s), *d = dlsym(lib, names[i].d);
+        if (s != NULL && d != NULL) {
+            sgemm = s;
+            dgemm = d;
+            blas_int64 = names[i].int64;
+            return; /* `lib` stays open: the pointers must outlive the module */
+        }
+    }
+    dlclose(lib);
+}
+#else
+static void
+load_gemm(void)
+{
+}
+#endif
+
+/* ---- the kernels, once per dtype ---------------------------------------------------- */
+
+typedef struct {
+    char *data;
+    npy_intp row, step; /* strides, in elements */
+} Block;
+
+#define AT(b, t) ((T *)(b).data + (t) * (b).step) /* step t's first row */
+
 /* The kernels, once per dtype. */
 #define T float
 #define TANH tanh_f32
@@ -91,15 +207,21 @@ tanh_f64(double x)
 
 /* ---- argument checks ---------------------------------------------------------------- */
 
-typedef struct {
-    char *data;
-    npy_intp stride; /* the row stride, in elements */
-} Rows;
+static void
+format_shape(char *buf, size_t size, int ndim, const npy_intp *shape)
+{
+    size_t used = (size_t)snprintf(buf, size, "(");
+    for (int i = 0; i < ndim && used < size; i++)
+        used += (size_t)snprintf(buf + used, size - used, i ? ", %zd" : "%zd", (Py_ssize_t)shape[i]);
+    if (used < size)
+        snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
+}
 
-/* Checks that `obj` is a (rows, cols) array of dtype `type` with unit column stride
- * (writable if asked) and fills `out`; raises and returns 0 otherwise. */
+/* Checks that `obj` is an array of dtype `type` with `ndim` (2 or 3) axes of the sizes in
+ * `shape` (-1: any, read back into it), unit stride along the last, writable if asked, and
+ * fills `out` (strides of rows and, with 3 axes, of steps). Raises and returns 0 otherwise. */
 static int
-rows_of(PyObject *obj, const char *name, int type, npy_intp rows, npy_intp cols, int writable, Rows *out)
+block_of(PyObject *obj, const char *name, int type, int ndim, npy_intp *shape, int writable, Block *out)
 {
     if (!PyArray_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s: expected a NumPy array, got %s", name, Py_TYPE(obj)->tp_name);
@@ -108,22 +230,27 @@ rows_of(PyObject *obj, const char *name, int type, npy_intp rows, npy_intp cols,
     PyArrayObject *a = (PyArrayObject *)obj;
     npy_intp item = PyArray_ITEMSIZE(a);
     if (PyArray_TYPE(a) != type) {
-        PyErr_Format(PyExc_TypeError, "%s: expected dtype %s, got %s", name,
-                     type == NPY_FLOAT32 ? "float32" : "float64", PyArray_DESCR(a)->typeobj->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s: expected dtype %s, got %s", name, type == NPY_FLOAT32 ? "float32" : "float64",
+                     PyArray_DESCR(a)->typeobj->tp_name);
         return 0;
     }
-    if (PyArray_NDIM(a) != 2) {
-        PyErr_Format(PyExc_ValueError, "%s: expected shape (%zd, %zd), got a %d-d array", name, (Py_ssize_t)rows,
-                     (Py_ssize_t)cols, PyArray_NDIM(a));
+    int same = PyArray_NDIM(a) == ndim;
+    for (int i = 0; same && i < ndim; i++)
+        same = shape[i] < 0 || PyArray_DIM(a, i) == shape[i];
+    if (!same) {
+        char want[96], got[96];
+        format_shape(want, sizeof want, ndim, shape);
+        format_shape(got, sizeof got, PyArray_NDIM(a), PyArray_DIMS(a));
+        PyErr_Format(PyExc_ValueError, "%s: expected shape %s (-1: any), got %s", name, want, got);
         return 0;
     }
-    if (PyArray_DIM(a, 0) != rows || PyArray_DIM(a, 1) != cols) {
-        PyErr_Format(PyExc_ValueError, "%s: expected shape (%zd, %zd), got (%zd, %zd)", name, (Py_ssize_t)rows,
-                     (Py_ssize_t)cols, (Py_ssize_t)PyArray_DIM(a, 0), (Py_ssize_t)PyArray_DIM(a, 1));
-        return 0;
-    }
-    if ((cols > 1 && PyArray_STRIDE(a, 1) != item) || PyArray_STRIDE(a, 0) % item != 0) {
-        PyErr_Format(PyExc_ValueError, "%s: expected rows of contiguous elements", name);
+    for (int i = 0; i < ndim; i++)
+        shape[i] = PyArray_DIM(a, i);
+    int unit = shape[ndim - 1] <= 1 || PyArray_STRIDE(a, ndim - 1) == item;
+    for (int i = 0; unit && i < ndim - 1; i++)
+        unit = PyArray_STRIDE(a, i) % item == 0;
+    if (!unit) {
+        PyErr_Format(PyExc_ValueError, "%s: expected contiguous elements along the last axis", name);
         return 0;
     }
     if (writable && !PyArray_ISWRITEABLE(a)) {
@@ -131,111 +258,163 @@ rows_of(PyObject *obj, const char *name, int type, npy_intp rows, npy_intp cols,
         return 0;
     }
     out->data = PyArray_BYTES(a);
-    out->stride = PyArray_STRIDE(a, 0) / item;
+    out->row = PyArray_STRIDE(a, 0) / item;
+    out->step = ndim == 3 ? PyArray_STRIDE(a, 1) / item : 0;
     return 1;
 }
 
-/* The dtype and the shape (rows, H) that the gate buffer `gates` (rows, 4H) sets. */
+/* The dtype and (rows, seq, H) that the gate buffer (rows, seq >= 1, 4H) sets. */
 static int
-gate_shape(PyObject *gates, int *type, npy_intp *rows, npy_intp *H)
+gate_shape(PyObject *gates, int *type, npy_intp *rows, npy_intp *seq, npy_intp *H)
 {
-    if (!PyArray_Check(gates) || PyArray_NDIM((PyArrayObject *)gates) != 2 ||
-        PyArray_DIM((PyArrayObject *)gates, 1) % 4 != 0) {
-        PyErr_SetString(PyExc_ValueError, "gates: expected a 2-d NumPy array of shape (rows, 4 * H)");
+    PyArrayObject *a = (PyArrayObject *)gates;
+    if (!PyArray_Check(gates) || PyArray_NDIM(a) != 3 || PyArray_DIM(a, 1) < 1 || PyArray_DIM(a, 2) % 4 != 0) {
+        PyErr_SetString(PyExc_ValueError, "gates: expected a 3-d NumPy array of shape (rows, seq >= 1, 4 * H)");
         return 0;
     }
-    *type = PyArray_TYPE((PyArrayObject *)gates);
+    *type = PyArray_TYPE(a);
     if (*type != NPY_FLOAT32 && *type != NPY_FLOAT64) {
         PyErr_SetString(PyExc_TypeError, "gates: expected dtype float32 or float64");
         return 0;
     }
-    *rows = PyArray_DIM((PyArrayObject *)gates, 0);
-    *H = PyArray_DIM((PyArrayObject *)gates, 1) / 4;
+    if (sgemm == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "luxnn.ops._recurrent: NumPy's BLAS was not found (HAS_GEMM is False)");
+        return 0;
+    }
+    *rows = PyArray_DIM(a, 0);
+    *seq = PyArray_DIM(a, 1);
+    *H = PyArray_DIM(a, 2) / 4;
     return 1;
 }
 
-PyDoc_STRVAR(lstm_forward_doc,
-             "lstm_forward(gates, c_prev, h, c, tanh_c, h_next)\n--\n\n"
-             "One LSTM step's pointwise work on `rows` rows: `gates` (rows, 4H) holds the step's\n"
-             "pre-activations and is overwritten with the activated gates i, f, g, o; writes c, h and\n"
-             "tanh(c), each (rows, H), from c_prev (rows, H), and h once more into h_next (rows, H)\n"
-             "unless it is None.");
+/* Whether the BLAS's integers hold every stride and size of `blocks` and `sizes`. */
+static int
+fits_the_blas(const Block *blocks, int n_blocks, const npy_intp *sizes, int n_sizes)
+{
+    npy_intp most = 0;
+    for (int i = 0; i < n_blocks; i++)
+        most = Py_MAX(most, Py_MAX(blocks[i].row, blocks[i].step));
+    for (int i = 0; i < n_sizes; i++)
+        most = Py_MAX(most, sizes[i]);
+    if (!blas_int64 && most > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "luxnn.ops._recurrent: arrays too large for the BLAS's 32-bit integers");
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(lstm_forward_pass_doc,
+             "lstm_forward_pass(inputs, weights, gates, out, tanh_c, c0, reverse)\n--\n\n"
+             "The LSTM's forward pass over a block of `rows` batch rows. inputs (rows, seq, K): each\n"
+             "step's GEMM rows [h_prev | x_t | 1], h_prev given at the first step taken (the pass\n"
+             "writes the others); weights (K, 4H): [w_hh; w_ih; b]. Writes the activated gates\n"
+             "(rows, seq, 4H), out (rows, seq, 2H) = [h_t | c_t] and tanh_c (rows, seq, H), from c0\n"
+             "(rows, H); `reverse`: from the last step to the first.");
 
 static PyObject *
-lstm_forward(PyObject *self, PyObject *args)
+lstm_forward_pass(PyObject *self, PyObject *args)
 {
-    PyObject *o_gates, *o_cp, *o_h, *o_c, *o_tc, *o_hn;
-    if (!PyArg_ParseTuple(args, "OOOOOO:lstm_forward", &o_gates, &o_cp, &o_h, &o_c, &o_tc, &o_hn))
+    PyObject *o_in, *o_w, *o_gates, *o_out, *o_tc, *o_c0;
+    int reverse;
+    if (!PyArg_ParseTuple(args, "OOOOOOp:lstm_forward_pass", &o_in, &o_w, &o_gates, &o_out, &o_tc, &o_c0, &reverse))
         return NULL;
     int type;
-    npy_intp n, H;
-    Rows gates, cp, h, c, tc, hn = {NULL, 0};
-    if (!gate_shape(o_gates, &type, &n, &H) || !rows_of(o_gates, "gates", type, n, 4 * H, 1, &gates) ||
-        !rows_of(o_cp, "c_prev", type, n, H, 0, &cp) || !rows_of(o_h, "h", type, n, H, 1, &h) ||
-        !rows_of(o_c, "c", type, n, H, 1, &c) || !rows_of(o_tc, "tanh_c", type, n, H, 1, &tc) ||
-        (o_hn != Py_None && !rows_of(o_hn, "h_next", type, n, H, 1, &hn)))
+    npy_intp n, seq, H;
+    Block in, w, gates, out, tc, c0;
+    if (!gate_shape(o_gates, &type, &n, &seq, &H))
         return NULL;
+    npy_intp s_in[3] = {n, seq, -1}, s_gates[3] = {n, seq, 4 * H}, s_out[3] = {n, seq, 2 * H}, s_tc[3] = {n, seq, H};
+    npy_intp s_c0[2] = {n, H};
+    if (!block_of(o_in, "inputs", type, 3, s_in, 1, &in) || !block_of(o_gates, "gates", type, 3, s_gates, 1, &gates) ||
+        !block_of(o_out, "out", type, 3, s_out, 1, &out) || !block_of(o_tc, "tanh_c", type, 3, s_tc, 1, &tc) ||
+        !block_of(o_c0, "c0", type, 2, s_c0, 0, &c0))
+        return NULL;
+    npy_intp K = s_in[2], s_w[2] = {K, 4 * H};
+    Block all[5] = {in, gates, out, tc, c0};
+    if (!block_of(o_w, "weights", type, 2, s_w, 0, &w) || !fits_the_blas(all, 5, s_w, 2))
+        return NULL;
+    if (K < H) {
+        PyErr_Format(PyExc_ValueError, "inputs: expected at least H = %zd columns, got %zd", (Py_ssize_t)H, (Py_ssize_t)K);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     if (type == NPY_FLOAT32)
-        lstm_forward_f32(n, H, (float *)gates.data, gates.stride, (float *)cp.data, cp.stride, (float *)h.data,
-                         h.stride, (float *)c.data, c.stride, (float *)tc.data, tc.stride, (float *)hn.data, hn.stride);
+        lstm_forward_pass_f32(n, seq, H, K, reverse, in, (const float *)w.data, w.row, gates, out, tc,
+                              (const float *)c0.data, c0.row);
     else
-        lstm_forward_f64(n, H, (double *)gates.data, gates.stride, (double *)cp.data, cp.stride, (double *)h.data,
-                         h.stride, (double *)c.data, c.stride, (double *)tc.data, tc.stride, (double *)hn.data,
-                         hn.stride);
+        lstm_forward_pass_f64(n, seq, H, K, reverse, in, (const double *)w.data, w.row, gates, out, tc,
+                              (const double *)c0.data, c0.row);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(lstm_backward_doc,
-             "lstm_backward(gates, tanh_c, c_prev, g, dh, dc, d)\n--\n\n"
-             "One LSTM step's pointwise backward pass on `rows` rows: adds the step's output cotangent\n"
-             "g (rows, 2H) = [dh | dc] (or nothing, for None) into dh and dc (rows, H), writes the\n"
-             "pre-activation cotangent d (rows, 4H) from the activated gates (rows, 4H), tanh_c and\n"
-             "c_prev (rows, H), and leaves in dc the cotangent of c_prev (dh is then h_prev's after\n"
-             "the caller's d @ w_hh.T).");
+PyDoc_STRVAR(lstm_backward_pass_doc,
+             "lstm_backward_pass(gates, tanh_c, out, c0, g, dhc, d, weights, reverse, need_h0)\n--\n\n"
+             "The LSTM's backward pass over the block of rows of a forward pass (its gates, tanh_c,\n"
+             "out and c0; weights (K, 4H), w_hh its first H rows). g (rows, seq, 2H): every step's\n"
+             "output cotangent, or None; dhc (rows, 2H): [dh | dc], the cotangent carried into the\n"
+             "last step taken, left as that of (h0, c0) (dh only if need_h0). Writes d (rows, seq,\n"
+             "4H), the cotangent of each step's pre-activations.");
 
 static PyObject *
-lstm_backward(PyObject *self, PyObject *args)
+lstm_backward_pass(PyObject *self, PyObject *args)
 {
-    PyObject *o_gates, *o_tc, *o_cp, *o_g, *o_dh, *o_dc, *o_d;
-    if (!PyArg_ParseTuple(args, "OOOOOOO:lstm_backward", &o_gates, &o_tc, &o_cp, &o_g, &o_dh, &o_dc, &o_d))
+    PyObject *o_gates, *o_tc, *o_out, *o_c0, *o_g, *o_dhc, *o_d, *o_w;
+    int reverse, need_h0;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOpp:lstm_backward_pass", &o_gates, &o_tc, &o_out, &o_c0, &o_g, &o_dhc, &o_d,
+                          &o_w, &reverse, &need_h0))
         return NULL;
     int type;
-    npy_intp n, H;
-    Rows gates, tc, cp, g = {NULL, 0}, dh, dc, d;
-    if (!gate_shape(o_gates, &type, &n, &H) || !rows_of(o_gates, "gates", type, n, 4 * H, 0, &gates) ||
-        !rows_of(o_tc, "tanh_c", type, n, H, 0, &tc) || !rows_of(o_cp, "c_prev", type, n, H, 0, &cp) ||
-        (o_g != Py_None && !rows_of(o_g, "g", type, n, 2 * H, 0, &g)) || !rows_of(o_dh, "dh", type, n, H, 1, &dh) ||
-        !rows_of(o_dc, "dc", type, n, H, 1, &dc) || !rows_of(o_d, "d", type, n, 4 * H, 1, &d))
+    npy_intp n, seq, H;
+    Block gates, tc, out, c0, g = {NULL, 0, 0}, dhc, d, w;
+    if (!gate_shape(o_gates, &type, &n, &seq, &H))
         return NULL;
+    npy_intp s_gates[3] = {n, seq, 4 * H}, s_tc[3] = {n, seq, H}, s_out[3] = {n, seq, 2 * H}, s_g[3] = {n, seq, 2 * H};
+    npy_intp s_c0[2] = {n, H}, s_dhc[2] = {n, 2 * H}, s_d[3] = {n, seq, 4 * H}, s_w[2] = {-1, 4 * H};
+    if (!block_of(o_gates, "gates", type, 3, s_gates, 0, &gates) || !block_of(o_tc, "tanh_c", type, 3, s_tc, 0, &tc) ||
+        !block_of(o_out, "out", type, 3, s_out, 0, &out) || !block_of(o_c0, "c0", type, 2, s_c0, 0, &c0) ||
+        (o_g != Py_None && !block_of(o_g, "g", type, 3, s_g, 0, &g)) ||
+        !block_of(o_dhc, "dhc", type, 2, s_dhc, 1, &dhc) || !block_of(o_d, "d", type, 3, s_d, 1, &d) ||
+        !block_of(o_w, "weights", type, 2, s_w, 0, &w))
+        return NULL;
+    Block all[8] = {gates, tc, out, c0, g, dhc, d, w};
+    if (!fits_the_blas(all, 8, s_w, 2))
+        return NULL;
+    if (s_w[0] < H) {
+        PyErr_Format(PyExc_ValueError, "weights: expected at least H = %zd rows, got %zd", (Py_ssize_t)H,
+                     (Py_ssize_t)s_w[0]);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     if (type == NPY_FLOAT32)
-        lstm_backward_f32(n, H, (float *)gates.data, gates.stride, (float *)tc.data, tc.stride, (float *)cp.data,
-                          cp.stride, (float *)g.data, g.stride, (float *)dh.data, dh.stride, (float *)dc.data,
-                          dc.stride, (float *)d.data, d.stride);
+        lstm_backward_pass_f32(n, seq, H, reverse, need_h0, gates, tc, out, (const float *)c0.data, c0.row, g,
+                               (float *)dhc.data, dhc.row, d, (const float *)w.data, w.row);
     else
-        lstm_backward_f64(n, H, (double *)gates.data, gates.stride, (double *)tc.data, tc.stride, (double *)cp.data,
-                          cp.stride, (double *)g.data, g.stride, (double *)dh.data, dh.stride, (double *)dc.data,
-                          dc.stride, (double *)d.data, d.stride);
+        lstm_backward_pass_f64(n, seq, H, reverse, need_h0, gates, tc, out, (const double *)c0.data, c0.row, g,
+                               (double *)dhc.data, dhc.row, d, (const double *)w.data, w.row);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"lstm_forward", lstm_forward, METH_VARARGS, lstm_forward_doc},
-    {"lstm_backward", lstm_backward, METH_VARARGS, lstm_backward_doc},
+    {"lstm_forward_pass", lstm_forward_pass, METH_VARARGS, lstm_forward_pass_doc},
+    {"lstm_backward_pass", lstm_backward_pass, METH_VARARGS, lstm_backward_pass_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "luxnn.ops._recurrent", "The LSTM cell's pointwise kernels (see luxnn.ops.recurrent).", -1,
-    methods,
+    PyModuleDef_HEAD_INIT, "luxnn.ops._recurrent", "The LSTM's passes in C (see luxnn.ops.recurrent).", -1, methods,
 };
 
 PyMODINIT_FUNC
 PyInit__recurrent(void)
 {
     import_array();
-    return PyModule_Create(&module);
+    load_gemm();
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddObjectRef(m, "HAS_GEMM", sgemm != NULL ? Py_True : Py_False) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

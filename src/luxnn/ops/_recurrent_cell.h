@@ -79,3 +79,37 @@ KERNEL(lstm_backward)(npy_intp rows, npy_intp H, const T *gates, npy_intp s_gate
                                   dr + 3 * H);
     }
 }
+
+/* A whole pass over a block of rows, step after step, the GEMMs through the BLAS: see
+ * lstm_forward_pass and lstm_backward_pass in _recurrent.c for the arrays. */
+static void
+KERNEL(lstm_forward_pass)(npy_intp rows, npy_intp seq, npy_intp H, npy_intp K, int reverse, Block inputs,
+                          const T *weights, npy_intp ldw, Block gates, Block out, Block tanh_c, const T *c0,
+                          npy_intp s_c0)
+{
+    for (npy_intp k = 0; k < seq; k++) {
+        npy_intp t = reverse ? seq - 1 - k : k, next = reverse ? t - 1 : t + 1, prev = reverse ? t + 1 : t - 1;
+        T *a = AT(gates, t);
+        KERNEL(gemm)(0, rows, 4 * H, K, AT(inputs, t), inputs.row, weights, ldw, a, gates.row);
+        const T *c_prev = k == 0 ? c0 : AT(out, prev) + H;
+        KERNEL(lstm_forward)(rows, H, a, gates.row, c_prev, k == 0 ? s_c0 : out.row, AT(out, t), out.row,
+                             AT(out, t) + H, out.row, AT(tanh_c, t), tanh_c.row,
+                             k + 1 < seq ? AT(inputs, next) : NULL, inputs.row);
+    }
+}
+
+static void
+KERNEL(lstm_backward_pass)(npy_intp rows, npy_intp seq, npy_intp H, int reverse, int need_h0, Block gates,
+                           Block tanh_c, Block out, const T *c0, npy_intp s_c0, Block g, T *dhc, npy_intp s_dhc,
+                           Block d, const T *w_hh, npy_intp ldw)
+{
+    for (npy_intp k = seq - 1; k >= 0; k--) {
+        npy_intp t = reverse ? seq - 1 - k : k, prev = reverse ? t + 1 : t - 1;
+        const T *c_prev = k == 0 ? c0 : AT(out, prev) + H;
+        const T *g_t = g.data == NULL ? NULL : AT(g, t);
+        KERNEL(lstm_backward)(rows, H, AT(gates, t), gates.row, AT(tanh_c, t), tanh_c.row, c_prev,
+                              k == 0 ? s_c0 : out.row, g_t, g.row, dhc, s_dhc, dhc + H, s_dhc, AT(d, t), d.row);
+        if (k > 0 || need_h0)
+            KERNEL(gemm)(1, rows, H, 4 * H, AT(d, t), d.row, w_hh, ldw, dhc, s_dhc);
+    }
+}

@@ -49,7 +49,7 @@ def _check(who, xw, w_hh, gates, carries):
 
 
 def _operand(a, dtype, xp):
-    """`a` in `dtype`, with rows of contiguous elements (as the C cell kernels read them)."""
+    """`a` in `dtype`, contiguous along its last axis (as the C passes read arrays)."""
     a = a.astype(dtype, copy=False)
     return xp.ascontiguousarray(a) if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize else a
 
@@ -156,62 +156,79 @@ def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False, last_only=Fa
     return _result(hs, last_only, reverse), vjp
 
 
-# A step's gate nonlinearities and cell update: on NumPy arrays one C pass (`_recurrent`),
-# on other arrays (CuPy) these array-API passes over the step's blocks. sigmoid(x) = (1 +
-# tanh(x / 2)) / 2, which never overflows. The derivatives come from the activated gates
-# themselves (s * (1 - s), 1 - g^2): the pre-activations are not kept, which halves what
-# the forward pass writes for the backward one to read.
-def _lstm_forward_arrays(gates, c_prev, h, c, tanh_c, h_next):
-    """One step on ``(rows, .)`` blocks, as `_recurrent.lstm_forward`: `gates` ``(rows,
-    4H)``, the pre-activations, becomes the activated gates i, f, g, o; writes c, h and
-    tanh(c), each ``(rows, H)``, from c_prev, and h into `h_next` too unless it is None."""
-    H = h.shape[1]
-    for sig in (gates[:, : 2 * H], gates[:, 3 * H :]):
-        sig *= 0.5
-        np.tanh(sig, out=sig)
-        sig += 1
-        sig *= 0.5
-    i, f, g, o = gates[:, :H], gates[:, H : 2 * H], gates[:, 2 * H : 3 * H], gates[:, 3 * H :]
-    np.tanh(g, out=g)
-    np.multiply(f, c_prev, out=c)
-    np.multiply(i, g, out=h)  # i * g, with h as scratch
-    c += h
-    np.tanh(c, out=tanh_c)
-    np.multiply(o, tanh_c, out=h)
-    if h_next is not None:
-        h_next[...] = h
+# The LSTM's passes over a block of batch rows: on NumPy arrays (with NumPy's BLAS found)
+# `_recurrent`'s, in C, step after step with the GIL released once; otherwise (CuPy) these,
+# the same in array-API operations. sigmoid(x) = (1 + tanh(x / 2)) / 2, which never
+# overflows. The derivatives come from the activated gates themselves (s * (1 - s), 1 -
+# g^2): the pre-activations are not kept, which halves what the forward pass writes for
+# the backward one to read.
+def _lstm_forward_steps(inputs, weights, gates, out, tanh_c, c0, reverse):
+    """As `_recurrent.lstm_forward_pass`: the forward pass over a block of rows. inputs
+    ``(rows, seq, K)``: each step's GEMM rows ``[h_prev | x_t | 1]`` (h_prev given at the
+    first step taken), weights ``(K, 4H)``; writes the activated gates ``(rows, seq, 4H)``,
+    out ``(rows, seq, 2H)`` = ``[h_t | c_t]`` and tanh_c ``(rows, seq, H)``, from c0."""
+    seq, H = gates.shape[1], tanh_c.shape[2]
+    order = _order(seq, reverse)
+    c_prev = c0
+    for k, t in enumerate(order):
+        a, h, c = gates[:, t], out[:, t, :H], out[:, t, H:]
+        np.matmul(inputs[:, t], weights, out=a)
+        for sig in (a[:, : 2 * H], a[:, 3 * H :]):
+            sig *= 0.5
+            np.tanh(sig, out=sig)
+            sig += 1
+            sig *= 0.5
+        i, f, g, o = a[:, :H], a[:, H : 2 * H], a[:, 2 * H : 3 * H], a[:, 3 * H :]
+        np.tanh(g, out=g)
+        np.multiply(f, c_prev, out=c)
+        np.multiply(i, g, out=h)  # i * g, with h as scratch
+        c += h
+        np.tanh(c, out=tanh_c[:, t])
+        np.multiply(o, tanh_c[:, t], out=h)
+        if k + 1 < seq:
+            inputs[:, order[k + 1], :H] = h
+        c_prev = c
 
 
-def _lstm_backward_arrays(gates, tanh_c, c_prev, g, dh, dc, d):
-    """One step's backward pass on ``(rows, .)`` blocks, as `_recurrent.lstm_backward`:
-    adds the step's output cotangent `g` ``(rows, 2H)`` (None: none) into dh and dc, writes
-    the pre-activation cotangent `d` ``(rows, 4H)``, and leaves c_prev's cotangent in dc."""
-    H = dh.shape[1]
-    if g is not None:
-        dh += g[:, :H]
-        dc += g[:, H:]
-    i, f, gg, o = gates[:, :H], gates[:, H : 2 * H], gates[:, 2 * H : 3 * H], gates[:, 3 * H :]
-    di, df, dg, do = d[:, :H], d[:, H : 2 * H], d[:, 2 * H : 3 * H], d[:, 3 * H :]
-    np.multiply(tanh_c, tanh_c, out=do)  # dc += dh * o * (1 - tanh(c)^2), with do as scratch
-    np.subtract(1, do, out=do)
-    do *= o
-    do *= dh
-    dc += do
-    np.multiply(dh, tanh_c, out=do)
-    np.multiply(dc, gg, out=di)
-    np.multiply(dc, c_prev, out=df)
-    np.multiply(dc, i, out=dg)
-    dc *= f
-    slopes = (1 - gates) * gates  # s * (1 - s), then 1 - g^2 in g's columns
-    slopes[:, 2 * H : 3 * H] = 1 - gg * gg
-    d *= slopes
+def _lstm_backward_steps(gates, tanh_c, out, c0, g, dhc, d, weights, reverse, need_h0):
+    """As `_recurrent.lstm_backward_pass`: the backward pass over a forward pass's block of
+    rows. g ``(rows, seq, 2H)``, every step's output cotangent, or None; dhc ``(rows, 2H)``
+    = ``[dh | dc]`` carried into the last step taken, left as (h0, c0)'s (dh only if
+    `need_h0`); writes d ``(rows, seq, 4H)``, each step's pre-activation cotangent."""
+    seq, H = gates.shape[1], tanh_c.shape[2]
+    order = _order(seq, reverse)
+    dh, dc = dhc[:, :H], dhc[:, H:]
+    for k in range(seq - 1, -1, -1):
+        t = order[k]
+        a, tc, dt = gates[:, t], tanh_c[:, t], d[:, t]
+        c_prev = c0 if k == 0 else out[:, order[k - 1], H:]
+        if g is not None:
+            dh += g[:, t, :H]
+            dc += g[:, t, H:]
+        i, f, gg, o = a[:, :H], a[:, H : 2 * H], a[:, 2 * H : 3 * H], a[:, 3 * H :]
+        di, df, dg, do = dt[:, :H], dt[:, H : 2 * H], dt[:, 2 * H : 3 * H], dt[:, 3 * H :]
+        np.multiply(tc, tc, out=do)  # dc += dh * o * (1 - tanh(c)^2), with do as scratch
+        np.subtract(1, do, out=do)
+        do *= o
+        do *= dh
+        dc += do
+        np.multiply(dh, tc, out=do)
+        np.multiply(dc, gg, out=di)
+        np.multiply(dc, c_prev, out=df)
+        np.multiply(dc, i, out=dg)
+        dc *= f
+        slopes = (1 - a) * a  # s * (1 - s), then 1 - g^2 in g's columns
+        slopes[:, 2 * H : 3 * H] = 1 - gg * gg
+        dt *= slopes
+        if k > 0 or need_h0:
+            np.matmul(dt, weights[:H].T, out=dh)
 
 
-def _lstm_cell(xp):
-    """The (forward, backward) step kernels for arrays of `xp`."""
-    if xp is np:
-        return _recurrent.lstm_forward, _recurrent.lstm_backward
-    return _lstm_forward_arrays, _lstm_backward_arrays
+def _lstm_passes(xp):
+    """The (forward, backward) passes for arrays of `xp`."""
+    if xp is np and _recurrent.HAS_GEMM:
+        return _recurrent.lstm_forward_pass, _recurrent.lstm_backward_pass
+    return _lstm_forward_steps, _lstm_backward_steps
 
 
 @primitive
@@ -241,29 +258,23 @@ def lstm_sequence(x, w_ih, b, w_hh, h0, c0, *, reverse=False, last_only=False):
     batch, seq, n_in = x.shape
     dtype = np.result_type(*(a for a in (x, w_ih, b, w_hh, h0, c0) if a is not None))
     h0, c0 = (_operand(a, dtype, xp) for a in (h0, c0))
-    forward_cell, backward_cell = _lstm_cell(xp)
-    # rows [h_prev | x_t | 1] (the 1 only with a bias), and the stacked weights
+    forward_pass, backward_pass = _lstm_passes(xp)
+    # each step's GEMM rows [h_prev | x_t | 1] (the 1 only with a bias), and the stacked weights
     width = H + n_in + (b is not None)
     inputs = xp.empty((batch, seq, width), dtype)
     weights = xp.concatenate([w_hh, w_ih] + ([] if b is None else [b.reshape(1, -1)])).astype(dtype, copy=False)
     gates = xp.empty((batch, seq, 4 * H), dtype)  # i, f, g, o
     out = xp.empty((batch, seq, 2 * H), dtype)
     tanh_c = xp.empty((batch, seq, H), dtype)
-    order = _order(seq, reverse)
+    first, last = (seq - 1, 0) if reverse else (0, seq - 1)
 
     def forward(lo, hi):
         rows = inputs[lo:hi]
         rows[:, :, H : H + n_in] = x[lo:hi]
         if b is not None:
             rows[:, :, -1] = 1
-        rows[:, order[0], :H] = h0[lo:hi]
-        c_prev = c0[lo:hi]
-        for k, t in enumerate(order):
-            a, c = gates[lo:hi, t], out[lo:hi, t, H:]
-            np.matmul(rows[:, t], weights, out=a)
-            h_next = rows[:, order[k + 1], :H] if k + 1 < seq else None
-            forward_cell(a, c_prev, out[lo:hi, t, :H], c, tanh_c[lo:hi, t], h_next)
-            c_prev = c
+        rows[:, first, :H] = h0[lo:hi]
+        forward_pass(rows, weights, gates[lo:hi], out[lo:hi], tanh_c[lo:hi], c0[lo:hi], reverse)
 
     _by_rows(forward, h0, seq * weights.size)
 
@@ -271,18 +282,12 @@ def lstm_sequence(x, w_ih, b, w_hh, h0, c0, *, reverse=False, last_only=False):
         g = _operand(g, dtype, xp)
         d = xp.empty((batch, seq, 4 * H), dtype)  # the cotangent of each step's pre-activation
         dhc = _carried(g, (batch, 2 * H), dtype, last_only, xp)  # [dh | dc]
-        dh, dc = dhc[:, :H], dhc[:, H:]
         gx = xp.empty(x.shape, dtype) if needs[0] else None
         weight_grads = {}  # each block's sum over its rows and steps, by its first row
 
         def backward(lo, hi):
-            for k in range(seq - 1, -1, -1):
-                t = order[k]
-                c_prev = c0[lo:hi] if k == 0 else out[lo:hi, order[k - 1], H:]
-                g_t = None if last_only else g[lo:hi, t]
-                backward_cell(gates[lo:hi, t], tanh_c[lo:hi, t], c_prev, g_t, dh[lo:hi], dc[lo:hi], d[lo:hi, t])
-                if k > 0 or needs[4]:
-                    np.matmul(d[lo:hi, t], weights[:H].T, out=dh[lo:hi])
+            g_block = None if last_only else g[lo:hi]
+            backward_pass(gates[lo:hi], tanh_c[lo:hi], out[lo:hi], c0[lo:hi], g_block, dhc[lo:hi], d[lo:hi], weights, reverse, needs[4])
             # Then, over all of the block's steps at once (its rows are contiguous):
             d_rows = d[lo:hi].reshape(-1, 4 * H)
             if needs[0]:
@@ -295,9 +300,9 @@ def lstm_sequence(x, w_ih, b, w_hh, h0, c0, *, reverse=False, last_only=False):
         if weight_grads:
             grads = functools.reduce(operator.add, (weight_grads[lo] for lo in sorted(weight_grads)))
             gw_hh, gw_ih, gb = grads[:H], grads[H : H + n_in], grads[-1] if b is not None else None
-        return gx, gw_ih, gb, gw_hh, dh, dc
+        return gx, gw_ih, gb, gw_hh, dhc[:, :H], dhc[:, H:]
 
-    return (out[:, order[-1]].copy() if last_only else out), vjp
+    return (out[:, last].copy() if last_only else out), vjp
 
 
 def _check_lstm(x, w_ih, b, w_hh, h0, c0):
