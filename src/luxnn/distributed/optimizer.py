@@ -260,8 +260,11 @@ def DistributedOptimizer(backend: Backend, optimizer: optim.GradientTransformati
     ``overlap=True`` averages during the backward pass of the training verbs (a
     `ListeningTransformation`): each bucket's allreduce starts once the backward pass has
     finished its gradients, and `update` waits for them. The results are those of
-    ``overlap=False``. Gradients changed in place between `compute_gradients` and
-    `apply_gradients` would not be seen, which is why it is not the default.
+    ``overlap=False``. The collectives then start in `compute_gradients`, which every rank
+    must therefore call as often as the others. Gradients changed in place between
+    `compute_gradients` and `apply_gradients` would not be seen (replaced ones are: the
+    round is dropped and they are averaged as they come), which is why it is not the
+    default.
 
     >>> opt = dist.DistributedOptimizer(backend, lx.optim.adam(1e-3), overlap=True)  # doctest: +SKIP
     >>> ts = lx.TrainState(model, ps, st, opt)  # doctest: +SKIP
