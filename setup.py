@@ -14,6 +14,7 @@ setup(
         Extension(
             "luxnn.ops._recurrent",
             sources=["src/luxnn/ops/_recurrent.c"],
+            depends=["src/luxnn/ops/_recurrent_cell.h"],  # included once per dtype; in the sdist too
             include_dirs=[numpy.get_include()],
             extra_compile_args=["-O3", "-std=c11", "-fno-trapping-math"],  # so that the cell loops vectorise
         ),
