@@ -133,7 +133,7 @@ def test_bench_prints_the_time_steps_spend_in_collectives():
 def test_the_nccl_backend_calls_cupys_nccl_as_documented():
     done = run_workers("nccl_fake.py")  # a stand-in for CuPy and its NCCL: no GPU needed
     assert done.returncode == 0, done.stdout[-4000:]
-    for name in ("blocking collectives", "start_allreduce", "buckets"):
+    for name in ("one GPU per rank", "blocking collectives", "start_allreduce", "buckets"):
         assert passed(done.stdout, f"fake nccl: {name}"), done.stdout[-4000:]
 
 

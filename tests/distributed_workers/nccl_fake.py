@@ -133,6 +133,8 @@ class Stream:
 
 
 class Device:
+    shared = False  # every rank sees one GPU of its own; True: the ranks of a host see the same one
+
     def __init__(self, device=0):
         self.id = device
 
@@ -147,7 +149,10 @@ nccl.__dict__.update(NCCL, available=True, NcclCommunicator=NcclCommunicator,
 cuda = types.ModuleType("cupy.cuda")
 cuda.__dict__.update(
     nccl=nccl, Stream=Stream, Event=Event, Device=Device, get_current_stream=lambda: null_stream,
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+    runtime=types.SimpleNamespace(
+        getDeviceCount=lambda: 1,
+        deviceGetPCIBusId=lambda device: f"0000:{0 if Device.shared else WORLD.Get_rank():02x}:00.0",
+    ),
 )  # fmt: skip
 cupy = types.ModuleType("cupy")
 cupy.__dict__.update(cuda=cuda, ndarray=ndarray, empty=lambda n, dtype: ndarray(np.empty(n, dtype)),
@@ -175,6 +180,16 @@ def device(values, dtype=np.float32):
 def host(a):
     return a.get()
 
+
+Device.shared = True  # a second backend (made by hand: `initialize` keeps one) on one GPU for both ranks
+message = ""
+try:
+    dist.NCCLBackend(WORLD)
+except RuntimeError as err:
+    message = str(err)
+assert "ranks 0 and 1 on host" in message and "got the same GPU (0000:00:00.0)" in message, message
+Device.shared = False
+say("PASS fake nccl: one GPU per rank")
 
 # ---- blocking collectives: on the current stream, which they wait for -------------------------
 for dtype in (np.float32, np.float64):

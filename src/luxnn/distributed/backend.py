@@ -240,6 +240,7 @@ class NCCLBackend(Backend):
         # NCCL takes the current device for the communicator's: bind it before.
         self.device = cupy.cuda.Device(self.host_rank % count)
         self.device.use()
+        _check_one_gpu_each(comm, cupy.cuda.runtime.deviceGetPCIBusId(self.device.id))
         self._cupy = cupy
         self._nccl_ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
         self._nccl_types = {
@@ -281,6 +282,20 @@ class NCCLBackend(Backend):
         self.nccl.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._datatype(buf), self._nccl_ops[op], self._stream.ptr)
         reduced = self._stream.record()
         return (lambda: reduced.done), (lambda: cuda.get_current_stream().wait_event(reduced))
+
+
+def _check_one_gpu_each(comm: Any, bus_id: str) -> None:
+    """A `RuntimeError` on every rank if two ranks of a host got one GPU (NCCL refuses it):
+    more ranks on a host than GPUs visible to them."""
+    where = comm.allgather((_mpi().Get_processor_name(), bus_id))
+    first: dict[tuple[str, str], int] = {}
+    for rank, place in enumerate(where):
+        if place in first:
+            raise RuntimeError(
+                f"initialize('nccl'): ranks {first[place]} and {rank} on host {place[0]} got the same GPU ({place[1]}); "
+                f"NCCL needs a GPU per rank: start at most as many ranks per host as it has GPUs"
+            )
+        first[place] = rank
 
 
 def _then_divide(wait: Any, a: Any, size: int) -> Any:
