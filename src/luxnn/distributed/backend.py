@@ -59,7 +59,9 @@ class CollectiveStats:
 
 class Pending:
     """A collective in flight (`Backend.start_allreduce`). `wait()` returns once its result
-    is in the array (later calls return at once); `test()` says whether it has finished,
+    is in the array (later calls return at once); call it even after `test()` said True,
+    as it also completes the result (the division of ``"avg"``, the copy back of a CuPy
+    array staged through the host). `test()` says whether the transfer has finished,
     without blocking, and under MPI also lets it progress (MPICH moves a non-blocking
     collective on only inside MPI calls). Both count towards the backend's `stats`."""
 
@@ -316,7 +318,8 @@ def initialize(kind: str = "mpi") -> Backend:
     It shares this host's cores among the ranks on it: luxnn's kernel threads
     (`luxnn.set_num_threads`) unless they were set already, and the BLAS's threads
     (threadpoolctl) unless ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` or
-    ``MKL_NUM_THREADS`` is set. ``"nccl"`` binds each rank to the GPU of its rank on the host.
+    ``MKL_NUM_THREADS`` is set. ``"nccl"`` binds each rank to the GPU of its rank on the host
+    (a `RuntimeError` on every rank if two ranks of a host get the same GPU).
 
     >>> from luxnn import distributed as dist
     >>> backend = dist.initialize("mpi")  # doctest: +SKIP
