@@ -221,9 +221,10 @@ ps, st = dist.synchronize(backend, lx.tree.map(lambda a: a.astype(np.float64), l
 batches = [(x[32 * rank : 32 * rank + 32] * k, y[32 * rank : 32 * rank + 32]) for k in (1.0, 0.5, 2.0, 1.5)]
 
 
-def train(overlap, fail_at=None):
-    """Four steps on `batches`; with `fail_at`, the backward pass of one more step before
-    batch `fail_at` raises at the probe (on every rank), and is caught."""
+def train(overlap, fail_at=None, failing=(0, 1)):
+    """Four steps on `batches`; with `fail_at`, one more step before batch `fail_at`, whose
+    backward pass raises at the probe on the ranks `failing` (and is caught); the other
+    ranks take that step."""
     optimizer = dist.DistributedOptimizer(backend, lx.optim.adam(1e-2), bucket_bytes=1, overlap=overlap)
     ts = lx.TrainState(model, lx.tree.map(np.copy, ps), st, optimizer)
     started = []
@@ -234,7 +235,11 @@ def train(overlap, fail_at=None):
                 raise ArithmeticError("the probe fails")
 
             Probe.action, before = fail, backend.stats.calls
-            assert "the probe fails" in raises(ArithmeticError, lx.single_train_step_, ad, loss_fn, batch, ts)
+            if rank in failing:
+                assert "the probe fails" in raises(ArithmeticError, lx.single_train_step_, ad, loss_fn, batch, ts)
+            else:
+                Probe.action = lambda: started.append(backend.stats.calls - before)
+                _, _, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
         Probe.action, before = (lambda: started.append(backend.stats.calls - before)), backend.stats.calls
         _, _, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
     Probe.action = lambda: None
@@ -258,6 +263,14 @@ assert started == [4, 4, 4, 2 + 4, 4], started
 for got, want in zip(lx.tree.leaves(recovered.parameters), lx.tree.leaves(blocking.parameters)):
     np.testing.assert_allclose(got, want, rtol=1e-13, atol=0)
 assert same_on_every_rank(recovered.parameters)
+
+# Rank 1 alone raises: rank 0's update waits for the 2 allreduces rank 1 had not started,
+# until rank 1's next step starts them. Nothing hangs; the replicas differ (rank 0 took a
+# step with rank 1's unfinished buckets) until synchronize.
+diverged, started = train(overlap=True, fail_at=2, failing=(1,))
+assert started == ([4, 4, 4, 4, 4] if rank == 0 else [4, 4, 4, 2 + 4, 4]), started
+assert not same_on_every_rank(diverged.parameters)
+assert same_on_every_rank(dist.synchronize(backend, diverged.parameters))
 say("PASS overlap: a backward pass that raises leaves nothing pending")
 
 # Gradients replaced between compute_gradients and apply_gradients are averaged as they come.
