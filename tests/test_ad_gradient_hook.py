@@ -141,3 +141,12 @@ def test_the_verbs_hand_a_listening_optimizer_each_gradient_and_update_the_same_
     ts_holder[0] = ts
     grads, _, _, ts = lx.compute_gradients(lx.AutoTape(), lx.losses.MSELoss(), data, ts)
     assert seen["listen"] == 2 and all(seen["reports"][i] is g for i, g in enumerate(lx.tree.leaves(grads)))
+
+
+def test_leaves_given_one_cotangent_get_arrays_of_their_own():
+    reports = {}
+    f = lambda p: ((p["a"] + p["b"]) * 3.0).sum()  # noqa: E731 - add hands both leaves one cotangent
+    _, grads = ad.value_and_grad(f, on_gradient=lambda i, g: reports.setdefault(i, g))({"a": np.ones(3), "b": np.ones(3)})
+    assert reports[0] is grads["a"] and reports[1] is grads["b"]
+    assert not np.shares_memory(grads["a"], grads["b"])
+    np.testing.assert_array_equal(grads["a"], np.full(3, 3.0))
