@@ -47,7 +47,7 @@ def passed(output: str, name: str) -> bool:
     ["initialize", "bad input", "threads", "collectives", "buckets", "synchronize",
      "training equals one process, replicas bit-identical", "overlap: training equals one process, replicas bit-identical",
      "overlap: allreduces start in the backward pass, results as without overlap",
-     "overlap: a backward pass that raises leaves nothing pending", "overlap: replaced gradients",
+     "overlap: a backward pass that raises leaves nothing pending", "overlap: compute_gradients then apply_gradients, replaced gradients",
      "shards disjoint and covering", "loader settings", "checkpoint"],
 )  # fmt: skip
 def test_two_ranks(checks, name):

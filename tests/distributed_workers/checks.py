@@ -282,7 +282,19 @@ for overlap in (False, True):
     if overlap:
         np.testing.assert_allclose(ts.parameters["layer_1"]["weight"], doubled, rtol=1e-13, atol=0)
     doubled = ts.parameters["layer_1"]["weight"]
-say("PASS overlap: replaced gradients")
+# compute_gradients then apply_gradients_ (two verbs, one step): the round is collected.
+for overlap in (False, True):
+    optimizer = dist.DistributedOptimizer(backend, lx.optim.sgd(0.1), bucket_bytes=1, overlap=overlap)
+    ts = lx.TrainState(model, lx.tree.map(np.copy, ps), st, optimizer)
+    before = backend.stats.calls
+    grads, _, _, ts = lx.compute_gradients(ad, loss_fn, batches[0], ts)
+    assert backend.stats.calls - before == (6 if overlap else 0)  # with overlap, every bucket is on its way
+    ts = lx.apply_gradients_(ts, grads)
+    assert backend.stats.calls - before == 6  # and no bucket travels twice
+    if overlap:
+        np.testing.assert_allclose(ts.parameters["layer_1"]["weight"], two_verbs, rtol=1e-13, atol=0)
+    two_verbs = ts.parameters["layer_1"]["weight"]
+say("PASS overlap: compute_gradients then apply_gradients, replaced gradients")
 
 
 # ---- shards: disjoint, covering ------------------------------------------------------------------------
