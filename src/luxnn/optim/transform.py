@@ -8,9 +8,9 @@ their moments underflowing. A block's `update` returns new arrays and never writ
 `grads`, `params` or the old state; temporaries are combined in place (``out=``) on arrays
 the block has just made. Its in-place update (`GradientTransformation.update_`) runs the
 same operations in the same order with the old moments as the ``out=`` of the new ones,
-so the two agree bit for bit. Step counts stay 0-d arrays: bias corrections and schedules are computed
-from them as arrays, with no Python int made of the count (no host round trip on a GPU;
-`add_noise` alone reads it, to seed NumPy's generator on the host).
+so the two agree bit for bit. Step counts stay 0-d arrays: bias corrections and schedules
+are computed from them as arrays, with no Python int made of the count (no host round
+trip on a GPU; `add_noise` alone reads it, to seed NumPy's generator on the host).
 """
 
 from __future__ import annotations
