@@ -197,6 +197,9 @@ for overlap, bucket_bytes, name in ((False, dist.DEFAULT_BUCKET_BYTES, ""), (Tru
         assert error < 1e-10, error
     assert not np.allclose(ts.parameters["layer_1"]["weight"], start["layer_1"]["weight"])  # it trained
     assert same_on_every_rank(ts.parameters) and same_on_every_rank(ts.optimizer_state)
+    mu = ts.optimizer_state[0].mu["layer_1"]["weight"]
+    _, _, _, ts = lx.single_train_step_(ad, loss_fn, next(iter(loader)), ts)
+    assert ts.optimizer_state[0].mu["layer_1"]["weight"] is mu  # the inner Adam updates its moments in place
     say(f"PASS {name}training equals one process, replicas bit-identical")
 
 

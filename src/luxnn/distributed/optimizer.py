@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from .. import memory, optim, tree
 from ..backend import is_array, module_of
+from ..optim.base import update_into
 from .backend import Backend, Pending, check_backend, check_int
 from .collectives import check_same_layout
 
@@ -239,12 +240,22 @@ class _Averaged:
         return self.optimizer.init(params)
 
     def update(self, grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return self.optimizer.update(self._averaged(grads), state, params)
+
+    # The in-place protocols of luxnn.optim's stages (optim/base.py), forwarded to the
+    # inner optimizer as luxnn.optim's wrappers forward them: `apply_gradients_` then
+    # updates its moments in place and adds each leaf's update into its parameter.
+    def update_in_place(self, grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return self.optimizer.update_(self._averaged(grads), state, params)
+
+    def update_into(self, grads: Any, state: Any, params: Any, into: list) -> Any:
+        return update_into(self.optimizer, self._averaged(grads), state, params, into)
+
+    def _averaged(self, grads: Any) -> Any:
         leaves, structure = tree.flatten(grads)
         if self.buckets.holds(leaves):
-            averaged = tree.unflatten(structure, self.buckets.collect())
-        else:
-            averaged = self.buckets.average(grads)
-        return self.optimizer.update(averaged, state, params)
+            return tree.unflatten(structure, self.buckets.collect())
+        return self.buckets.average(grads)
 
     def listen(self, params: Any) -> Callable[[int, Any], None]:
         return self.buckets.begin(*tree.flatten(params))
