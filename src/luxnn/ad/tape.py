@@ -50,9 +50,9 @@ class Tape:
         right after its last consumer's VJP, while the rest of the backward pass is still
         to come (the gradients of a network's last layers before those of its first).
         """
-        if on_gradient is not None:
-            return self._backward_reporting(out, seed, on_gradient)
         nodes = self.nodes
+        # {node: [leaves whose gradient is final once it has run]}; empty without reports.
+        finishing = {} if on_gradient is None else _last_consumers(nodes, out.index)
         pending: list[Any] = [None] * (out.index + 1)
         pending[out.index] = seed
         leaf_grads: dict[int, Any] = {}
@@ -60,46 +60,24 @@ class Tape:
             g = pending[i]
             node = nodes[i]
             nodes[i] = pending[i] = None  # frees the values this node's VJP closed over
-            if g is None:
-                continue
-            vjp, parents, needs = node
-            if vjp is None:
-                leaf_grads[i] = g
-                continue
-            for p, ct in zip(parents, vjp(g, needs)):
-                if ct is not None and p >= 0:
-                    prev = pending[p]
-                    pending[p] = ct if prev is None else prev + ct
-        self.nodes = []
-        return leaf_grads
-
-    def _backward_reporting(self, out: "Traced", seed: Any, on_gradient: Callable[[int, Any], None]) -> dict[int, Any]:
-        # `backward` with reports; kept apart so that the loop without them pays nothing.
-        nodes = self.nodes
-        finishing = _last_consumers(nodes, out.index)
-        pending: list[Any] = [None] * (out.index + 1)
-        pending[out.index] = seed
-        leaf_grads: dict[int, Any] = {}
-        for i in range(out.index, -1, -1):
-            g = pending[i]
-            node = nodes[i]
-            nodes[i] = pending[i] = None
             if g is not None:
                 vjp, parents, needs = node
-                if vjp is None:  # a leaf no node consumed: out itself
+                if vjp is None:  # a leaf not yet reported (with reports: only `out` itself)
                     leaf_grads[i] = g
-                    on_gradient(i, g)
+                    if on_gradient is not None:
+                        on_gradient(i, g)
                 else:
                     for p, ct in zip(parents, vjp(g, needs)):
                         if ct is not None and p >= 0:
                             prev = pending[p]
                             pending[p] = ct if prev is None else prev + ct
-            for leaf in finishing.get(i, ()):  # also when node i had no cotangent
-                g = pending[leaf]
-                if g is not None:
-                    pending[leaf] = None
-                    leaf_grads[leaf] = g
-                    on_gradient(leaf, g)
+            if finishing:
+                for leaf in finishing.get(i, ()):  # also when node i had no cotangent
+                    g = pending[leaf]
+                    if g is not None:
+                        pending[leaf] = None
+                        leaf_grads[leaf] = g
+                        on_gradient(leaf, g)
         self.nodes = []
         return leaf_grads
 
