@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import memory, optim, tree
 from ..backend import is_array, module_of
 from ..optim.base import update_into
@@ -31,6 +33,8 @@ from .collectives import check_same_layout
 __all__ = ["DistributedOptimizer", "GradientBuckets", "ListeningTransformation", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # PyTorch DDP's default bucket_cap_mb
+# A round's verdicts, by rank (`GradientBuckets.collect`): the lowest of the ranks' wins.
+_ABANDONED, _REPLACED, _USED = 0, 1, 2
 
 
 def _check_one_device(what: str, x: Any, name: str) -> None:
@@ -55,10 +59,15 @@ class GradientBuckets:
     A round streams gradients in instead: `begin` returns ``receive(position,
     gradient)``, which copies leaf `position` in and starts a bucket's non-blocking
     allreduce once the bucket is full and every bucket before it has started; `collect`
-    waits for them and unpacks. A round that is not collected (its backward pass raised)
-    is finished by `discard` (also called by `begin`, `pack`): its buckets not yet
-    started are started, whatever they hold, so that every rank has started the same
-    collectives, and all are waited for; nothing of it is kept.
+    waits for them and unpacks. A round ends with one more small allreduce, the ranks'
+    verdict, so that they all take the same path: `collect(leaves)` says "used" if
+    `leaves` are the very arrays the round received, "replaced" otherwise; `discard` (a
+    round not collected: its backward pass raised; also called by `begin`, `pack`) says
+    "abandoned", after starting the buckets not yet started, whatever they hold, so that
+    every rank has started the same collectives. `collect` returns the averages only when
+    every rank used its round, None when some rank replaced its gradients (every rank
+    then averages the gradients it has with `average`), and raises when some rank
+    abandoned it.
 
     >>> buckets = GradientBuckets(backend, bucket_bytes=1 << 20)  # doctest: +SKIP
     >>> buckets.average({"w": np.full(3, float(dist.local_rank(backend)))})  # doctest: +SKIP
@@ -125,32 +134,43 @@ class GradientBuckets:
         while len(pending) < len(missing) and missing[len(pending)] == 0:
             pending.append(self.backend.start_allreduce(self.buffers[len(pending)], "sum"))
 
-    def holds(self, leaves: list[Any]) -> bool:
-        """Whether the open round has received every gradient, and these very arrays."""
-        round_ = self._round
-        return (
-            round_ is not None
-            and len(round_.pending) == len(self.buffers)
-            and len(leaves) == len(round_.received)
-            and all(a is b for a, b in zip(leaves, round_.received))
-        )
+    @property
+    def is_open(self) -> bool:
+        """Whether a round is open: `begin` has run and no `collect` or `discard` since."""
+        return self._round is not None
 
-    def collect(self) -> list[Any]:
-        """Wait for the round's allreduces; the leaves' averages, as `unpack`."""
-        round_, self._round = self._round, None
-        for pending in round_.pending:
-            pending.wait()
-        return self.unpack()
+    def collect(self, leaves: list[Any]) -> list[Any] | None:
+        """End the open round with `leaves`, the flattened gradients to average: the
+        leaves' averages over the ranks (as `unpack`) if every rank's are the arrays its
+        round received; None if some rank's are not (they were replaced: average them with
+        `average`, as every rank then does); a `RuntimeError` if some rank abandoned its
+        round (see the class docstring)."""
+        round_ = self._round
+        received = len(leaves) == len(round_.received) and all(a is b for a, b in zip(leaves, round_.received))
+        verdict = self._end(_USED if received else _REPLACED)
+        if verdict == _ABANDONED:
+            raise RuntimeError(
+                "DistributedOptimizer: a rank abandoned this step's gradients (its compute_gradients raised, or it "
+                "computed gradients again before an update); no rank applies the step, so the replicas stay equal"
+            )
+        return self.unpack() if verdict == _USED else None
 
     def discard(self) -> None:
         """Finish the open round, if any, without using it (see the class docstring)."""
+        if self._round is not None:
+            self._end(_ABANDONED)
+
+    def _end(self, mine: int) -> int:
+        """Close the round: start its buckets not yet started, then the verdicts'
+        allreduce (the lowest wins), and wait for all of them; returns the verdict."""
         round_, self._round = self._round, None
-        if round_ is None:
-            return
         round_.missing = [0] * len(round_.missing)
         self._start_full(round_)
+        verdict = np.array([mine], np.int32)  # a NumPy array: through MPI on every backend
+        round_.pending.append(self.backend.start_allreduce(verdict, "min"))
         for pending in round_.pending:
             pending.wait()
+        return int(verdict[0])
 
     def _layout(self, leaves: list[Any], structure: tree.Structure) -> None:
         key = (structure, tuple((a.dtype, a.shape, a.device) if is_array(a) else type(a) for a in leaves))
@@ -252,9 +272,11 @@ class _Averaged:
         return update_into(self.optimizer, self._averaged(grads), state, params, into)
 
     def _averaged(self, grads: Any) -> Any:
-        leaves, structure = tree.flatten(grads)
-        if self.buckets.holds(leaves):
-            return tree.unflatten(structure, self.buckets.collect())
+        if self.buckets.is_open:
+            leaves, structure = tree.flatten(grads)
+            averages = self.buckets.collect(leaves)
+            if averages is not None:
+                return tree.unflatten(structure, averages)
         return self.buckets.average(grads)
 
     def listen(self, params: Any) -> Callable[[int, Any], None]:
@@ -272,10 +294,13 @@ def DistributedOptimizer(backend: Backend, optimizer: optim.GradientTransformati
     `ListeningTransformation`): each bucket's allreduce starts once the backward pass has
     finished its gradients, and `update` waits for them. The results are those of
     ``overlap=False``. The collectives then start in `compute_gradients`, which every rank
-    must therefore call as often as the others. Gradients changed in place between
-    `compute_gradients` and `apply_gradients` would not be seen (replaced ones are: the
-    round is dropped and they are averaged as they come), which is why it is not the
-    default.
+    must therefore call as often as the others. `update` ends with one more small
+    allreduce in which the ranks agree on what to average: gradients replaced between
+    `compute_gradients` and `apply_gradients`, on any rank, make every rank average the
+    gradients it was given (those changed in place would not be seen, which is why overlap
+    is not the default); a rank whose backward pass raised makes the others' `update`
+    raise `RuntimeError` once its next `compute_gradients` has finished the round, with
+    nothing applied on any rank.
 
     >>> opt = dist.DistributedOptimizer(backend, lx.optim.adam(1e-3), overlap=True)  # doctest: +SKIP
     >>> ts = lx.TrainState(model, ps, st, opt)  # doctest: +SKIP
