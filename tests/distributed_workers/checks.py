@@ -169,6 +169,14 @@ extra = {"w": np.zeros(2)} if rank == 0 else {"w": np.zeros(2), "b": np.zeros(2)
 say("mismatch keys: " + raises(ValueError, dist.synchronize, backend, extra))
 dtype = np.float32 if rank == 0 else np.float64
 say("mismatch dtype: " + raises(ValueError, dist.synchronize, backend, [np.zeros(2, dtype)]))
+# Bad input on one rank only raises on every rank, naming it (not on that rank alone,
+# leaving the other in the check's collective).
+frozen = np.zeros(3) if rank == 0 else np.broadcast_to(np.zeros(1), (3,))
+message = raises(ValueError, dist.synchronize, backend, {"w": frozen})
+assert "synchronize: on rank 1: the array at 'w' is read-only" in message, message
+grads = {"w": np.zeros(2)} if rank == 0 else {"w": 1.5}
+message = raises(ValueError, dist.GradientBuckets(backend).average, grads)
+assert "DistributedOptimizer: on rank 1: expected gradients as NumPy or CuPy arrays, got float at 'w'" in message, message
 
 # ---- 2 ranks x 32 samples == 1 process x 64 samples, after 10 Adam steps -----------------------------------
 data_rng = np.random.default_rng(5)  # the same data on every rank
@@ -320,6 +328,10 @@ for drop_last, steps, covered in ((True, 4, 64), (False, 5, 70)):
 say("PASS shards disjoint and covering")
 disagree = raises(ValueError, dist.DistributedDataLoader, backend, samples, 4 + rank)
 assert "disagree" in disagree, disagree
+# Too few samples on rank 1 only: both ranks say that they disagree (rank 1 alone raising
+# "would yield no batch" would leave rank 0 in the loader's collective).
+disagree = raises(ValueError, dist.DistributedDataLoader, backend, samples[: 70 if rank == 0 else 10], 8)
+assert "disagree" in disagree and "rank 1: (10, 8," in disagree, disagree
 assert "would yield no batch" in raises(ValueError, dist.DistributedDataLoader, backend, samples, 40)
 loader = dist.DistributedDataLoader(backend, samples, 8, seed=2)
 first = [b.tolist() for b in loader]

@@ -135,13 +135,23 @@ def _first_difference(a: tuple, b: tuple, rank_a: int, rank_b: int) -> str:
     return f"the containers differ: {containers_a[:200]} on rank {rank_a}, {containers_b[:200]} on rank {rank_b}"
 
 
-def check_same_layout(backend: Backend, what: str, x: Any, root: int = 0) -> None:
+def check_same_layout(backend: Backend, what: str, x: Any, root: int = 0, problem: str | None = None) -> None:
     """Raise `ValueError` on every rank, naming the first difference with `root`'s tree,
-    unless every rank's tree `x` has the same layout (see `layout`). Two small collectives
-    when the trees agree."""
+    unless every rank's tree `x` has the same layout (see `layout`). One small collective
+    when the trees agree. `problem`, a rank's own objection to its `x` (found before),
+    is raised on every rank too, naming the rank, instead of on that rank alone (which
+    would leave the others in this collective).
+
+    >>> check_same_layout(backend, "synchronize", {"w": np.zeros(3)})  # doctest: +SKIP
+    """
     mine = layout(x)
     digest = hashlib.sha256(repr(mine).encode()).hexdigest()
-    digests = backend.allgather_object(digest)
+    gathered = backend.allgather_object((digest, problem))
+    objections = [(rank, said) for rank, (_, said) in enumerate(gathered) if said is not None]
+    if objections:
+        rank, said = objections[0]
+        raise ValueError(f"{what}: on rank {rank}: {said}" if backend.size > 1 else f"{what}: {said}")
+    digests = [d for d, _ in gathered]
     if len(set(digests)) == 1:
         return
     layouts = backend.allgather_object(mine)  # every rank takes this branch: the digests are shared
@@ -163,10 +173,9 @@ def synchronize(backend: Backend, x: Any, root: int = 0) -> Any:
     backend = check_backend(backend, "synchronize")
     check_root(backend, "synchronize", root)
     pairs = tree.paths(x)
-    for path, leaf in pairs:
-        if isinstance(leaf, np.ndarray) and not leaf.flags.writeable:
-            raise ValueError(f"synchronize: the array at {_where(path)} is read-only, and synchronize writes into it")
-    check_same_layout(backend, "synchronize", x, root)
+    read_only = next((path for path, leaf in pairs if isinstance(leaf, np.ndarray) and not leaf.flags.writeable), None)
+    problem = None if read_only is None else f"the array at {_where(read_only)} is read-only, and synchronize writes into it"
+    check_same_layout(backend, "synchronize", x, root, problem)
     values = backend.bcast_object({i: leaf for i, (_, leaf) in enumerate(pairs) if _is_value(leaf)}, root)
     leaves = []
     for i, (_, leaf) in enumerate(pairs):

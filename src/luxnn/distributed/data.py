@@ -48,16 +48,11 @@ class DistributedDataLoader:
         self.seed = check_int("DistributedDataLoader", "seed", seed, minimum=0)
         if device is not None and not callable(device):
             raise ValueError(f"DistributedDataLoader: device must be callable (it moves a batch), got {type(device).__name__}")
-        ranks, per_step = self.backend.size, self.batch_size * self.backend.size
-        if drop_last and per_step > self.num_samples:
-            raise ValueError(
-                f"DistributedDataLoader: drop_last=True with batch_size={batch_size} on {ranks} ranks "
-                f"({per_step} samples a step) and {self.num_samples} samples would yield no batch"
-            )
-        if not drop_last and self.num_samples < ranks:
-            raise ValueError(f"DistributedDataLoader: {self.num_samples} samples cannot be shared among {ranks} ranks")
         self.data, self.shuffle, self.drop_last, self.device = data, bool(shuffle), bool(drop_last), device
         self.epoch = 0
+        # Agreed first: the checks below depend on the settings alone, so that with equal
+        # settings they raise on every rank or on none (one rank raising alone would leave
+        # the others in this collective).
         settings = (self.num_samples, self.batch_size, self.shuffle, self.seed, self.drop_last)
         everyone = self.backend.allgather_object(settings)
         if len(set(everyone)) > 1:
@@ -66,6 +61,14 @@ class DistributedDataLoader:
                 "DistributedDataLoader: the ranks disagree on (" + ", ".join(names) + "): "
                 + "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
             )
+        ranks, per_step = self.backend.size, self.batch_size * self.backend.size
+        if self.drop_last and per_step > self.num_samples:
+            raise ValueError(
+                f"DistributedDataLoader: drop_last=True with batch_size={batch_size} on {ranks} ranks "
+                f"({per_step} samples a step) and {self.num_samples} samples would yield no batch"
+            )
+        if not self.drop_last and self.num_samples < ranks:
+            raise ValueError(f"DistributedDataLoader: {self.num_samples} samples cannot be shared among {ranks} ranks")
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter(loader)`` epoch `epoch` (its order; later ones follow it)."""

@@ -37,13 +37,21 @@ DEFAULT_BUCKET_BYTES = 25 << 20  # PyTorch DDP's default bucket_cap_mb
 _ABANDONED, _REPLACED, _USED = 0, 1, 2
 
 
-def _check_one_device(what: str, x: Any, name: str) -> None:
+def _not_on_one_device(x: Any, name: str) -> str | None:
+    """What is wrong with the devices of tree `x`, or None if it is on one device."""
     from ..devices import get_device
 
     try:
         get_device(x)
     except ValueError as err:
-        raise ValueError(f"{what}: the {name} must all be on one device, found {err}") from None
+        return f"the {name} must all be on one device, found {err}"
+    return None
+
+
+def _check_one_device(what: str, x: Any, name: str) -> None:
+    problem = _not_on_one_device(x, name)
+    if problem is not None:
+        raise ValueError(f"{what}: {problem}")
 
 
 class GradientBuckets:
@@ -178,12 +186,14 @@ class GradientBuckets:
             self._build(tree.unflatten(structure, leaves), key)
 
     def _build(self, x: Any, key: Any) -> None:
-        for path, leaf in tree.paths(x):
-            if not is_array(leaf):
-                where = f"'{path}'" if path else "the top of the tree"
-                raise TypeError(f"DistributedOptimizer: expected gradients as NumPy or CuPy arrays, got {type(leaf).__name__} at {where}")
-        _check_one_device("DistributedOptimizer", x, "gradients")
-        check_same_layout(self.backend, "DistributedOptimizer", x)
+        # Bad gradients are raised on every rank by the layouts' check: one rank raising
+        # alone would leave the others in its collective.
+        problem = next(
+            (f"expected gradients as NumPy or CuPy arrays, got {type(leaf).__name__} at "
+             + (f"'{path}'" if path else "the top of the tree") for path, leaf in tree.paths(x) if not is_array(leaf)),
+            None,
+        ) or _not_on_one_device(x, "gradients")  # fmt: skip
+        check_same_layout(self.backend, "DistributedOptimizer", x, problem=problem)
         leaves = tree.leaves(x)
         buckets: list[list[int]] = []
         filling: dict[Any, list[int]] = {}  # dtype -> the bucket being filled
