@@ -90,42 +90,9 @@ tanh_f64(double x)
 /* ---- the BLAS ------------------------------------------------------------------------ */
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 }; /* CBLAS's constants */
-typedef void (*sgemm64_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t, const float *,
-                           int64_t, float, float *, int64_t);
-typedef void (*dgemm64_fn)(int, int, int, int64_t, int64_t, int64_t, double, const double *, int64_t,
-                           const double *, int64_t, double, double *, int64_t);
-typedef void (*sgemm32_fn)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t, const float *,
-                           int32_t, float, float *, int32_t);
-typedef void (*dgemm32_fn)(int, int, int, int32_t, int32_t, int32_t, double, const double *, int32_t,
-                           const double *, int32_t, double, double *, int32_t);
 
-static void *sgemm = NULL, *dgemm = NULL;
-static int blas_int64 = 0;
-
-/* C (m, n) = A (m, k) @ op(B), row-major, op(B) = B (k, n) or, with trans_b, B^T of B (n, k). */
-static void
-gemm_f32(int trans_b, npy_intp m, npy_intp n, npy_intp k, const float *a, npy_intp lda, const float *b,
-         npy_intp ldb, float *c, npy_intp ldc)
-{
-    int tb = trans_b ? TRANS : NO_TRANS;
-    if (blas_int64)
-        ((sgemm64_fn)sgemm)(ROW_MAJOR, NO_TRANS, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
-    else
-        ((sgemm32_fn)sgemm)(ROW_MAJOR, NO_TRANS, tb, (int32_t)m, (int32_t)n, (int32_t)k, 1.0f, a, (int32_t)lda, b,
-                            (int32_t)ldb, 0.0f, c, (int32_t)ldc);
-}
-
-static void
-gemm_f64(int trans_b, npy_intp m, npy_intp n, npy_intp k, const double *a, npy_intp lda, const double *b,
-         npy_intp ldb, double *c, npy_intp ldc)
-{
-    int tb = trans_b ? TRANS : NO_TRANS;
-    if (blas_int64)
-        ((dgemm64_fn)dgemm)(ROW_MAJOR, NO_TRANS, tb, m, n, k, 1.0, a, lda, b, ldb, 0.0, c, ldc);
-    else
-        ((dgemm32_fn)dgemm)(ROW_MAJOR, NO_TRANS, tb, (int32_t)m, (int32_t)n, (int32_t)k, 1.0, a, (int32_t)lda, b,
-                            (int32_t)ldb, 0.0, c, (int32_t)ldc);
-}
+static void *sgemm = NULL, *dgemm = NULL; /* cblas_sgemm and cblas_dgemm, with... */
+static int blas_int64 = 0;                /* ...64-bit integers, or 32-bit ones */
 
 #if defined(__linux__)
 /* dl_iterate_phdr's callback: keeps the path of a loaded OpenBLAS, NumPy's if there is one. */
@@ -191,18 +158,22 @@ typedef struct {
 /* The kernels, once per dtype. */
 #define T float
 #define TANH tanh_f32
+#define GEMM sgemm
 #define KERNEL(name) name##_f32
 #include "_recurrent_cell.h"
 #undef T
 #undef TANH
+#undef GEMM
 #undef KERNEL
 
 #define T double
 #define TANH tanh_f64
+#define GEMM dgemm
 #define KERNEL(name) name##_f64
 #include "_recurrent_cell.h"
 #undef T
 #undef TANH
+#undef GEMM
 #undef KERNEL
 
 /* ---- argument checks ---------------------------------------------------------------- */

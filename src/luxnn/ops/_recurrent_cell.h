@@ -1,8 +1,27 @@
-/* The LSTM cell kernels for one element type: included by _recurrent.c once per dtype,
- * with T the element type, TANH its tanh and KERNEL(name) the name with its dtype's
- * suffix. Row strides are in elements. Each row is a function of its own whose blocks
- * are restrict parameters (disjoint, as the callers' are), so that the compiler
- * vectorises its loop; CLONES compiles it for the vector units there are. */
+/* The LSTM's kernels for one element type: included by _recurrent.c once per dtype, with T
+ * the element type, TANH its tanh, GEMM the BLAS's cblas gemm for it and KERNEL(name) the
+ * name with its dtype's suffix. Row and step strides are in elements. Each row is a
+ * function of its own whose blocks are restrict parameters (disjoint, as the callers'
+ * are), so that the compiler vectorises its loop; CLONES compiles it for the vector units
+ * there are. */
+
+typedef void (*KERNEL(gemm64_fn))(int, int, int, int64_t, int64_t, int64_t, T, const T *, int64_t, const T *,
+                                  int64_t, T, T *, int64_t);
+typedef void (*KERNEL(gemm32_fn))(int, int, int, int32_t, int32_t, int32_t, T, const T *, int32_t, const T *,
+                                  int32_t, T, T *, int32_t);
+
+/* C (m, n) = A (m, k) @ op(B), row-major; op(B) is B (k, n), or with trans_b B^T of B (n, k). */
+static void
+KERNEL(gemm)(int trans_b, npy_intp m, npy_intp n, npy_intp k, const T *a, npy_intp lda, const T *b, npy_intp ldb,
+             T *c, npy_intp ldc)
+{
+    int tb = trans_b ? TRANS : NO_TRANS;
+    if (blas_int64)
+        ((KERNEL(gemm64_fn))GEMM)(ROW_MAJOR, NO_TRANS, tb, m, n, k, 1, a, lda, b, ldb, 0, c, ldc);
+    else
+        ((KERNEL(gemm32_fn))GEMM)(ROW_MAJOR, NO_TRANS, tb, (int32_t)m, (int32_t)n, (int32_t)k, 1, a, (int32_t)lda, b,
+                                  (int32_t)ldb, 0, c, (int32_t)ldc);
+}
 
 CLONES static void
 KERNEL(lstm_forward_row)(npy_intp H, T *restrict ai, T *restrict af, T *restrict ag, T *restrict ao,
