@@ -207,6 +207,11 @@ np.testing.assert_array_equal(host(x), np.full(3, 3.0 if rank == 1 else 1.0))  #
 x = device([rank + 1.0] * 3, np.float64)
 dist.bcast_(backend, x, root=1)
 np.testing.assert_array_equal(host(x), np.full(3, 2.0))
+# Arrays of dtypes NCCL cannot reduce are broadcast as bytes: synchronize takes them all.
+flags, z = ndarray(np.array([rank == 0, rank == 1])), ndarray(np.full(2, 1j * (rank + 1), np.complex64))
+dist.synchronize(backend, {"flags": flags, "z": z, "x": x})
+np.testing.assert_array_equal(host(flags), [True, False])
+np.testing.assert_array_equal(host(z), np.full(2, 1j, np.complex64))
 message = ""
 try:
     backend.allreduce(ndarray(np.ones(2, np.complex64)))

@@ -217,6 +217,7 @@ class MPIBackend(Backend):
 class NCCLBackend(Backend):
     """CuPy arrays through NCCL (`cupy.cuda.nccl`), each rank on the GPU of its rank on the
     host; NumPy arrays and Python objects through MPI, which also carries NCCL's unique id.
+    Reductions take NCCL's integer and floating dtypes; `bcast` takes any array, as bytes.
 
     A blocking collective runs on the current stream and waits for it, so that `stats` time
     the transfer. `start_allreduce` runs on a stream of the backend's own, after the work
@@ -263,14 +264,13 @@ class NCCLBackend(Backend):
         if isinstance(buf, np.ndarray):
             self._mpi_collective(name, buf, op, root)
             return
-        ptr, count, datatype = buf.data.ptr, buf.size, self._datatype(buf)
-        stream = self._cupy.cuda.get_current_stream().ptr
-        if name == "allreduce":
-            self.nccl.allReduce(ptr, ptr, count, datatype, self._nccl_ops[op], stream)
-        elif name == "reduce":  # in place: only the root's buffer is written
-            self.nccl.reduce(ptr, ptr, count, datatype, self._nccl_ops[op], root, stream)
-        else:
-            self.nccl.bcast(ptr, count, datatype, root, stream)
+        ptr, stream = buf.data.ptr, self._cupy.cuda.get_current_stream().ptr
+        if name == "bcast":  # a copy: as bytes, so that every dtype goes (bool, complex, ...)
+            self.nccl.bcast(ptr, buf.nbytes, self._nccl_types[np.dtype(np.uint8)], root, stream)
+        elif name == "allreduce":
+            self.nccl.allReduce(ptr, ptr, buf.size, self._datatype(buf), self._nccl_ops[op], stream)
+        else:  # reduce, in place: only the root's buffer is written
+            self.nccl.reduce(ptr, ptr, buf.size, self._datatype(buf), self._nccl_ops[op], root, stream)
 
     def _finish(self, buf: Any) -> None:
         if not isinstance(buf, np.ndarray):
