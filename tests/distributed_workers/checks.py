@@ -67,6 +67,9 @@ assert "floating-point" in raises(TypeError, dist.allreduce_, backend, np.ones(2
 assert "root" in raises(ValueError, dist.bcast_, backend, np.ones(2), root=2)
 assert "read-only" in raises(ValueError, dist.allreduce_, backend, np.broadcast_to(np.ones(1), (3,)))
 assert "at 'b'" in raises(TypeError, dist.allreduce_, backend, {"a": np.ones(1), "b": 1.5})
+untouched = {"a": np.ones(2), "b": np.ones(2, bool)}  # every array is checked before any travels
+assert "needs numeric arrays, got bool" in raises(TypeError, dist.allreduce_, backend, untouched)
+np.testing.assert_array_equal(untouched["a"], np.ones(2))
 assert "op in" in raises(ValueError, backend.start_allreduce, np.ones(2), "mean")
 assert "C-contiguous" in raises(ValueError, backend.start_allreduce, np.ones((2, 2))[:, 0])
 assert "floating-point" in raises(TypeError, backend.start_allreduce, np.ones(2, np.int64), "avg")

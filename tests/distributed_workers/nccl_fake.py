@@ -218,6 +218,13 @@ try:
 except TypeError as err:
     message = str(err)
 assert "the NCCL backend carries" in message and "complex64" in message, message
+untouched = {"a": device([1.0, 2.0]), "z": ndarray(np.ones(2, np.complex64))}  # checked before any travels
+try:
+    dist.allreduce_(backend, untouched)
+except TypeError as err:
+    message = str(err)
+assert message.startswith("allreduce_: the NCCL backend carries") and "complex64" in message, message
+np.testing.assert_array_equal(host(untouched["a"]), [1.0, 2.0])
 say("PASS fake nccl: blocking collectives")
 
 # ---- start_allreduce: on the backend's stream, after the current stream's work ----------------------

@@ -193,6 +193,9 @@ class Backend:
         """Wait for `buf`'s collective where it runs asynchronously (NCCL), so that the
         stats time the transfer and not its launch."""
 
+    def check_reducible(self, what: str, a: Any) -> None:
+        """A `TypeError` naming `what` if this backend cannot reduce array `a`'s dtype."""
+
     # ---- Python objects (pickled; small) ------------------------------------------------------
 
     def bcast_object(self, obj: Any, root: int = 0) -> Any:
@@ -254,10 +257,17 @@ class NCCLBackend(Backend):
         self.nccl = nccl.NcclCommunicator(self.size, comm.bcast(unique_id, root=0), self.rank)
         self._stream = cupy.cuda.Stream(non_blocking=True)  # start_allreduce's, on this rank's GPU
 
+    def check_reducible(self, what: str, a: Any) -> None:
+        if not isinstance(a, np.ndarray) and a.dtype not in self._nccl_types:
+            raise TypeError(f"{what}: {self._cannot_carry(a)}")
+
+    def _cannot_carry(self, buf: Any) -> str:
+        return f"the NCCL backend carries {sorted(str(t) for t in self._nccl_types)} arrays, got {buf.dtype}"
+
     def _datatype(self, buf: Any) -> int:
         datatype = self._nccl_types.get(buf.dtype)
         if datatype is None:
-            raise TypeError(f"the NCCL backend carries {sorted(str(t) for t in self._nccl_types)} arrays, got {buf.dtype}")
+            raise TypeError(self._cannot_carry(buf))
         return datatype
 
     def _transport(self, name: str, buf: Any, op: str | None, root: int | None) -> None:

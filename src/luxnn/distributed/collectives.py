@@ -39,13 +39,16 @@ def _arrays(what: str, x: Any) -> list[Any]:
     return out
 
 
-def _check_op(what: str, op: str, arrays: list[Any]) -> None:
+def _check_op(backend: Backend, what: str, op: str, arrays: list[Any]) -> None:
+    """Every array checked before any travels, so that bad input leaves the tree as it was."""
     if op not in OPS:
         raise ValueError(f"{what}: expected op in {OPS}, got {op!r}")
-    if op == "avg":
-        for a in arrays:
-            if not np.issubdtype(a.dtype, np.inexact):
-                raise TypeError(f"{what}: op='avg' needs floating-point arrays, got {a.dtype}")
+    for a in arrays:
+        if op == "avg" and not np.issubdtype(a.dtype, np.inexact):
+            raise TypeError(f"{what}: op='avg' needs floating-point arrays, got {a.dtype}")
+        if a.dtype == np.bool_:  # MPI and NCCL define sum, max and min on numbers only
+            raise TypeError(f"{what}: op={op!r} needs numeric arrays, got bool")
+        backend.check_reducible(what, a)
 
 
 def bcast_(backend: Backend, x: Any, root: int = 0) -> Any:
@@ -70,7 +73,7 @@ def allreduce_(backend: Backend, x: Any, op: str = "sum") -> Any:
     """
     backend = check_backend(backend, "allreduce_")
     arrays = _arrays("allreduce_", x)
-    _check_op("allreduce_", op, arrays)
+    _check_op(backend, "allreduce_", op, arrays)
     for a in arrays:
         backend.allreduce(a, op)
     return x
@@ -86,7 +89,7 @@ def reduce_(backend: Backend, x: Any, op: str = "sum", root: int = 0) -> Any:
     backend = check_backend(backend, "reduce_")
     check_root(backend, "reduce_", root)
     arrays = _arrays("reduce_", x)
-    _check_op("reduce_", op, arrays)
+    _check_op(backend, "reduce_", op, arrays)
     for a in arrays:
         backend.reduce(a, op, root)
     return x
