@@ -71,6 +71,9 @@ untouched = {"a": np.ones(2), "b": np.ones(2, bool)}  # every array is checked b
 assert "needs numeric arrays, got bool" in raises(TypeError, dist.allreduce_, backend, untouched)
 np.testing.assert_array_equal(untouched["a"], np.ones(2))
 assert "op in" in raises(ValueError, backend.start_allreduce, np.ones(2), "mean")
+for method in (backend.start_allreduce, backend.allreduce, backend.bcast):  # before any collective starts
+    assert "expected a NumPy or CuPy array, got list" in raises(TypeError, method, [1.0, 2.0])
+    assert "is read-only" in raises(ValueError, method, np.broadcast_to(np.ones(1), (3,)))
 assert "C-contiguous" in raises(ValueError, backend.start_allreduce, np.ones((2, 2))[:, 0])
 assert "floating-point" in raises(TypeError, backend.start_allreduce, np.ones(2, np.int64), "avg")
 assert "overlap True or False" in raises(TypeError, dist.DistributedOptimizer, backend, lx.optim.sgd(0.1), overlap="yes")

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import parallel
+from ..backend import is_array
 
 __all__ = [
     "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "Pending", "OPS", "initialize", "is_initialized",
@@ -116,14 +117,17 @@ class Backend:
 
     def allreduce(self, a: Any, op: str = "sum") -> None:
         """Reduce `a` (a NumPy or CuPy array) over the ranks with `op`; every rank gets the result."""
+        _check_writeable("allreduce", a)
         self._collective("allreduce", a, op, None)
 
     def reduce(self, a: Any, op: str = "sum", root: int = 0) -> None:
         """Reduce `a` over the ranks into `root`'s `a`; the other ranks' arrays are unchanged."""
+        _check_writeable("reduce", a)
         self._collective("reduce", a, op, root)
 
     def bcast(self, a: Any, root: int = 0) -> None:
         """Overwrite `a` on every rank with `root`'s `a`."""
+        _check_writeable("bcast", a)
         self._collective("bcast", a, None, root)
 
     def start_allreduce(self, a: Any, op: str = "sum") -> Pending:
@@ -132,6 +136,7 @@ class Backend:
         finishes it. Every rank must start the same collectives in the same order."""
         if op not in OPS:
             raise ValueError(f"start_allreduce: expected op in {OPS}, got {op!r}")
+        _check_writeable("start_allreduce", a)
         if not a.flags.c_contiguous:
             raise ValueError("start_allreduce: expected a C-contiguous array (it is reduced in place, later)")
         if op == "avg" and not np.issubdtype(a.dtype, np.inexact):
@@ -308,6 +313,15 @@ def _check_one_gpu_each(comm: Any, bus_id: str) -> None:
                 f"NCCL needs a GPU per rank: start at most as many ranks per host as it has GPUs"
             )
         first[place] = rank
+
+
+def _check_writeable(what: str, a: Any) -> None:
+    """A `TypeError` unless `a` is a NumPy or CuPy array, a `ValueError` if it is read-only:
+    before any rank's collective starts, rather than after, on writing the result back."""
+    if not is_array(a):
+        raise TypeError(f"{what}: expected a NumPy or CuPy array, got {type(a).__name__}")
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        raise ValueError(f"{what}: the array is read-only, and {what} writes into it")
 
 
 def _then_divide(wait: Any, a: Any, size: int) -> Any:
