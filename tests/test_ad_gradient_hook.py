@@ -150,3 +150,32 @@ def test_leaves_given_one_cotangent_get_arrays_of_their_own():
     assert reports[0] is grads["a"] and reports[1] is grads["b"]
     assert not np.shares_memory(grads["a"], grads["b"])
     np.testing.assert_array_equal(grads["a"], np.full(3, 3.0))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_each_report_is_final_on_random_graphs(seed):
+    # Random programs over a few leaves: products, sums, stop_gradient, leaves used at
+    # several depths. A copy taken when a leaf is reported must equal its final gradient.
+    rng = np.random.default_rng(seed)
+    params = {f"p{i}": rng.standard_normal(3) for i in range(rng.integers(1, 5))}
+    program = [tuple(rng.integers(0, 100, 3)) for _ in range(rng.integers(1, 8))]
+
+    def f(p):
+        values = list(p.values())
+        for op, a, b in program:
+            x, y = values[a % len(values)], values[b % len(values)]
+            values.append([x * y, x + y, ad.stop_gradient(x) * y, np.tanh(x) - y][op % 4])
+        return (values[-1] * values[-1]).sum()
+
+    reported = {}
+
+    def on_gradient(i, g):
+        assert i not in reported
+        reported[i] = g.copy()
+
+    _, hooked = ad.value_and_grad(f, on_gradient=on_gradient)(params)
+    _, plain = ad.value_and_grad(f)(params)
+    assert sorted(reported) == list(range(len(params)))
+    for i, name in enumerate(params):
+        np.testing.assert_array_equal(reported[i], hooked[name])
+        np.testing.assert_allclose(hooked[name], plain[name], rtol=1e-12, atol=1e-300)
