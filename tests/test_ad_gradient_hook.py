@@ -155,16 +155,20 @@ def test_leaves_given_one_cotangent_get_arrays_of_their_own():
 @pytest.mark.parametrize("seed", range(40))
 def test_each_report_is_final_on_random_graphs(seed):
     # Random programs over a few leaves: products, sums, stop_gradient, leaves used at
-    # several depths. A copy taken when a leaf is reported must equal its final gradient.
+    # several depths, a dead branch now and then (nodes the backward pass gives no
+    # cotangent). A copy taken when a leaf is reported must equal its final gradient.
     rng = np.random.default_rng(seed)
     params = {f"p{i}": rng.standard_normal(3) for i in range(rng.integers(1, 5))}
-    program = [tuple(rng.integers(0, 100, 3)) for _ in range(rng.integers(1, 8))]
+    program = [tuple(rng.integers(0, 100, 3)) for _ in range(rng.integers(2, 10))]
 
     def f(p):
         values = list(p.values())
-        for op, a, b in program:
-            x, y = values[a % len(values)], values[b % len(values)]
-            values.append([x * y, x + y, ad.stop_gradient(x) * y, np.tanh(x) - y][op % 4])
+        for op, a, b in program:  # `y` a leaf: each leaf is used at several depths
+            x, y = values[a % len(values)], values[b % len(params)]
+            ops = (lambda: x * y, lambda: x + y, lambda: ad.stop_gradient(x) * y, lambda: np.tanh(x) - y)
+            values.append(ops[op % 4]())
+            if op % 5 == 0:
+                np.exp(y)  # dead: recorded, never used
         return (values[-1] * values[-1]).sum()
 
     reported = {}
