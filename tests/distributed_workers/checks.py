@@ -152,6 +152,15 @@ for key, want in grads.items():
     np.testing.assert_allclose(averaged[key], want * (size + 1) / 2, rtol=1e-6)
     assert not np.shares_memory(averaged[key], mine[key])  # new arrays; the gradients are left alone
 np.testing.assert_array_equal(mine["a"], grads["a"] * (rank + 1))
+# A round's receive takes each leaf once, and only while its round is open.
+leaves, structure = lx.tree.flatten(mine)
+receive = buckets.begin(leaves, structure)
+receive(4, leaves[4])
+assert "came twice" in raises(ValueError, receive, 4, leaves[4])
+buckets.discard()
+kept = [b.copy() for b in buckets.buffers]
+assert "after its round ended" in raises(RuntimeError, receive, 0, leaves[0])
+assert all(np.array_equal(b, k) for b, k in zip(buckets.buffers, kept)), "a stale receive wrote a bucket"
 say("PASS buckets")
 
 # ---- synchronize ------------------------------------------------------------------------------------

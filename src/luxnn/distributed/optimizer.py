@@ -127,6 +127,10 @@ class GradientBuckets:
 
     def _receive(self, position: int, gradient: Any) -> None:
         round_ = self._round
+        if round_ is None:
+            raise RuntimeError("GradientBuckets: a gradient came after its round ended (a receive kept from an earlier begin)")
+        if round_.received[position] is not None:  # counted twice, its bucket would start before it is full
+            raise ValueError(f"GradientBuckets: leaf {position}'s gradient came twice in one round")
         self._views[position][...] = gradient
         round_.received[position] = gradient
         bucket = self._bucket_of[position]
