@@ -8,8 +8,9 @@ count, datatype, root, stream)``, pointers and counts as ints) and reduces the m
 those pointers over MPI, and its streams and events log what waits for what. So this runs
 `NCCLBackend` as written, and checks its calls against CuPy's documented signatures: the
 device bound before the communicator, NCCL's id from rank 0, datatypes, in-place reduce
-and bcast, and `start_allreduce` on the backend's stream after an event of the current
-stream, which waits for it in turn. What it cannot check is NCCL itself.
+and bcast, and every NCCL call (blocking or `start_allreduce`) on the backend's one stream
+after an event of the current stream (one communicator's calls on one stream: NCCL runs
+them in order), waited for by the host or, for `start_allreduce`, by the current stream. What it cannot check is NCCL itself.
 """
 
 import ctypes
@@ -191,7 +192,8 @@ assert "ranks 0 and 1 on host" in message and "got the same GPU (0000:00:00.0)" 
 Device.shared = False
 say("PASS fake nccl: one GPU per rank")
 
-# ---- blocking collectives: on the current stream, which they wait for -------------------------
+# ---- blocking collectives: on the backend's stream after the current one's work, waited for --
+(own,) = Stream.made[1:]  # the backend's stream (the first is the null stream): every NCCL call's
 for dtype in (np.float32, np.float64):
     for op, want in (("sum", 3.0), ("avg", 1.5), ("max", 2.0), ("min", 1.0)):
         strided = ndarray(np.full((3, 4), rank + 1.0, dtype))[:, ::2]  # not contiguous: a copy goes, written back
@@ -200,7 +202,11 @@ for dtype in (np.float32, np.float64):
         dist.allreduce_(backend, x, op=op)
         np.testing.assert_array_equal(host(x["a"]), np.full(5, want, dtype))
         np.testing.assert_array_equal(host(x["s"]), np.full((3, 2), want, dtype))
-        assert [e for e in log if e[0] == "nccl"] == [("nccl", "allReduce", 0)] * 2 and ("synchronize", 0) in log
+        assert [e for e in log if e[0] == "nccl"] == [("nccl", "allReduce", own)] * 2 and ("synchronize", own) in log
+        for i, e in enumerate(log):  # each call after its own wait for an event of the current stream
+            if e[0] == "nccl":
+                (_, s1, ready), (_, s2, waited) = log[i - 2 : i]
+                assert (s1, s2) == (0, own) and ready == waited, log
 x = device([rank + 1.0] * 3)
 dist.reduce_(backend, x, op="sum", root=1)
 np.testing.assert_array_equal(host(x), np.full(3, 3.0 if rank == 1 else 1.0))  # in place on the root only
@@ -231,7 +237,6 @@ say("PASS fake nccl: blocking collectives")
 del log[:]
 a = device([rank + 1.0] * 4)
 pending = backend.start_allreduce(a, "avg")
-(own,) = Stream.made[1:]  # the backend's (the first is the null stream)
 (_, s1, ready), (_, s2, waited), (_, name, s3), (_, s4, reduced) = log
 assert (s1, s2, s3, s4) == (0, own, own, own) and ready == waited and name == "allReduce", log
 del log[:]

@@ -227,11 +227,13 @@ class NCCLBackend(Backend):
     host; NumPy arrays and Python objects through MPI, which also carries NCCL's unique id.
     Reductions take NCCL's integer and floating dtypes; `bcast` takes any array, as bytes.
 
-    A blocking collective runs on the current stream and waits for it, so that `stats` time
-    the transfer. `start_allreduce` runs on a stream of the backend's own, after the work
-    queued on the current stream (an event), and its ``wait()`` makes the current stream
-    wait for it (another event) without blocking the host: the backward pass queues its
-    kernels while the buckets travel.
+    Every NCCL call of the communicator goes on one stream of the backend's own, after the
+    work queued on the current stream (an event), so that NCCL runs them in the order they
+    were issued, the same on every rank (NCCL gives no order between one communicator's
+    calls on different streams). A blocking collective then waits for that stream, so that
+    `stats` time the transfer; ``start_allreduce(...).wait()`` makes the current stream wait
+    for it (another event) without blocking the host: the backward pass queues its kernels
+    while the buckets travel.
     """
 
     kind = "nccl"
@@ -279,7 +281,7 @@ class NCCLBackend(Backend):
         if isinstance(buf, np.ndarray):
             self._mpi_collective(name, buf, op, root)
             return
-        ptr, stream = buf.data.ptr, self._cupy.cuda.get_current_stream().ptr
+        ptr, stream = buf.data.ptr, self._after_current_stream()
         if name == "bcast":  # a copy: as bytes, so that every dtype goes (bool, complex, ...)
             self.nccl.bcast(ptr, buf.nbytes, self._nccl_types[np.dtype(np.uint8)], root, stream)
         elif name == "allreduce":
@@ -287,16 +289,22 @@ class NCCLBackend(Backend):
         else:  # reduce, in place: only the root's buffer is written
             self.nccl.reduce(ptr, ptr, buf.size, self._datatype(buf), self._nccl_ops[op], root, stream)
 
+    def _after_current_stream(self) -> int:
+        """The backend's stream, made to wait for the work queued so far on the current one
+        (what wrote the buffers a collective is about to read)."""
+        self._stream.wait_event(self._cupy.cuda.get_current_stream().record())
+        return self._stream.ptr
+
     def _finish(self, buf: Any) -> None:
         if not isinstance(buf, np.ndarray):
-            self._cupy.cuda.get_current_stream().synchronize()
+            self._stream.synchronize()
 
     def _start(self, buf: Any, op: str) -> tuple[Any, Any]:
         if isinstance(buf, np.ndarray):
             return super()._start(buf, op)
         cuda = self._cupy.cuda
-        self._stream.wait_event(cuda.get_current_stream().record())  # after the copies into `buf`
-        self.nccl.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._datatype(buf), self._nccl_ops[op], self._stream.ptr)
+        stream = self._after_current_stream()
+        self.nccl.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._datatype(buf), self._nccl_ops[op], stream)
         reduced = self._stream.record()
         return (lambda: reduced.done), (lambda: cuda.get_current_stream().wait_event(reduced))
 
