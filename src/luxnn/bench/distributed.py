@@ -180,8 +180,8 @@ def serve(address: str) -> None:
 
 def collectives(calls: int, names: list[str]) -> None:
     """A rank: `calls` rounds of one call of each step in `names`; rank 0 prints each
-    step's median time and median seconds in collectives per call (every rank's median
-    step time is the slowest rank's: each step ends in a collective)."""
+    step's median time and median seconds in collectives per call (the ranks start each
+    call together, after a barrier; a step that communicates ends as its slowest rank)."""
     import statistics
     import time
 
