@@ -352,6 +352,25 @@ def test_lstm_passes_split_over_threads_agree_with_one_block(split_passes, monke
         np.testing.assert_allclose(g_split, g, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_lstm_without_the_blas_runs_the_array_passes(monkeypatch, reverse):
+    """Where NumPy's BLAS is not found (HAS_GEMM False), the primitive runs the array-API
+    passes: the same outputs and gradients, and these against finite differences."""
+    args = lstm_args(np.random.default_rng(12), 3, 4, 2, 3)
+    f = lambda *a: lstm_sequence(*a, reverse=reverse)  # noqa: E731
+    weights = np.random.default_rng(13).normal(size=f(*args).shape)
+    loss = lx.value_and_grad(lambda *a: (f(*a) * weights).sum(), argnums=tuple(range(6)))
+    (value, grads), y = loss(*args), f(*args)
+    monkeypatch.setattr(_recurrent, "HAS_GEMM", False)
+    assert rec._lstm_passes(np) == (rec._lstm_forward_steps, rec._lstm_backward_steps)
+    check_grad(f, *args)
+    (value_arrays, grads_arrays), y_arrays = loss(*args), f(*args)
+    np.testing.assert_allclose(y_arrays, y, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(value_arrays, value, rtol=1e-12)
+    for a, b in zip(grads_arrays, grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_float32_lstm_agrees_with_float64():
     """The whole primitive, forward and backward, in float32 (the C kernel's own tanh)
     against float64, within float32's precision over a 30-step recurrence."""
