@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from . import _blas
+from .memory import _core as _memory_core
 
 __all__ = ["cut", "for_blocks", "matmul", "num_threads", "set_num_threads", "single_threaded_blas", "step"]
 
@@ -260,10 +261,20 @@ def _run_blocks(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
         kernel(lo, hi)
 
 
-def _run_in_worker(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
-    _in_worker.active = True  # a kernel that cuts work again runs it here, serially
+def _run_lane(kernel: Kernel, blocks: list[tuple[int, int]], call: int, lane: int) -> None:
+    # The allocator's step plans match the requests a share makes by its lane and their
+    # order within it, which no interleaving of threads changes (luxnn.memory.plan).
+    before = _memory_core.enter_lane(call, lane)
     try:
         _run_blocks(kernel, blocks)
+    finally:
+        _memory_core.leave_lane(before)
+
+
+def _run_in_worker(kernel: Kernel, blocks: list[tuple[int, int]], call: int, lane: int) -> None:
+    _in_worker.active = True  # a kernel that cuts work again runs it here, serially
+    try:
+        _run_lane(kernel, blocks, call, lane)
     finally:
         _in_worker.active = False
 
@@ -277,10 +288,13 @@ def _share_out(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
     _blas.hold_for_step()  # the step, if any, keeps the BLAS on one thread from here on
     context = contextvars.copy_context()
     shares = [blocks[len(blocks) * i // threads : len(blocks) * (i + 1) // threads] for i in range(threads)]
-    pool = _workers()
-    tasks = [pool.submit(functools.partial(context.copy().run, _run_in_worker, kernel, share)) for share in shares[1:]]
+    pool, call = _workers(), _memory_core.kernel_call()
+    tasks = [
+        pool.submit(functools.partial(context.copy().run, _run_in_worker, kernel, share, call, lane))
+        for lane, share in enumerate(shares[1:], start=1)
+    ]
     try:
-        _run_blocks(kernel, shares[0])
+        _run_lane(kernel, shares[0], call, 0)
     finally:
         errors = _wait_for_all(tasks)
     for error in errors:

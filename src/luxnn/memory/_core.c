@@ -33,6 +33,7 @@
 #include <numpy/arrayobject.h>
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -190,8 +191,18 @@ floor_bin(size_t s)
  *   no plan is installed, a step's split-pool requests go upstream at their
  *   size, as exact-bin blocks marked orphan, and back when they die: the
  *   steps a first plan is made from reserve what they use, nothing more.
- * - Matching: the k-th request of a bin in a cycle takes the bin's k-th slot,
- *   else the (k+1)-th or (k-1)-th (threads may swap two requests of a size),
+ * - Lanes: a request made inside a share of a threaded kernel
+ *   (luxnn.parallel.for_blocks) carries its lane, set per thread (tl_lane,
+ *   below): the kernel call (numbered from the step's beginning), the share,
+ *   and its rank among the share's requests. Threads interleave differently
+ *   from step to step, so a lane's requests take other ranks in their bins and
+ *   other clock ticks; within its lane their order is the same every step. The
+ *   record keeps each one's lane, its birth and (if it died in its lane) death
+ *   on the lane's own clock, and the planner places a call's lanes side by
+ *   side for the call's whole span (luxnn/memory/plan.py).
+ * - Matching: a request of a lane takes the slot of its (call, lane, rank);
+ *   any other, the k-th such request of a bin in a cycle, takes the bin's
+ *   k-th slot, else the (k+1)-th or (k-1)-th (a request from another thread),
  *   if not taken in this cycle and all its bytes are free now. Otherwise it is
  *   a plan miss and goes to the split pool, as every request of a cycle
  *   without a plan does.
@@ -221,8 +232,26 @@ typedef struct lx_arena {
 typedef struct {
     size_t offset[2]; /* its place in even and odd cycles (equal unless it outlives one) */
     uint32_t arena;   /* LX_CYCLE or LX_KEPT */
+    uint32_t bin;     /* the bin of its requests */
     uint64_t taken;   /* the last cycle that took it */
 } lx_slot;
+
+/* A lane of a threaded kernel call: its slots, in rank order. */
+typedef struct {
+    int64_t call, lane;
+    uint32_t first, count;
+} lx_lane_slots;
+
+/* The lane this thread's requests are made in (set by luxnn.parallel around a
+ * share of a kernel call; call 0: none): the kernel call (a number of
+ * kernel_calls), the share, the split-pool requests made in it so far, and
+ * its clock (those requests and the deaths in it of its blocks). */
+typedef struct {
+    int64_t call, lane, births, tick;
+} lx_lane;
+
+static _Thread_local lx_lane tl_lane;
+static _Atomic int64_t kernel_calls; /* threaded kernel calls begun, in every thread */
 
 /* A plan's two arenas: one for the blocks that die within the cycle (planned
  * again when lifetimes widen; idle between cycles, so a new one replaces it
@@ -232,30 +261,40 @@ enum { LX_CYCLE, LX_KEPT };
 
 typedef struct {
     lx_arena *arena[2];
-    lx_slot *slots;            /* by bin, and within a bin in the recorded order */
+    lx_slot *slots;            /* the others' by bin, and within a bin in the recorded
+                                  order; then the lanes' */
+    lx_lane_slots *lanes;      /* by (call, lane) */
+    size_t nlanes;
     uint64_t installed;        /* scope clock of the first scope that the first of the
                                   plans that replaced one another could serve */
     uint64_t last_used;        /* scope clock when it last served a request */
     uint64_t from_cycle;       /* the first cycle it serves */
     uint32_t first[LX_NBINS];  /* each bin's first slot (if it has any) */
     uint32_t count[LX_NBINS];  /* each bin's slots */
-    uint32_t rank[LX_NBINS];   /* this cycle: the bin's requests so far */
+    uint32_t rank[LX_NBINS];   /* this cycle: the bin's requests so far, out of lanes */
 } lx_plan;
 
 /* What install_plan says (luxnn.memory.plan.PlanStatus). */
 enum { LX_PLAN_INSTALLED, LX_PLAN_LATER, LX_PLAN_NO_ROOM };
 
 /* A split-pool request of the open cycle, for the planner. */
-typedef struct {
+typedef struct { /* its int64 fields first, in the order of a record's columns */
     int64_t size, born, died; /* died: -1 while alive; still -1 when the cycle ends */
+    int64_t call, lane;       /* its lane (call from 0: the step's first kernel call),
+                                 or -1, -1 */
+    int64_t lane_born, lane_died; /* on its lane's clock; lane_died -1 unless it died
+                                     in its lane */
     struct lx_block *block;   /* while alive in the cycle */
 } lx_request;
+#define LX_REQUEST_COLUMNS 7  /* the int64 fields above, in their order */
+_Static_assert(offsetof(lx_request, block) == LX_REQUEST_COLUMNS * sizeof(int64_t),
+               "a request's int64 fields are its record's columns");
 
 /* A request of the last cycle: as recorded, and, for one that outlived it, its
  * death on the clock of the cycle after (-1: alive at that one's end too). */
 typedef struct {
-    int64_t size, born, died, next_died;
-    struct lx_block *block;   /* while alive and carried */
+    lx_request r;
+    int64_t next_died;
 } lx_carried;
 
 /* Whether granules [from, to) of the arena are all free; mark them busy or free. */
@@ -668,6 +707,7 @@ typedef struct lx_core {
     size_t large_live;          /* bytes of live blocks above the split threshold */
     size_t large_peak;          /* the highest large_live since the cycle opened */
     pthread_t step_owner;       /* the thread that began it */
+    int64_t call_base;          /* kernel_calls when it began */
     struct lx_core *fork_prev, *fork_next; /* every core, for fork (section 4b); guarded
                                               by cores_lock, not by lock */
 } lx_core;
@@ -1038,6 +1078,7 @@ free_plan(lx_plan *p)
 {
     if (p != NULL) {
         free(p->slots);
+        free(p->lanes);
         free(p);
     }
 }
@@ -1075,8 +1116,6 @@ drop_plan_locked(lx_core *c)
     return released;
 }
 
-/* A split-pool request of `size` bytes (bin `bin`) at its planned place, or
- * NULL (a plan miss). */
 /* A block at offset `at` of arena a, its granules marked busy; NULL when the
  * bookkeeping is out of memory. */
 static lx_block *
@@ -1111,25 +1150,62 @@ free_run(const lx_arena *a, size_t size, size_t *at)
     return 0;
 }
 
+/* The slots of lane (call, lane) of plan p, or NULL. */
+static const lx_lane_slots *
+lane_slots(const lx_plan *p, int64_t call, int64_t lane)
+{
+    size_t lo = 0, hi = p->nlanes;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        const lx_lane_slots *l = &p->lanes[mid];
+        if (l->call == call && l->lane == lane) {
+            return l;
+        }
+        if (l->call < call || (l->call == call && l->lane < lane)) {
+            lo = mid + 1;
+        }
+        else {
+            hi = mid;
+        }
+    }
+    return NULL;
+}
+
+/* A split-pool request of `size` bytes (bin `bin`) at its planned place: the
+ * slot of its lane and rank there (call >= 0), else of its rank among the
+ * bin's requests out of lanes; NULL: a plan miss, served elsewhere. */
 static lx_block *
-take_planned_locked(lx_core *c, uint32_t bin, size_t size)
+take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t lane,
+                    int64_t lane_rank)
 {
     lx_plan *p = c->plan;
     if (c->cycle < p->from_cycle) {
         return NULL; /* installed while this cycle was open: not planned for, not a miss */
     }
-    uint32_t rank = p->rank[bin]++;
-    /* The slot of the request's rank in its bin, else a neighbour's in the same
-     * arena: threads may have swapped two requests of one size. */
+    uint32_t first, count, rank;
+    int tries; /* the slot of its rank, then (out of lanes) its neighbours' */
+    if (call >= 0) {
+        const lx_lane_slots *l = lane_slots(p, call, lane);
+        first = l != NULL ? l->first : 0;
+        count = l != NULL ? l->count : 0;
+        rank = lane_rank < (int64_t)count ? (uint32_t)lane_rank : count;
+        tries = 1;
+    }
+    else {
+        first = p->first[bin];
+        count = p->count[bin];
+        rank = p->rank[bin]++;
+        tries = 3; /* a neighbour's: another thread may have made a request of the size */
+    }
     uint32_t ranks[3] = {rank, rank + 1, rank - 1};
-    lx_slot *own = rank < p->count[bin] ? &p->slots[p->first[bin] + rank] : NULL;
-    for (int k = 0; k < 3 && own != NULL; k++) {
-        if (ranks[k] >= p->count[bin]) { /* also rank - 1 for rank 0 */
+    lx_slot *own = rank < count ? &p->slots[first + rank] : NULL;
+    for (int k = 0; k < tries && own != NULL; k++) {
+        if (ranks[k] >= count) { /* also rank - 1 for rank 0 */
             continue;
         }
-        lx_slot *s = &p->slots[p->first[bin] + ranks[k]];
+        lx_slot *s = &p->slots[first + ranks[k]];
         lx_arena *a = p->arena[s->arena];
-        if (s->arena != own->arena || s->taken == c->cycle) {
+        if (s->arena != own->arena || s->taken == c->cycle || s->bin != bin) {
             continue;
         }
         /* Its place of this cycle's parity, else the other (a block that outlives its
@@ -1206,6 +1282,17 @@ put_planned_locked(lx_core *c, lx_block *b)
     record_locked(c, LX_EV_RETURN);
 }
 
+/* The lane of this thread's requests in the open step (*call counted from the
+ * step's first kernel call), or -1, -1: none, or one of an earlier step (a
+ * lane left set by an interrupt: its requests are matched as any other's). */
+static void
+lane_of_locked(const lx_core *c, int64_t *call, int64_t *lane)
+{
+    int in_lane = c->stepping && tl_lane.call > c->call_base;
+    *call = in_lane ? tl_lane.call - c->call_base - 1 : -1;
+    *lane = in_lane ? tl_lane.lane : -1;
+}
+
 /* The open cycle's record: a split-pool block was allocated, or died. */
 static void
 note_birth_locked(lx_core *c, lx_block *b)
@@ -1223,7 +1310,10 @@ note_birth_locked(lx_core *c, lx_block *b)
         c->rec = rec;
         c->rec_cap = cap;
     }
-    c->rec[c->nrec] = (lx_request){(int64_t)b->size, c->tick++, -1, b};
+    int64_t call, lane;
+    lane_of_locked(c, &call, &lane);
+    c->rec[c->nrec] = (lx_request){(int64_t)b->size, c->tick++, -1, call, lane,
+                                   call >= 0 ? tl_lane.tick++ : -1, -1, b};
     b->rec = ++c->nrec;
 }
 
@@ -1232,14 +1322,19 @@ note_death_locked(lx_core *c, lx_block *b)
 {
     if (b->rec) {
         lx_request *r = &c->rec[b->rec - 1];
+        int64_t call, lane;
+        lane_of_locked(c, &call, &lane);
         r->died = c->tick++;
+        if (r->call >= 0 && r->call == call && r->lane == lane) {
+            r->lane_died = tl_lane.tick++;
+        }
         r->block = NULL;
         b->rec = 0;
     }
     if (b->carry) {
         lx_carried *r = &c->prev[b->carry - 1];
         r->next_died = c->tick++;
-        r->block = NULL;
+        r->r.block = NULL;
         b->carry = 0;
     }
 }
@@ -1253,8 +1348,8 @@ static void
 finish_record_locked(lx_core *c)
 {
     for (size_t i = 0; i < c->nprev; i++) {
-        if (c->prev[i].block != NULL) {
-            c->prev[i].block->carry = 0;
+        if (c->prev[i].r.block != NULL) {
+            c->prev[i].r.block->carry = 0;
         }
     }
     c->nprev = 0;
@@ -1274,7 +1369,8 @@ finish_record_locked(lx_core *c)
             r->block = NULL;
         }
         if (keep) {
-            c->prev[i] = (lx_carried){r->size, r->born, r->died, -1, b};
+            c->prev[i] = (lx_carried){*r, -1};
+            c->prev[i].r.block = b;
             if (b != NULL) {
                 b->carry = i + 1;
             }
@@ -1301,6 +1397,11 @@ open_cycle_locked(lx_core *c)
         memset(c->plan->rank, 0, sizeof(c->plan->rank));
         /* Blocks that outlived the last cycle may have died since it closed. */
         release_split_wholes_locked(c, c->plan->installed);
+    }
+    else if (c->warm_up) {
+        /* The warm-up holds nothing: what the split pool served before it (an optimizer's
+         * first state, made outside a step) goes back once it died. */
+        release_split_wholes_locked(c, UINT64_MAX);
     }
     c->cycle_misses = 0;
     c->large_peak = c->large_live;
@@ -1519,6 +1620,11 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     uint32_t bin = n <= LX_MAX_REQUEST ? bin_of(n) : 0;
     size_t size = n <= LX_MAX_REQUEST ? bin_bytes(bin) : 0;
     int split = bin >= c->split_bin, no_record = 0;
+    int64_t call = -1, lane = -1, lane_rank = 0;
+    if (split && c->stepping) {
+        lane_of_locked(c, &call, &lane);
+        lane_rank = call >= 0 ? tl_lane.births++ : 0;
+    }
     int direct = split && c->stepping && c->warm_up && c->plan == NULL;
     int seg = split && !direct; /* a miss makes a new segment of the split pool */
     lx_block *b = NULL;
@@ -1536,7 +1642,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     }
     else {
         if (c->plan != NULL && c->stepping) {
-            b = take_planned_locked(c, bin, size);
+            b = take_planned_locked(c, bin, size, call, lane, lane_rank);
         }
         if (b == NULL) {
             b = take_piece_locked(c, bin, size, &no_record);
@@ -1567,6 +1673,9 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
             if (c->limit) { /* make room: live + cached + size <= limit, if trimming can */
                 size_t room = c->limit - size;
                 trim_locked(c, room > c->fig.bytes_live ? room - c->fig.bytes_live : 0);
+                if (c->fig.bytes_live + c->fig.bytes_cached > room) {
+                    drop_plan_locked(c); /* its arena in use retires: back when its blocks die */
+                }
             }
             tl_upstream_error = 0;
             /* Consolidation (section 1b): the split pool's whole free segments,
@@ -1839,6 +1948,7 @@ lx_step_begin(lx_core *c)
     open_cycle_locked(c);
     c->stepping = 1;
     c->step_owner = pthread_self();
+    c->call_base = atomic_load(&kernel_calls);
     pthread_mutex_unlock(&c->lock);
 }
 
@@ -1876,21 +1986,20 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *pla
     *large_peak = c->large_peak;
     *prev = NULL;
     *nprev = 0;
-    if (pending && c->nprev > 0 && (*prev = malloc(c->nprev * 4 * sizeof(int64_t))) != NULL) {
+    const size_t columns = LX_REQUEST_COLUMNS;
+    if (pending && c->nprev > 0 &&
+        (*prev = malloc(c->nprev * (columns + 1) * sizeof(int64_t))) != NULL) {
         for (size_t i = 0; i < c->nprev; i++) {
-            lx_carried *r = &c->prev[i];
-            int64_t row[4] = {r->size, r->born, r->died, r->next_died};
-            memcpy(*prev + 4 * i, row, sizeof(row));
+            memcpy(*prev + (columns + 1) * i, &c->prev[i].r, columns * sizeof(int64_t));
+            (*prev)[(columns + 1) * i + columns] = c->prev[i].next_died;
         }
         *nprev = c->nprev;
     }
     if (pending) {
         finish_record_locked(c);
-        *rows = c->rec_lost ? NULL : malloc((c->nrec ? c->nrec : 1) * 3 * sizeof(int64_t));
+        *rows = c->rec_lost ? NULL : malloc((c->nrec ? c->nrec : 1) * columns * sizeof(int64_t));
         for (size_t i = 0; *rows != NULL && i < c->nrec; i++) {
-            (*rows)[3 * i] = c->rec[i].size;
-            (*rows)[3 * i + 1] = c->rec[i].born;
-            (*rows)[3 * i + 2] = c->rec[i].died;
+            memcpy(*rows + columns * i, &c->rec[i], columns * sizeof(int64_t));
         }
         *n = *rows != NULL ? c->nrec : 0;
     }
@@ -2373,12 +2482,14 @@ static PyStructSequence_Desc figures_desc = {
 static PyTypeObject FiguresType;
 
 static PyStructSequence_Field record_fields[] = {
-    {"rows", "bytes of native int64 (size, born, died) rows, one per request"},
+    {"rows", "bytes of native int64 (size, born, died, call, lane, lane_born, lane_died) "
+             "rows, one per request (call, lane: -1 out of a kernel's lanes; lane_died: -1 "
+             "unless it died in its lane)"},
     {"misses", "the step's requests above the split threshold that the plan missed"},
     {"planned", "whether a plan is installed now"},
     {"split_peak", "the most bytes the split pool held during the step"},
     {"large_peak", "the most bytes that live blocks above the split threshold held in it"},
-    {"previous", "bytes of native int64 (size, born, died, next_died) rows: the step "
+    {"previous", "bytes of native int64 rows of rows' columns and next_died: the step "
                  "before's record, with the deaths in this step of its blocks that outlived it "
                  "(-1: alive at this step's end too); empty if not known"},
     {NULL, NULL},
@@ -2538,11 +2649,11 @@ Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored))
     PyObject *record = PyStructSequence_New(&RecordType);
     PyObject *items[] = {
         PyBytes_FromStringAndSize(rows != NULL ? (const char *)rows : "",
-                                  (Py_ssize_t)(3 * n * sizeof(int64_t))),
+                                  (Py_ssize_t)(LX_REQUEST_COLUMNS * n * sizeof(int64_t))),
         PyLong_FromUnsignedLongLong(misses), PyBool_FromLong(planned),
         PyLong_FromSize_t(split_peak), PyLong_FromSize_t(large_peak),
         PyBytes_FromStringAndSize(prev != NULL ? (const char *)prev : "",
-                                  (Py_ssize_t)(4 * nprev * sizeof(int64_t))),
+                                  (Py_ssize_t)((LX_REQUEST_COLUMNS + 1) * nprev * sizeof(int64_t))),
     };
     free(rows);
     free(prev);
@@ -2558,71 +2669,108 @@ int64_at(const Py_buffer *b, size_t i)
     return v;
 }
 
-/* install_plan(cycle_size, kept_size, sizes, even, odd, which): section 1c;
- * the last four are buffers of native int64 of one length (which: 0 for the
- * cycle's arena, 1 for the kept one; sizes ascending). Returns "installed";
- * "later" (nothing changed: the cycle arena to replace is in use, or there
- * was no memory to build the plan; try again later); or "no room" (the
- * limit, out of memory, or no memory for an arena's bitmap: the old plan is
- * dropped). The plan is built from
- * the checked values here, with the GIL held, so that no other thread can
- * change a buffer between its check and its use. */
+/* install_plan(cycle_size, kept_size, sizes, even, odd, which[, call, lane]):
+ * section 1c; the last six are buffers of native int64 of one length (which: 0
+ * for the cycle's arena, 1 for the kept one; without call and lane, no slot is
+ * a lane's). The slots out of lanes (call and lane -1) come first, sizes ascending; then the lanes' (call, lane >= 0), by
+ * call and lane, each lane's in rank order. Returns "installed"; "later"
+ * (nothing changed: the cycle arena to replace is in use, or there was no
+ * memory to build the plan; try again later); or "no room" (the limit, out of
+ * memory, or no memory for an arena's bitmap: the old plan is dropped). The
+ * plan is built from the checked values here, with the GIL held, so that no
+ * other thread can change a buffer between its check and its use. */
 static PyObject *
 Core_install_plan(CoreObject *self, PyObject *args)
 {
+    enum { SIZES, EVEN, ODD, WHICH, CALL, LANE, NBUF };
     unsigned long long arena[2];
-    Py_buffer buf[4] = {{0}};
-    if (!PyArg_ParseTuple(args, "KKy*y*y*y*:install_plan", &arena[0], &arena[1], &buf[0],
-                          &buf[1], &buf[2], &buf[3])) {
+    Py_buffer buf[NBUF] = {{0}};
+    if (!PyArg_ParseTuple(args, "KKy*y*y*y*|y*y*:install_plan", &arena[0], &arena[1],
+                          &buf[SIZES], &buf[EVEN], &buf[ODD], &buf[WHICH], &buf[CALL],
+                          &buf[LANE])) {
         return NULL;
     }
-    size_t n = (size_t)buf[0].len / sizeof(int64_t);
+    int lanes = buf[CALL].obj != NULL || buf[LANE].obj != NULL; /* else: none in lanes */
+    size_t n = (size_t)buf[SIZES].len / sizeof(int64_t), nlanes = 0;
     const size_t quantum = (size_t)1 << LX_QUANTUM_LOG2;
     const char *bad = NULL;
     lx_plan *p = NULL;
-    if (buf[0].len % sizeof(int64_t) || buf[1].len != buf[0].len || buf[2].len != buf[0].len ||
-        buf[3].len != buf[0].len || n == 0 || n >= UINT32_MAX) {
-        bad = "sizes, even, odd and which must be int64 arrays of one length, at least 1";
+    if (buf[SIZES].len % sizeof(int64_t) || n == 0 || n >= UINT32_MAX) {
+        bad = "sizes, even, odd, which, call and lane must be int64 arrays of one length, "
+              "at least 1";
     }
-    else if (arena[0] % quantum || arena[0] > LX_MAX_REQUEST || arena[1] % quantum ||
-             arena[1] > LX_MAX_REQUEST || arena[0] + arena[1] == 0) {
+    for (int k = EVEN; bad == NULL && k < (lanes ? NBUF : CALL); k++) {
+        if (buf[k].len != buf[SIZES].len) {
+            bad = "sizes, even, odd, which, call and lane must be int64 arrays of one length, "
+                  "at least 1";
+        }
+    }
+    if (bad == NULL && (arena[0] % quantum || arena[0] > LX_MAX_REQUEST || arena[1] % quantum ||
+                        arena[1] > LX_MAX_REQUEST || arena[0] + arena[1] == 0)) {
         bad = "the arena sizes must be multiples of 512 bytes, not both 0";
     }
+    int64_t last_call = -1, last_lane = -1;
     for (size_t i = 0, last = 0; bad == NULL && i < n; i++) { /* check every slot */
-        int64_t size = int64_at(&buf[0], i), even = int64_at(&buf[1], i),
-                odd = int64_at(&buf[2], i), which = int64_at(&buf[3], i);
+        int64_t size = int64_at(&buf[SIZES], i), even = int64_at(&buf[EVEN], i),
+                odd = int64_at(&buf[ODD], i), which = int64_at(&buf[WHICH], i),
+                call = lanes ? int64_at(&buf[CALL], i) : -1,
+                lane = lanes ? int64_at(&buf[LANE], i) : -1;
         size_t room = which == 0 || which == 1 ? (size_t)arena[which] : 0;
         if (room == 0) {
             bad = "every which must be 0 or 1, naming an arena of a positive size";
         }
-        else if (size <= 0 || (size_t)size > room || (size_t)size < last ||
+        else if (size <= 0 || (size_t)size > room ||
                  bin_bytes(bin_of((size_t)size)) != (size_t)size ||
-                 bin_of((size_t)size) < self->core->split_bin) {
-            bad = "sizes must be block sizes of split-pool bins, in ascending order, each "
-                  "within its arena";
+                 bin_of((size_t)size) < self->core->split_bin ||
+                 (call < 0 && (size_t)size < last)) {
+            bad = "sizes must be block sizes of split-pool bins, each within its arena, "
+                  "ascending out of lanes";
         }
         else if (even < 0 || odd < 0 || (size_t)even % quantum || (size_t)odd % quantum ||
                  (size_t)even > room - (size_t)size || (size_t)odd > room - (size_t)size) {
             bad = "every offset must be a multiple of 512 bytes with its block inside its arena";
         }
+        else if ((call < 0) != (lane < 0) || call < last_call ||
+                 (call == last_call && lane < last_lane)) {
+            bad = "call and lane must be both -1 (first) or both >= 0, by call and lane";
+        }
+        else if (call >= 0 && (call != last_call || lane != last_lane)) {
+            nlanes++;
+        }
         last = (size_t)size;
+        last_call = call;
+        last_lane = lane;
     }
     if (bad == NULL && ((p = calloc(1, sizeof(lx_plan))) == NULL ||
-                        (p->slots = calloc(n, sizeof(lx_slot))) == NULL)) {
+                        (p->slots = calloc(n, sizeof(lx_slot))) == NULL ||
+                        (nlanes > 0 && (p->lanes = calloc(nlanes, sizeof(lx_lane_slots))) == NULL))) {
         free_plan(p);
         p = NULL;
     }
     for (size_t i = 0; p != NULL && i < n; i++) { /* then build the plan from them */
-        size_t size = (size_t)int64_at(&buf[0], i);
-        uint32_t b = bin_of(size), which = (uint32_t)int64_at(&buf[3], i);
-        p->slots[i] = (lx_slot){{(size_t)int64_at(&buf[1], i), (size_t)int64_at(&buf[2], i)},
-                                which, 0};
-        if (p->count[b]++ == 0) {
-            p->first[b] = (uint32_t)i;
+        size_t size = (size_t)int64_at(&buf[SIZES], i);
+        uint32_t b = bin_of(size), which = (uint32_t)int64_at(&buf[WHICH], i);
+        int64_t call = lanes ? int64_at(&buf[CALL], i) : -1;
+        int64_t lane = lanes ? int64_at(&buf[LANE], i) : -1;
+        p->slots[i] = (lx_slot){{(size_t)int64_at(&buf[EVEN], i), (size_t)int64_at(&buf[ODD], i)},
+                                which, b, 0};
+        if (call < 0) {
+            if (p->count[b]++ == 0) {
+                p->first[b] = (uint32_t)i;
+            }
+            continue;
         }
+        lx_lane_slots *l = p->nlanes > 0 ? &p->lanes[p->nlanes - 1] : NULL;
+        if (l == NULL || l->call != call || l->lane != lane) {
+            l = &p->lanes[p->nlanes++];
+            *l = (lx_lane_slots){call, lane, (uint32_t)i, 0};
+        }
+        l->count++;
     }
-    for (int i = 0; i < 4; i++) {
-        PyBuffer_Release(&buf[i]);
+    for (int k = 0; k < NBUF; k++) {
+        if (buf[k].obj != NULL) {
+            PyBuffer_Release(&buf[k]);
+        }
     }
     if (bad != NULL) {
         free_plan(p);
@@ -3014,7 +3162,56 @@ mod_last_failure(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored))
                          figures_object(f.fig), f.upstream_error);
 }
 
+/* kernel_call() -> the number of a threaded kernel call that begins (section
+ * 1c: lanes), for enter_lane in each of its shares' threads. */
+static PyObject *
+mod_kernel_call(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromLongLong(atomic_fetch_add(&kernel_calls, 1) + 1);
+}
+
+/* enter_lane(call, lane) -> this thread's lane before, for leave_lane: from now
+ * on its split-pool requests are made in share `lane` of kernel call `call`. */
+static PyObject *
+mod_enter_lane(PyObject *Py_UNUSED(mod), PyObject *args)
+{
+    long long call, lane;
+    if (!PyArg_ParseTuple(args, "LL:enter_lane", &call, &lane)) {
+        return NULL;
+    }
+    if (call < 1 || lane < 0) {
+        return PyErr_Format(PyExc_ValueError,
+                            "enter_lane: expected a call from kernel_call() and a lane >= 0, "
+                            "got %lld and %lld", call, lane);
+    }
+    PyObject *before = Py_BuildValue("(LLLL)", (long long)tl_lane.call, (long long)tl_lane.lane,
+                                     (long long)tl_lane.births, (long long)tl_lane.tick);
+    if (before != NULL) {
+        tl_lane = (lx_lane){call, lane, 0, 0};
+    }
+    return before;
+}
+
+/* leave_lane(before): this thread's lane as enter_lane found it. */
+static PyObject *
+mod_leave_lane(PyObject *Py_UNUSED(mod), PyObject *args)
+{
+    long long call, lane, births, tick;
+    if (!PyArg_ParseTuple(args, "(LLLL):leave_lane", &call, &lane, &births, &tick)) {
+        return NULL;
+    }
+    tl_lane = (lx_lane){call, lane, births, tick};
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"kernel_call", mod_kernel_call, METH_NOARGS,
+     "kernel_call() -> the number of a threaded kernel call that begins (for enter_lane)"},
+    {"enter_lane", mod_enter_lane, METH_VARARGS,
+     "enter_lane(call, lane) -> this thread's lane before: its requests are made in share "
+     "`lane` of kernel call `call` until leave_lane"},
+    {"leave_lane", mod_leave_lane, METH_VARARGS,
+     "leave_lane(before): this thread's lane as enter_lane found it"},
     {"bin_size", mod_bin_size, METH_O, "bin_size(n) -> bytes of the block serving n bytes"},
     {"get_handler", mod_get_handler, METH_NOARGS, "NumPy's handler in this context."},
     {"set_handler", mod_set_handler, METH_O,

@@ -22,13 +22,13 @@ import enum
 import os
 import threading
 import weakref
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, NamedTuple
 
 import numpy as np
 
 from . import _core
 
-__all__ = ["place", "layout", "Planner", "PlanStatus"]
+__all__ = ["place", "layout", "Layout", "Planner", "PlanStatus"]
 
 
 BUDGET = 1.10
@@ -98,39 +98,89 @@ def _first_fit(order: np.ndarray, sizes: np.ndarray, *lives: np.ndarray) -> np.n
     return offsets
 
 
-def layout(sizes: np.ndarray, born: np.ndarray, died: np.ndarray, next_died: np.ndarray) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray]:
-    """A plan for a recorded step: ``(cycle arena bytes, kept arena bytes, offsets in even
-    steps, offsets in odd steps, arena of each block: 0 cycle, 1 kept)``.
+# A step's table: one column per request, these rows (the core's record, then next_died).
+SIZE, BORN, DIED, CALL, LANE, LANE_BORN, LANE_DIED, NEXT_DIED = range(8)
 
-    Blocks that die within the step (``died >= 0``) are packed into the cycle arena by
-    `place`: it is idle between steps, so a plan widened later (threads interleave
-    differently) replaces it without both being held. Blocks that outlive the step go to
-    the kept arena, packed over the circular two-step schedule: a step lasts `T` ticks (its
-    births and deaths), and a block that outlives an even step dies at ``next_died`` in the
-    odd one after it, so it lives over ``[born, T + next_died)``, and one of an odd step over
-    ``[T + born, 2T)`` and ``[0, next_died)`` (``next_died < 0``: it outlives the next step
-    too, and keeps its place all the time). So a step's results take the bytes of those of
-    the step before that died before them.
 
-    >>> cycle, kept, even, odd, arena = layout(np.array([512, 1024]), np.array([0, 1]), np.array([-1, 2]), np.array([1, -1]))
-    >>> cycle, kept, arena.tolist()  # the result's two places, alive together from tick 0 to 1
-    (1024, 1024, [1, 0])
+class Layout(NamedTuple):
+    """A plan's arena: its bytes, each request's offset in even and in odd steps, and the
+    most bytes its blocks can hold at once (no placement holds less)."""
+
+    arena_bytes: int
+    even: np.ndarray
+    odd: np.ndarray
+    peak: int
+
+
+def layout(table: np.ndarray) -> Layout:
+    """A plan for a recorded step, one arena (`Layout`). `table`: rows `SIZE` ...
+    `NEXT_DIED` (see `Planner.step_ended`), a column per request.
+
+    The arena is packed by `place` over the circular two-step schedule: a step lasts `T`
+    ticks, a block that dies within an even step lives over ``[born, died)`` and within an
+    odd one over ``[T + born, T + died)``; one that outlives an even step dies at
+    ``next_died`` in the odd one after it, so it lives over ``[born, T + next_died)``, and
+    one of an odd step over ``[T + born, 2T)`` and ``[0, next_died)`` (``next_died < 0``: it
+    outlives the next step too, and keeps its place all the time). So a step's results take
+    the bytes of the step before's that died before them, and its temporaries those of the
+    results that are not yet made.
+
+    Requests made in the lanes of a threaded kernel call that die in their lane are placed
+    by their lane's own clock, which threads do not change, each lane beside the others, all
+    for the call's span on the step's clock (from its first request to the last death in a
+    lane); the call's requests that outlive it are born at its start.
+
+    >>> out_of_lanes = [[-1, -1]] * 4  # call, lane, lane_born, lane_died
+    >>> size, even, odd, peak = layout(np.array([[512, 1024], [0, 1], [-1, 2], *out_of_lanes, [1, -1]]))
+    >>> size, even.tolist(), odd.tolist(), peak  # a result (two places) and a temporary
+    (2048, [1024, 0], [1536, 0], 1536)
     """
-    sizes, born, died, next_died = (np.asarray(a, dtype=np.int64) for a in (sizes, born, died, next_died))
-    kept = died < 0
-    even = np.empty(len(sizes), dtype=np.int64)
-    odd = np.empty(len(sizes), dtype=np.int64)
-    even[~kept], cycle_bytes = place(sizes[~kept], born[~kept], died[~kept])
-    odd[~kept] = even[~kept]
-    sizes, born, next_died = sizes[kept], born[kept], next_died[kept]
-    n, ticks = len(sizes), int(max(born.max(initial=0), next_died.max(initial=0), died.max(initial=0))) + 1
-    whole = next_died < 0  # alive through the next step: the whole circle
+    size, born, died, call, lane, lane_born, lane_died, next_died = (np.asarray(r, dtype=np.int64) for r in table)
+    in_lane = (call >= 0) & (lane_died >= 0) & (died >= 0)
+    calls = np.unique(call[in_lane])
+    inner = np.zeros(len(size), dtype=np.int64)  # in-lane requests: offset within their call
+    region = np.zeros((len(calls), 3), dtype=np.int64)  # per call: bytes, start, stop
+    born = born.copy()
+    for k, c in enumerate(calls):
+        start, stop, base = born[call == c].min(), died[in_lane & (call == c)].max() + 1, 0
+        for ln in np.unique(lane[in_lane & (call == c)]):
+            mine = np.flatnonzero(in_lane & (call == c) & (lane == ln))
+            offsets, span = place(size[mine], lane_born[mine], lane_died[mine])
+            inner[mine] = base + offsets
+            base += span
+        region[k] = base, start, stop
+        born[(call == c) & ~in_lane] = start
+    free = np.flatnonzero(~in_lane)
+    sizes = np.concatenate([size[free], region[:, 0]])
+    even, odd, arena_bytes, peak = _circular(
+        sizes, np.concatenate([born[free], region[:, 1]]), np.concatenate([died[free], region[:, 2]]),
+        np.concatenate([next_died[free], np.full(len(calls), -1)]),
+    )
+    even_at, odd_at = np.empty(len(size), dtype=np.int64), np.empty(len(size), dtype=np.int64)
+    even_at[free], odd_at[free] = even[: len(free)], odd[: len(free)]
+    lanes = np.flatnonzero(in_lane)
+    of_call = np.searchsorted(calls, call[lanes])
+    even_at[lanes] = even[len(free) + of_call] + inner[lanes]
+    odd_at[lanes] = odd[len(free) + of_call] + inner[lanes]
+    return Layout(arena_bytes, even_at, odd_at, peak)
+
+
+def _circular(size: np.ndarray, born: np.ndarray, died: np.ndarray, next_died: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+    # `layout`'s circle of two steps: each block's place in an even and in an odd step, the
+    # bytes spanned, and the most bytes alive at once.
+    n, ticks = len(size), int(max(born.max(initial=0), died.max(initial=0), next_died.max(initial=0))) + 1
+    kept, whole = died < 0, (died < 0) & (next_died < 0)  # whole: alive all round the circle
     start = np.concatenate([np.where(whole, 0, born), np.where(whole, 0, ticks + born)])
-    stop = np.concatenate([np.where(whole, 2 * ticks, ticks + next_died), np.full(n, 2 * ticks)])
-    wrap_stop = np.concatenate([np.zeros(n, np.int64), np.where(whole, 0, next_died)])
-    offsets, kept_bytes = place(np.concatenate([sizes, sizes]), start, stop, np.zeros(2 * n, np.int64), wrap_stop)
-    even[kept], odd[kept] = offsets[:n], offsets[n:]
-    return cycle_bytes, kept_bytes, even, odd, kept.astype(np.int64)
+    stop = np.concatenate([
+        np.where(whole, 2 * ticks, np.where(kept, ticks + next_died, died)),
+        np.where(whole, 2 * ticks, np.where(kept, 2 * ticks, ticks + died)),
+    ])  # fmt: skip
+    wrap_stop = np.concatenate([np.zeros(n, np.int64), np.where(kept & ~whole, next_died, 0)])
+    sizes = np.concatenate([size, size])
+    offsets, span = place(sizes, start, stop, np.zeros(2 * n, np.int64), wrap_stop)
+    at = np.concatenate([start, [0]])  # the bytes alive change only where a block is born
+    alive = ((start <= at[:, None]) & (at[:, None] < stop)) | (at[:, None] < wrap_stop)
+    return offsets[:n], offsets[n:], span, int((alive * sizes).sum(axis=1).max())
 
 
 class Planner:
@@ -165,9 +215,10 @@ class Planner:
         self._lock = threading.RLock()  # before_step holds it around step_ended
         with _planners_lock:
             _planners.add(self)
-        self._planned: tuple[np.ndarray, ...] | None = None  # (size, born, died, next_died) it covers
+        self._planned: np.ndarray | None = None  # the table (`layout`) it covers
         self._strangers = 0  # steps in a row unlike the plan's
-        self._refused: tuple[np.ndarray, int] | None = None  # sizes, steps left before a retry
+        self._refused: tuple[np.ndarray, int] | None = None  # requests, steps left before a retry
+        self._unfit: np.ndarray | None = None  # a widened plan the arena in use had no room for
         self._warm_up = WarmUp(core, self.WARM_UP_STEPS)
 
     def served(self, misses: int, planned: bool) -> bool:
@@ -202,33 +253,33 @@ class Planner:
 
     def step_ended(self, rows: bytes, misses: int, planned: bool, without_plan: int, previous: bytes = b"") -> None:
         """Take an ended step's record (the core's ``take_record``): native int64 rows of
-        (size, born, died), its plan misses, whether a plan is installed, the most bytes a
-        first plan may hold (`_held_without_plan`), and the step before's rows of (size,
-        born, died, next_died) (its blocks' deaths in this step; empty if not known)."""
-        record, before = _rows(rows, 3), _rows(previous, 4)
+        (size, born, died, call, lane, lane_born, lane_died) (`layout`), its plan misses,
+        whether a plan is installed, the most bytes a first plan may hold
+        (`_held_without_plan`), and the step before's rows with their next_died (its
+        blocks' deaths in this step; empty if not known)."""
+        record, before = _table(rows, NEXT_DIED), _table(previous, NEXT_DIED + 1)
         with self._lock:
             self._decide(record, before, misses, planned, without_plan)
             self._warm_up.step_ended(done=self._planned is not None or self._refused is not None)
 
     def _decide(self, record: np.ndarray, before: np.ndarray, misses: int, planned: bool, without_plan: int) -> None:
         # step_ended's decision, with the lock held.
-        sizes = record[0]
         if not planned:
             self._planned = None  # none was made, or the cache dropped it (free, trim, eviction)
         if self._refused is not None:
             self._refused = None if self._refused[1] <= 1 else (self._refused[0], self._refused[1] - 1)
-        if not len(sizes):
+        if not record.shape[1]:
             return  # nothing above 64 KiB: no plan serves it, none is made from it
-        repeats = np.array_equal(sizes, before[0])
-        if self._planned is not None and np.array_equal(sizes, self._planned[0]):
+        repeats = _same_requests(record, before)
+        if self._planned is not None and _same_requests(record, self._planned):
             self._strangers = 0
             if misses == 0:
                 return
             widened = _union(self._planned, _lifetimes(record, before if repeats else None))
             if repeats:
-                widened = _union(widened, tuple(before))
-            if all(np.array_equal(a, b) for a, b in zip(widened, self._planned)):
-                return  # the misses came from elsewhere (an array kept longer than two steps)
+                widened = _union(widened, before)
+            if np.array_equal(widened, self._planned) or (self._unfit is not None and np.array_equal(widened, self._unfit)):
+                return  # the misses came from elsewhere (an array kept longer), or it was tried
         else:
             if self._planned is not None:
                 self._strangers += 1
@@ -238,37 +289,66 @@ class Planner:
                 self._planned = None
             if not repeats:
                 return
-            widened = _union(tuple(before), _lifetimes(record, before))
-        if self._refused is not None and np.array_equal(sizes, self._refused[0]):
+            widened = _union(before, _lifetimes(record, before))
+        if self._refused is not None and _same_requests(widened, self._refused[0]):
             return
-        cycle_bytes, kept_bytes, even, odd, which = layout(*widened)
-        if self._planned is None and cycle_bytes + kept_bytes > without_plan:
+        arena_bytes, even, odd, peak = layout(widened)
+        # The peak counts each kernel call's lanes as if all ran at once, which another
+        # interleaving of its threads may do: no plan is refused for how they ran this time.
+        if self._planned is None and arena_bytes > max(without_plan, BUDGET * peak):
             status = PlanStatus.NO_GAIN
         else:
-            status = PlanStatus(self._core.install_plan(cycle_bytes, kept_bytes, sizes, even, odd, which))
+            columns = [widened[SIZE], even, odd, np.zeros_like(even), widened[CALL], widened[LANE]]
+            status = PlanStatus(self._core.install_plan(arena_bytes, 0, *(np.ascontiguousarray(c, dtype=np.int64) for c in columns)))
+        self._unfit = None
         if status == PlanStatus.INSTALLED:
             self._planned, self._strangers = widened, 0
         elif status in (PlanStatus.NO_ROOM, PlanStatus.NO_GAIN):
-            self._planned, self._refused = None, (sizes, self.RETRY_AFTER)
-        # LATER: the next step's record has this one's as its step before
+            self._planned, self._refused = None, (widened, self.RETRY_AFTER)
+        elif self._planned is not None:
+            self._unfit = widened  # LATER: the arena in use is too small for it; not again
+        # LATER without a plan: the next step's record has this one's as its step before
 
 
-def _rows(raw: bytes, columns: int) -> np.ndarray:
-    """A record's native int64 rows, as columns, by size and then by birth: the order in
-    which the core matches a bin's requests to its slots, whatever order threads made
-    requests of different sizes in."""
-    rows = np.frombuffer(raw, dtype=np.int64).reshape(-1, columns)
-    return rows[np.lexsort((rows[:, 1], rows[:, 0]))].T.copy()
+def _table(raw: bytes, rows: int) -> np.ndarray:
+    """A record's native int64 rows as a table of `rows` rows (`layout`), a column per
+    request, in the order in which the core matches requests to slots: those out of
+    lanes by size and then by birth, whatever order threads made requests of different
+    sizes in; then those of lanes by call, lane and birth on the lane's clock."""
+    table = np.frombuffer(raw, dtype=np.int64).reshape(-1, rows).T
+    laned = table[CALL] >= 0
+    order = np.lexsort((np.where(laned, table[LANE_BORN], table[BORN]), np.where(laned, 0, table[SIZE]), table[LANE], table[CALL]))
+    return table[:, order].copy()
 
 
-def _lifetimes(record: np.ndarray, before: np.ndarray | None) -> tuple[np.ndarray, ...]:
-    """A step's (size, born, died, next_died): its blocks that outlive it are taken to die in
+def _same_requests(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two tables hold the same requests: sizes, calls and lanes."""
+    return a.shape[1] == b.shape[1] and all(np.array_equal(a[r], b[r]) for r in (SIZE, CALL, LANE))
+
+
+def _lifetimes(record: np.ndarray, before: np.ndarray | None) -> np.ndarray:
+    """A step's table with its `NEXT_DIED`: its blocks that outlive it are taken to die in
     the next step when the same block of the step before died in this one (not yet known
     for this step's), or to outlive it too where that is not known."""
-    next_died = np.full(len(record[0]), -1, dtype=np.int64)
+    next_died = np.full(record.shape[1], -1, dtype=np.int64)
     if before is not None:
-        next_died = np.where(before[2] < 0, before[3], -1)
-    return record[0], record[1], record[2], next_died
+        next_died = np.where(before[DIED] < 0, before[NEXT_DIED], -1)
+    return np.vstack([record, next_died])
+
+
+def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Lifetimes that cover both tables' (the same requests): earliest birth, latest
+    death, outliving the step if either did, and then the latest death in the next step
+    (-1, outliving that too, if either did); in a lane likewise, dying out of it if either
+    did."""
+    kept = (a[DIED] < 0) | (b[DIED] < 0)
+    next_a, next_b = (np.where(x[DIED] < 0, x[NEXT_DIED], -2) for x in (a, b))  # -2: not kept there
+    next_died = np.where((next_a == -1) | (next_b == -1), -1, np.maximum(next_a, next_b))
+    out = a.copy()
+    out[BORN], out[LANE_BORN] = np.minimum(a[BORN], b[BORN]), np.minimum(a[LANE_BORN], b[LANE_BORN])
+    out[DIED], out[NEXT_DIED] = np.where(kept, -1, np.maximum(a[DIED], b[DIED])), np.where(kept, next_died, -1)
+    out[LANE_DIED] = np.where((a[LANE_DIED] < 0) | (b[LANE_DIED] < 0), -1, np.maximum(a[LANE_DIED], b[LANE_DIED]))
+    return out
 
 
 class WarmUp:
@@ -287,16 +367,6 @@ class WarmUp:
             self._left = 0 if done else self._left - 1
             if self._left == 0:
                 self._core.set_warm_up(False)
-
-
-def _union(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-    """Lifetimes (size, born, died, next_died) that cover both records' (same sizes):
-    earliest birth, latest death, outliving the step if either did, and then the latest
-    death in the next step (-1, outliving that too, if either did)."""
-    kept = (a[2] < 0) | (b[2] < 0)
-    next_a, next_b = (np.where(x[2] < 0, x[3], -2) for x in (a, b))  # -2: not kept there
-    next_died = np.where((next_a == -1) | (next_b == -1), -1, np.maximum(next_a, next_b))
-    return a[0], np.minimum(a[1], b[1]), np.where(kept, -1, np.maximum(a[2], b[2])), np.where(kept, next_died, -1)
 
 
 # Fork copies only the forking thread: a planner's lock held by another thread would stay
