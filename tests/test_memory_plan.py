@@ -39,12 +39,14 @@ def _table(size, born, died, next_died=None, call=None, lane=None, lane_born=Non
     return np.array([size, born, died, *rest[:4], rest[4]], dtype=np.int64)
 
 
-def _check_layout(table):
+def _check_layout(table, **options):
     # No two blocks share a byte while both can be alive, on the circle of two steps; a
     # block of a lane can be alive anywhere in its kernel call's span, beside every other
     # lane's, and beside its own lane's blocks alive with it on the lane's clock.
     size, born, died, call, lane, lane_born, lane_died, next_died = table
-    arena, even, odd, peak = layout(table)
+    arena, even, odd, peak, first = layout(table, **options)
+    assert all(at + n <= first or at >= first for at, n in zip([*even, *odd], [*size, *size]))  # one chunk each
+    assert not options.get("first_step") or all(even + size <= first)  # the first step's, in the first
     ticks = int(max(born.max(), died.max(), next_died.max())) + 1
     in_lane = (call >= 0) & (lane_died >= 0) & (died >= 0)
     start = born.copy()
@@ -119,7 +121,10 @@ def test_layout_never_lets_blocks_that_may_be_alive_together_share_a_byte(blocks
     lane = np.where(call >= 0, np.arange(len(blocks)) % 2, -1)
     lane_born = np.where(call >= 0, 2 * np.arange(len(blocks)), -1)
     lane_died = np.where((call >= 0) & (died >= 0) & (np.arange(len(blocks)) % 3 > 0), lane_born + 1 + np.arange(len(blocks)) % 4, -1)
-    _check_layout(_table(size, born, died, next_died, call, lane, lane_born, lane_died))
+    table = _table(size, born, died, next_died, call, lane, lane_born, lane_died)
+    _check_layout(table)
+    _check_layout(table, first_step=True)
+    _check_layout(table, wall=int(size.sum()) // 2 // 512 * 512)
 
 
 def _step(x, keep=None):
@@ -163,8 +168,10 @@ def test_results_that_outlive_each_step_alternate_between_two_places():
         assert np.all(result == value) and np.all(previous == (value - step) * 2)
     s = cache.stats()
     assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits == 10  # planned from steps 0 and 1
-    in_kept_arena = [b for b in cache._core.blocks() if b[2] and b[4] == 2 * MiB]
-    assert len(in_kept_arena) == 2  # `previous` and `result`, one in each place
+    live = [b for b in cache._core.blocks() if b[2] and b[1] == MiB]
+    # `previous` and `result`: the even step's place in the arena's first chunk, the odd's
+    # in its second, taken once the first planned step's outsider (the warm-up's) died
+    assert len(live) == 2 and len({base for _, _, _, base, _, _ in live}) == 2
     cache._core.audit()
 
 
@@ -391,7 +398,7 @@ class FakeCore:
     def __init__(self, *statuses):
         self.statuses, self.installed, self.dropped, self.warm_up = list(statuses), [], 0, []
 
-    def install_plan(self, cycle_bytes, kept_bytes, sizes, even, odd, which, call, lane):
+    def install_plan(self, cycle_bytes, kept_bytes, sizes, even, odd, which, call, lane, first):
         self.installed.append((cycle_bytes, kept_bytes, sizes.tolist()))
         return self.statuses.pop(0) if self.statuses else PlanStatus.INSTALLED
 
@@ -468,7 +475,8 @@ def test_the_planner_makes_no_plan_that_would_hold_more_than_the_split_pool_and_
     # A layout of 5 MiB whose blocks hold 4 MiB at once: more than 1.1x its own peak.
     from luxnn.memory import plan
 
-    monkeypatch.setattr(plan, "layout", lambda table: plan.Layout(5 * MiB, np.zeros(2, np.int64), np.zeros(2, np.int64), 4 * MiB))
+    zeros = np.zeros(2, np.int64)
+    monkeypatch.setattr(plan, "layout", lambda table, **options: plan.Layout(5 * MiB, zeros, zeros, 4 * MiB, 5 * MiB))
     core = FakeCore()
     planner = Planner(core)
     step = Steps(planner)

@@ -221,8 +221,10 @@ floor_bin(size_t s)
  */
 
 typedef struct lx_arena {
-    char *base;
-    size_t size;              /* bytes allocated upstream */
+    char *base;               /* its first chunk: offsets [0, first) */
+    char *base2;              /* its second chunk, offsets [first, size); NULL: not yet */
+    size_t size;              /* bytes of both chunks */
+    size_t first;             /* bytes of the first chunk (size: it is the only one) */
     size_t live;              /* blocks alive in it */
     size_t live_bytes;
     uint64_t *busy;           /* bit i: granule i (512 B) belongs to a live block */
@@ -263,6 +265,7 @@ typedef struct {
     lx_arena *arena[2];
     lx_slot *slots;            /* the others' by bin, and within a bin in the recorded
                                   order; then the lanes' */
+    size_t nslots;
     lx_lane_slots *lanes;      /* by (call, lane) */
     size_t nlanes;
     uint64_t installed;        /* scope clock of the first scope that the first of the
@@ -704,6 +707,7 @@ typedef struct lx_core {
     int stepping;               /* a step is open: the cycle */
     int warm_up;                /* while no plan serves, a step's split-pool requests go
                                    upstream at their size, and back when they die */
+    size_t direct_live;         /* the warm-up's blocks alive (section 1c) */
     size_t large_live;          /* bytes of live blocks above the split threshold */
     size_t large_peak;          /* the highest large_live since the cycle opened */
     pthread_t step_owner;       /* the thread that began it */
@@ -1012,6 +1016,7 @@ return_piece_locked(lx_core *c, lx_block *b)
 }
 
 static size_t drop_plan_locked(lx_core *c);
+static void grow_arenas_locked(lx_core *c);
 
 /* Release whole free blocks and segments, least recently used first, then
  * the plan if one of its arenas is idle (that one goes upstream, one in use
@@ -1061,13 +1066,52 @@ release_split_wholes_locked(lx_core *c, uint64_t since)
 
 /* ---- 4, continued: step plans (section 1c) ---------------------------- */
 
+/* The bytes of arena a taken from upstream: its first chunk, and its second once there. */
+static inline size_t
+arena_held(const lx_arena *a)
+{
+    return a->base2 != NULL ? a->size : a->first;
+}
+
+/* The address of offset `at` of arena a (in a chunk it holds). */
+static inline char *
+arena_at(const lx_arena *a, size_t at)
+{
+    return at < a->first ? a->base + at : a->base2 + (at - a->first);
+}
+
+/* The offset in arena a of ptr, or SIZE_MAX when ptr is in neither of its chunks. */
+static size_t
+arena_offset(const lx_arena *a, const void *ptr)
+{
+    uintptr_t p = (uintptr_t)ptr, base = (uintptr_t)a->base, base2 = (uintptr_t)a->base2;
+    if (p >= base && p < base + a->first) {
+        return (size_t)(p - base);
+    }
+    if (a->base2 != NULL && p >= base2 && p < base2 + (a->size - a->first)) {
+        return a->first + (size_t)(p - base2);
+    }
+    return SIZE_MAX;
+}
+
+/* Whether bytes [at, at + size) of arena a lie in one chunk that it holds. */
+static inline int
+arena_serves(const lx_arena *a, size_t at, size_t size)
+{
+    return at + size <= arena_held(a) && (at >= a->first || at + size <= a->first);
+}
+
 /* Give an arena with no live block back upstream; its bytes leave bytes_cached. */
 static void
 release_arena_locked(lx_core *c, lx_arena *a)
 {
-    c->up.free(c->up.ctx, a->base, a->size);
+    c->up.free(c->up.ctx, a->base, a->first);
     c->fig.upstream_frees++;
-    c->fig.bytes_cached -= a->size;
+    if (a->base2 != NULL) {
+        c->up.free(c->up.ctx, a->base2, a->size - a->first);
+        c->fig.upstream_frees++;
+    }
+    c->fig.bytes_cached -= arena_held(a);
     free(a->busy);
     free(a);
     record_locked(c, LX_EV_RELEASE);
@@ -1096,7 +1140,7 @@ drop_arena_locked(lx_core *c, lx_arena *a)
         c->retired = a;
         return 0;
     }
-    size_t size = a->size;
+    size_t size = arena_held(a);
     release_arena_locked(c, a);
     return size;
 }
@@ -1126,7 +1170,7 @@ arena_block_locked(lx_core *c, lx_arena *a, size_t at, size_t size, uint32_t bin
         free(b);
         return NULL;
     }
-    *b = (lx_block){.ptr = a->base + at, .size = size, .bin = bin, .arena = a};
+    *b = (lx_block){.ptr = arena_at(a, at), .size = size, .bin = bin, .arena = a};
     map_put(&c->map, b);
     mark_granules(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2, 1);
     a->live++;
@@ -1135,13 +1179,15 @@ arena_block_locked(lx_core *c, lx_arena *a, size_t at, size_t size, uint32_t bin
     return b;
 }
 
-/* The lowest offset of a run of free granules of arena a that holds `size` bytes. */
+/* The lowest offset of a run of free granules of arena a that holds `size` bytes
+ * in one of its chunks. */
 static int
 free_run(const lx_arena *a, size_t size, size_t *at)
 {
-    size_t need = size >> LX_QUANTUM_LOG2, granules = a->size >> LX_QUANTUM_LOG2, run = 0;
+    size_t need = size >> LX_QUANTUM_LOG2, granules = arena_held(a) >> LX_QUANTUM_LOG2, run = 0;
+    size_t wall = a->first >> LX_QUANTUM_LOG2;
     for (size_t g = 0; g < granules && need > 0; g++) {
-        run = (a->busy[g / 64] >> (g % 64)) & 1 ? 0 : run + 1;
+        run = (a->busy[g / 64] >> (g % 64)) & 1 ? 0 : g == wall ? 1 : run + 1;
         if (run == need) {
             *at = (g + 1 - need) << LX_QUANTUM_LOG2;
             return 1;
@@ -1211,10 +1257,12 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
         /* Its place of this cycle's parity, else the other (a block that outlives its
          * cycle: a cycle with no request between steps shifts the parity). */
         size_t at = s->offset[c->cycle & 1];
-        if (!granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+        if (!arena_serves(a, at, size) ||
+            !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
             at = s->offset[(c->cycle + 1) & 1];
         }
-        if (!granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+        if (!arena_serves(a, at, size) ||
+            !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
             continue;
         }
         lx_block *b = arena_block_locked(c, a, at, size, bin);
@@ -1249,8 +1297,7 @@ in_an_arena_locked(const lx_core *c, const void *ptr)
     for (int k = 0; k < 3; k++) {
         const lx_arena *a = k < 2 ? (c->plan != NULL ? c->plan->arena[k] : NULL) : c->retired;
         for (; a != NULL; a = k < 2 ? NULL : a->next) {
-            uintptr_t at = (uintptr_t)ptr, base = (uintptr_t)a->base;
-            if (at >= base && at < base + a->size) {
+            if (arena_offset(a, ptr) != SIZE_MAX) {
                 return 1;
             }
         }
@@ -1264,7 +1311,7 @@ static void
 put_planned_locked(lx_core *c, lx_block *b)
 {
     lx_arena *a = b->arena;
-    size_t at = (size_t)((char *)b->ptr - a->base);
+    size_t at = arena_offset(a, b->ptr);
     mark_granules(a, at >> LX_QUANTUM_LOG2, (at + b->size) >> LX_QUANTUM_LOG2, 0);
     a->live--;
     a->live_bytes -= b->size;
@@ -1395,6 +1442,9 @@ open_cycle_locked(lx_core *c)
     c->cycle++;
     if (c->plan != NULL) {
         memset(c->plan->rank, 0, sizeof(c->plan->rank));
+        if (c->cycle > c->plan->from_cycle) {
+            grow_arenas_locked(c); /* a warm-up block outlived the first planned step */
+        }
         /* Blocks that outlived the last cycle may have died since it closed. */
         release_split_wholes_locked(c, c->plan->installed);
     }
@@ -1707,6 +1757,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
             return NULL;
         }
         *b = (lx_block){.ptr = ptr, .size = size, .bin = bin, .orphan = (uint8_t)direct};
+        c->direct_live += direct;
         if (seg) { /* a new segment, this block its first piece */
             lx_head *head = (lx_head *)b;
             head->seg = (lx_segment){.base = ptr, .size = got, .last_used = c->fig.scopes};
@@ -1776,7 +1827,12 @@ lx_free(lx_core *c, void *ptr)
             return_piece_locked(c, b);
         }
         else if (b->orphan) {
+            int direct = b->bin >= c->split_bin; /* the warm-up's: outside every arena */
             release_locked(c, b);
+            c->direct_live -= direct;
+            if (direct && c->direct_live == 0 && c->plan != NULL && c->cycle >= c->plan->from_cycle) {
+                grow_arenas_locked(c); /* the first planned step's last outsider died */
+            }
         }
         else {
             link_free_locked(c, b);
@@ -1929,6 +1985,9 @@ static void
 end_step_locked(lx_core *c)
 {
     c->stepping = 0;
+    if (c->plan != NULL && c->cycle >= c->plan->from_cycle && c->direct_live == 0) {
+        grow_arenas_locked(c); /* no block of the steps before it is alive outside */
+    }
     if (c->nrec > 0 || c->rec_lost) {
         c->pending = 1;
         if (c->plan != NULL) {
@@ -2007,10 +2066,40 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *pla
     return pending;
 }
 
-/* A new arena of `size` bytes from upstream (after a trim, if the limit or
- * the system asks for it), counted as cached; NULL with the reason in *status. */
+/* `size` bytes from upstream for an arena (after a trim, if the limit or the
+ * system asks for it), counted as cached; NULL with the reason in *status. */
+static char *
+arena_chunk_locked(lx_core *c, size_t size, lx_status *status)
+{
+    *status = LX_OK;
+    if (c->limit) { /* live + cached + size <= limit, if trimming can */
+        size_t room = c->fig.bytes_live < c->limit ? c->limit - c->fig.bytes_live : 0;
+        trim_locked(c, room > size ? room - size : 0);
+        if (c->fig.bytes_live + c->fig.bytes_cached + size > c->limit) {
+            *status = LX_OVER_LIMIT;
+            return NULL;
+        }
+    }
+    char *base = c->up.alloc(c->up.ctx, size, 0);
+    if (base == NULL) {
+        trim_locked(c, 0);
+        base = c->up.alloc(c->up.ctx, size, 0);
+    }
+    if (base == NULL) {
+        *status = LX_OUT_OF_MEMORY;
+        return NULL;
+    }
+    c->fig.upstream_allocs++;
+    c->fig.bytes_cached += size;
+    note_peaks_locked(c);
+    record_locked(c, LX_EV_PLAN);
+    return base;
+}
+
+/* A new arena of `size` bytes, of which the first `first` now (the rest: a
+ * second chunk, grow_arena_locked); NULL with the reason in *status. */
 static lx_arena *
-new_arena_locked(lx_core *c, size_t size, lx_status *status)
+new_arena_locked(lx_core *c, size_t size, size_t first, lx_status *status)
 {
     lx_arena *a = calloc(1, sizeof(lx_arena));
     if (a == NULL ||
@@ -2019,46 +2108,49 @@ new_arena_locked(lx_core *c, size_t size, lx_status *status)
         *status = LX_FALLBACK;
         return NULL;
     }
-    *status = LX_OK;
-    if (c->limit) { /* live + cached + size <= limit, if trimming can */
-        size_t room = c->fig.bytes_live < c->limit ? c->limit - c->fig.bytes_live : 0;
-        trim_locked(c, room > size ? room - size : 0);
-        if (c->fig.bytes_live + c->fig.bytes_cached + size > c->limit) {
-            *status = LX_OVER_LIMIT;
-        }
-    }
-    if (*status == LX_OK && (a->base = c->up.alloc(c->up.ctx, size, 0)) == NULL) {
-        trim_locked(c, 0);
-        a->base = c->up.alloc(c->up.ctx, size, 0);
-        *status = a->base != NULL ? LX_OK : LX_OUT_OF_MEMORY;
-    }
-    if (*status != LX_OK) {
+    if ((a->base = arena_chunk_locked(c, first, status)) == NULL) {
         free(a->busy);
         free(a);
         return NULL;
     }
     a->size = size;
-    c->fig.upstream_allocs++;
-    c->fig.bytes_cached += size;
-    note_peaks_locked(c);
-    record_locked(c, LX_EV_PLAN);
+    a->first = first;
     return a;
+}
+
+/* The plan's arenas take their second chunks, if they wait for them (the first
+ * planned step is over: the blocks of the step before it, held outside the
+ * arena, have died). One that cannot be had now is asked for again later; its
+ * slots miss meanwhile. */
+static void
+grow_arenas_locked(lx_core *c)
+{
+    for (int k = 0; c->plan != NULL && k < 2; k++) {
+        lx_arena *a = c->plan->arena[k];
+        lx_status status;
+        if (a != NULL && a->base2 == NULL && a->first < a->size) {
+            a->base2 = arena_chunk_locked(c, a->size - a->first, &status);
+        }
+    }
 }
 
 /*
  * Install plan p (section 1c), built by the caller (slots, first, count), whose
- * arenas must hold arena_size[] bytes (0: none). Each arena of the current
- * plan serves again if it is large enough; else it is dropped before a new
- * one comes from upstream (the split pool's whole free segments first go
- * back: the plan replaces them). The new plan serves from the next cycle to
- * open. The core takes p in any case. Returns LX_OK; LX_BUSY, nothing
+ * arenas must hold arena_size[] bytes (0: none), the cycle arena's in two
+ * chunks: `first` bytes now, the rest once the plan's first cycle is over
+ * (first == arena_size[LX_CYCLE]: one chunk). Each arena of the current plan
+ * serves again if it is large enough (and in one chunk, or cut where the new
+ * one is); else it is dropped before a new one comes from upstream (the split
+ * pool's whole free segments first go back: the plan replaces them). The new
+ * plan serves from the next cycle to open, which takes the places planned for
+ * even cycles (so that its first cycle needs the first chunk only). The core takes p in any case. Returns LX_OK; LX_BUSY, nothing
  * changed, when the cycle arena must grow while a block lives in it (a block
  * planned to die in its cycle outlived it); or, the old plan dropped all the
  * same, why there is no plan now: LX_OVER_LIMIT, LX_OUT_OF_MEMORY, LX_FALLBACK
  * (no memory for the bookkeeping).
  */
 static lx_status
-lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2])
+lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2], size_t first)
 {
     pthread_mutex_lock(&c->lock);
     lx_plan *old = c->plan;
@@ -2072,7 +2164,10 @@ lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2])
     /* The split pool's segments unused since plans serve are what they replaced. */
     p->installed = old != NULL ? old->installed : c->fig.scopes + 1; /* the next scope's clock */
     for (int k = 0; old != NULL && k < 2; k++) {
-        if (arena_size[k] > 0 && old->arena[k] != NULL && old->arena[k]->size >= arena_size[k]) {
+        lx_arena *a = old->arena[k];
+        if (arena_size[k] > 0 && a != NULL && a->size >= arena_size[k] &&
+            (a->first == a->size || arena_size[k] <= a->first ||
+             (k == LX_CYCLE && a->first == first))) { /* each new slot in one of its chunks */
             p->arena[k] = old->arena[k]; /* serves again */
             old->arena[k] = NULL;
         }
@@ -2084,7 +2179,8 @@ lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2])
     }
     for (int k = 0; k < 2 && status == LX_OK; k++) {
         if (arena_size[k] > 0 && p->arena[k] == NULL) {
-            p->arena[k] = new_arena_locked(c, arena_size[k], &status);
+            p->arena[k] = new_arena_locked(c, arena_size[k], k == LX_CYCLE ? first : arena_size[k],
+                                           &status);
         }
     }
     if (status != LX_OK) {
@@ -2095,6 +2191,13 @@ lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2])
         return status;
     }
     p->from_cycle = c->cycle + 1; /* the next to open: one open now was not planned for */
+    if (p->from_cycle & 1) { /* its first cycle takes the places planned for an even one */
+        for (size_t i = 0; i < p->nslots; i++) {
+            size_t even = p->slots[i].offset[0];
+            p->slots[i].offset[0] = p->slots[i].offset[1];
+            p->slots[i].offset[1] = even;
+        }
+    }
     p->last_used = c->fig.scopes;
     c->plan = p;
     c->fig.plans++;
@@ -2147,10 +2250,10 @@ audit_locked(lx_core *c)
         *(b->live ? &live : &cached) += b->size;
         if (b->arena != NULL) { /* a plan's block: its arena is counted below */
             lx_arena *a = b->arena;
-            size_t at = (size_t)((char *)b->ptr - a->base);
+            size_t at = arena_offset(a, b->ptr);
             if (!b->live || b->seg != NULL || b->bin < c->split_bin ||
-                b->size != bin_bytes(b->bin) || (uintptr_t)b->ptr < (uintptr_t)a->base ||
-                at % ((size_t)1 << LX_QUANTUM_LOG2) || at + b->size > a->size) {
+                b->size != bin_bytes(b->bin) || at == SIZE_MAX ||
+                at % ((size_t)1 << LX_QUANTUM_LOG2) || !arena_serves(a, at, b->size)) {
                 return "a plan's block is free, not a split bin's size, or outside its arena";
             }
             size_t g = at >> LX_QUANTUM_LOG2, end = (at + b->size) >> LX_QUANTUM_LOG2;
@@ -2286,9 +2389,9 @@ audit_locked(lx_core *c)
             if (broken != NULL) {
                 return broken;
             }
-            cached += a->size - a->live_bytes;
-            owned++;
-            held += a->size;
+            cached += arena_held(a) - a->live_bytes;
+            owned += a->base2 != NULL ? 2 : 1;
+            held += arena_held(a);
         }
     }
     if (live != c->fig.bytes_live || cached != c->fig.bytes_cached) {
@@ -2685,12 +2788,14 @@ Core_install_plan(CoreObject *self, PyObject *args)
     enum { SIZES, EVEN, ODD, WHICH, CALL, LANE, NBUF };
     unsigned long long arena[2];
     Py_buffer buf[NBUF] = {{0}};
-    if (!PyArg_ParseTuple(args, "KKy*y*y*y*|y*y*:install_plan", &arena[0], &arena[1],
+    unsigned long long first = 0;
+    if (!PyArg_ParseTuple(args, "KKy*y*y*y*|y*y*K:install_plan", &arena[0], &arena[1],
                           &buf[SIZES], &buf[EVEN], &buf[ODD], &buf[WHICH], &buf[CALL],
-                          &buf[LANE])) {
+                          &buf[LANE], &first)) {
         return NULL;
     }
     int lanes = buf[CALL].obj != NULL || buf[LANE].obj != NULL; /* else: none in lanes */
+    first = first == 0 ? arena[0] : first;
     size_t n = (size_t)buf[SIZES].len / sizeof(int64_t), nlanes = 0;
     const size_t quantum = (size_t)1 << LX_QUANTUM_LOG2;
     const char *bad = NULL;
@@ -2708,6 +2813,9 @@ Core_install_plan(CoreObject *self, PyObject *args)
     if (bad == NULL && (arena[0] % quantum || arena[0] > LX_MAX_REQUEST || arena[1] % quantum ||
                         arena[1] > LX_MAX_REQUEST || arena[0] + arena[1] == 0)) {
         bad = "the arena sizes must be multiples of 512 bytes, not both 0";
+    }
+    else if (first % quantum || first > arena[0]) {
+        bad = "the first chunk must be a multiple of 512 bytes within the cycle arena";
     }
     int64_t last_call = -1, last_lane = -1;
     for (size_t i = 0, last = 0; bad == NULL && i < n; i++) { /* check every slot */
@@ -2730,6 +2838,11 @@ Core_install_plan(CoreObject *self, PyObject *args)
                  (size_t)even > room - (size_t)size || (size_t)odd > room - (size_t)size) {
             bad = "every offset must be a multiple of 512 bytes with its block inside its arena";
         }
+        else if (which == 0 && (((size_t)even < first && (size_t)(even + size) > first) ||
+                                ((size_t)odd < first && (size_t)(odd + size) > first))) {
+            bad = "no block of the cycle arena may straddle its first chunk's end";
+        }
+
         else if ((call < 0) != (lane < 0) || call < last_call ||
                  (call == last_call && lane < last_lane)) {
             bad = "call and lane must be both -1 (first) or both >= 0, by call and lane";
@@ -2742,7 +2855,7 @@ Core_install_plan(CoreObject *self, PyObject *args)
         last_lane = lane;
     }
     if (bad == NULL && ((p = calloc(1, sizeof(lx_plan))) == NULL ||
-                        (p->slots = calloc(n, sizeof(lx_slot))) == NULL ||
+                        (p->nslots = n, p->slots = calloc(n, sizeof(lx_slot))) == NULL ||
                         (nlanes > 0 && (p->lanes = calloc(nlanes, sizeof(lx_lane_slots))) == NULL))) {
         free_plan(p);
         p = NULL;
@@ -2780,7 +2893,7 @@ Core_install_plan(CoreObject *self, PyObject *args)
     if (p != NULL) {
         size_t sizes_of_arenas[2] = {(size_t)arena[0], (size_t)arena[1]};
         Py_BEGIN_ALLOW_THREADS
-        status = lx_install_plan(self->core, p, sizes_of_arenas);
+        status = lx_install_plan(self->core, p, sizes_of_arenas, (size_t)first);
         Py_END_ALLOW_THREADS
     }
     return PyLong_FromLong(status == LX_OK     ? LX_PLAN_INSTALLED
@@ -2809,7 +2922,10 @@ Core_blocks(CoreObject *self, PyObject *Py_UNUSED(ignored))
         lx_block *b = c->map.slots[i];
         if (b != NULL && b->arena != NULL) { /* orphan: the arena retired */
             lx_arena *a = b->arena;
-            rows[n++] = (row){b->ptr, a->base, b->size, a->size, b->live, retired_locked(c, a)};
+            int second = arena_offset(a, b->ptr) >= a->first; /* its chunk */
+            rows[n++] = (row){b->ptr, second ? a->base2 : a->base, b->size,
+                              second ? a->size - a->first : a->first, b->live,
+                              retired_locked(c, a)};
         }
         else if (b != NULL) {
             lx_segment *seg = b->seg;
