@@ -370,9 +370,9 @@ def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_before_the_spli
 @pytest.mark.parametrize(
     "args, match",
     [
-        ((MiB, 0, [MiB, 65536], [0, 0], [0, 0], [0, 0]), "block sizes of split-pool bins"),
-        ((MiB, 0, [2 * MiB], [0], [0], [0]), "block sizes of split-pool bins"),
-        ((MiB, 0, [MiB // 2, MiB // 4], [0, 0], [0, 0], [0, 0]), "ascending out of lanes"),
+        ((MiB, 0, [MiB, 65536], [0, 0], [0, 0], [0, 0]), "sizes must be block sizes"),
+        ((MiB, 0, [2 * MiB], [0], [0], [0]), "sizes must be block sizes"),
+        ((MiB, 0, [MiB // 2, MiB // 4], [0, 0], [0, 0], [0, 0]), "ascending"),
         ((MiB, 0, [MiB // 2], [0], [0], [0], [0], [-1]), "both -1"),
         ((MiB, 0, [MiB // 4, MiB // 4], [0, 0], [0, 0], [0, 0], [0, -1], [0, -1]), "by call and lane"),
         ((MiB, 0, [MiB // 4, MiB // 4], [0, 0], [0, 0], [0, 0], [1, 0], [0, 0]), "by call and lane"),

@@ -494,6 +494,7 @@ typedef struct lx_block {
     uint8_t live;   /* 1: in use by an array; 0: free */
     uint8_t orphan; /* exact-bin pool: live block released by free(): goes upstream
                        when it dies (pieces: seg->orphan) */
+    uint8_t direct; /* the warm-up's (section 1c): upstream at its size, back when it dies */
 } lx_block;
 
 /* A segment of the split pool. Its leftmost piece (at base) lives exactly as
@@ -1671,24 +1672,32 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     size_t size = n <= LX_MAX_REQUEST ? bin_bytes(bin) : 0;
     int split = bin >= c->split_bin, no_record = 0;
     int64_t call = -1, lane = -1, lane_rank = 0;
-    if (split && c->stepping) {
+    if (c->stepping && size != 0) {
         lane_of_locked(c, &call, &lane);
         lane_rank = call >= 0 ? tl_lane.births++ : 0;
     }
-    int direct = split && c->stepping && c->warm_up && c->plan == NULL;
+    /* Recorded and planned: the split pool's requests, and a lane's small ones, of
+     * which threads can hold more at once in one step than in another. */
+    int recorded = (split || call >= 0) && c->stepping;
+    int direct = recorded && c->warm_up && c->plan == NULL;
     int seg = split && !direct; /* a miss makes a new segment of the split pool */
     lx_block *b = NULL;
     if (size == 0) {
         /* above 128 TiB: a miss that fails below */
     }
-    else if (!split) { /* the fast path: exact-bin reuse */
-        c->bins[bin].last_used = c->fig.scopes;
-        if ((b = c->bins[bin].top) != NULL) {
-            unlink_free_locked(c, b);
-        }
-    }
     else if (direct) {
         /* warm-up: a miss, by design */
+    }
+    else if (!split) { /* the fast path: exact-bin reuse */
+        if (call >= 0 && c->plan != NULL) {
+            b = take_planned_locked(c, bin, size, call, lane, lane_rank);
+        }
+        if (b == NULL) {
+            c->bins[bin].last_used = c->fig.scopes;
+            if ((b = c->bins[bin].top) != NULL) {
+                unlink_free_locked(c, b);
+            }
+        }
     }
     else {
         if (c->plan != NULL && c->stepping) {
@@ -1756,7 +1765,8 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
             pthread_mutex_unlock(&c->lock);
             return NULL;
         }
-        *b = (lx_block){.ptr = ptr, .size = size, .bin = bin, .orphan = (uint8_t)direct};
+        *b = (lx_block){.ptr = ptr, .size = size, .bin = bin, .orphan = (uint8_t)direct,
+                        .direct = (uint8_t)direct};
         c->direct_live += direct;
         if (seg) { /* a new segment, this block its first piece */
             lx_head *head = (lx_head *)b;
@@ -1789,7 +1799,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         c->large_live += size;
         c->large_peak = c->large_live > c->large_peak ? c->large_live : c->large_peak;
     }
-    if (split && c->stepping) {
+    if (recorded) {
         note_birth_locked(c, b);
     }
     note_peaks_locked(c);
@@ -1827,7 +1837,7 @@ lx_free(lx_core *c, void *ptr)
             return_piece_locked(c, b);
         }
         else if (b->orphan) {
-            int direct = b->bin >= c->split_bin; /* the warm-up's: outside every arena */
+            int direct = b->direct; /* the warm-up's: outside every arena */
             release_locked(c, b);
             c->direct_live -= direct;
             if (direct && c->direct_live == 0 && c->plan != NULL && c->cycle >= c->plan->from_cycle) {
@@ -2251,8 +2261,7 @@ audit_locked(lx_core *c)
         if (b->arena != NULL) { /* a plan's block: its arena is counted below */
             lx_arena *a = b->arena;
             size_t at = arena_offset(a, b->ptr);
-            if (!b->live || b->seg != NULL || b->bin < c->split_bin ||
-                b->size != bin_bytes(b->bin) || at == SIZE_MAX ||
+            if (!b->live || b->seg != NULL || b->size != bin_bytes(b->bin) || at == SIZE_MAX ||
                 at % ((size_t)1 << LX_QUANTUM_LOG2) || !arena_serves(a, at, b->size)) {
                 return "a plan's block is free, not a split bin's size, or outside its arena";
             }
@@ -2829,10 +2838,10 @@ Core_install_plan(CoreObject *self, PyObject *args)
         }
         else if (size <= 0 || (size_t)size > room ||
                  bin_bytes(bin_of((size_t)size)) != (size_t)size ||
-                 bin_of((size_t)size) < self->core->split_bin ||
-                 (call < 0 && (size_t)size < last)) {
-            bad = "sizes must be block sizes of split-pool bins, each within its arena, "
-                  "ascending out of lanes";
+                 (call < 0 && (bin_of((size_t)size) < self->core->split_bin ||
+                               (size_t)size < last))) {
+            bad = "sizes must be block sizes, each within its arena, out of lanes of "
+                  "split-pool bins and ascending";
         }
         else if (even < 0 || odd < 0 || (size_t)even % quantum || (size_t)odd % quantum ||
                  (size_t)even > room - (size_t)size || (size_t)odd > room - (size_t)size) {
