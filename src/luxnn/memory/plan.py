@@ -60,10 +60,12 @@ def place(
     Each block at the lowest offset that clears the blocks already placed and alive with
     it, in several orders, keeping the smallest span: from the largest block down (Pisarchyk
     and Lee, "Efficient Memory Management for Deep Neural Net Inference", 2020), from the
-    longest-lived down (XLA's heap simulator tries both), by birth, and then up to
-    `RANDOM_ORDERS` seeded random orders, until one spans no more than the most bytes alive
-    at once (no placement spans less). On a circular schedule the first three can miss by
-    a whole block that a random order places (an MLP's momentum step: 1.17x against 1.00x).
+    longest-lived down (XLA's heap simulator tries both), by birth; then, from the best of
+    them, up to `REORDERINGS` times the blocks that reach the top of the span move to the
+    front of the order ("squeaky wheel" optimisation, Joslin and Clements 1999), until an
+    order spans no more than the most bytes alive at once (no placement spans less). On the
+    circular schedule of a step the first three can miss by whole blocks that the
+    reorderings place (a transformer block's step: 1.087x its peak, then 1.000x after 35).
     n vectorised steps per order.
 
     >>> offsets, span = place(np.array([4, 4, 8]), np.array([0, 1, 3]), np.array([2, 3, 4]))
@@ -84,22 +86,26 @@ def place(
     bound = peak_bytes(sizes, *lives)
     span_of = np.maximum(died - born, 0) + np.maximum(died2 - born2, 0)
     start = np.where(died > born, born, born2)
-    rng = np.random.default_rng(0)  # the same orders every time: the same plan for a record
     orders = [np.lexsort((born, -sizes)), np.lexsort((born, -sizes, -span_of)), np.lexsort((-sizes, start))]
     best = None
-    for k in range(len(orders) + RANDOM_ORDERS):
-        order = orders[k] if k < len(orders) else rng.permutation(len(sizes))
-        order = order[~placed[order]]
+    for k in range(len(orders) + REORDERINGS):
+        if k < len(orders):
+            order = orders[k][~placed[orders[k]]]
+        else:  # the blocks at the top of the last span first, the others as they were
+            top = (at + sizes == span)[order]
+            order = np.concatenate([order[top], order[~top]])
         at = _first_fit(order, sizes, lives, offsets.copy(), placed.copy(), wall)
         span = int((at + sizes).max())
         if best is None or span < best[1]:
-            best = (at, span)
+            best = (at, span, order)
         if best[1] <= bound:
             break
-    return best
+        if k == len(orders) - 1:
+            at, span, order = best
+    return best[0], best[1]
 
 
-RANDOM_ORDERS = 32
+REORDERINGS = 64
 
 
 def peak_bytes(sizes: np.ndarray, born: np.ndarray, died: np.ndarray, born2: np.ndarray, died2: np.ndarray) -> int:
