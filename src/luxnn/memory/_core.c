@@ -154,6 +154,12 @@ floor_bin(size_t s)
 #define LX_SPLIT_ABOVE ((size_t)64 << 10)
 #endif
 #define LX_MASK_WORDS ((LX_NBINS + 63) / 64)
+/* Steps record and plans serve requests above this (and a lane's of any size): a
+ * small block's bin holds as many blocks as a step ever needed at once, idle while
+ * the step's peak needs other sizes. */
+#ifndef LX_PLAN_ABOVE
+#define LX_PLAN_ABOVE ((size_t)16 << 10)
+#endif
 /* Free pieces compared within the first non-empty bin for the best fit. */
 #define LX_FIT_SCAN 16
 
@@ -675,6 +681,7 @@ typedef struct lx_core {
     lx_bin split[LX_NBINS];     /* the split pool's free pieces by floor_bin (no last_used) */
     uint64_t split_mask[LX_MASK_WORDS]; /* bit i: split[i] holds a free piece */
     uint32_t split_bin;         /* the first bin served by the split pool; constant */
+    uint32_t plan_bin;          /* the first bin that steps record and plans; constant */
     size_t split_whole;         /* bytes of the split pool's whole free segments */
     size_t split_held;          /* bytes of the split pool's segments */
     size_t split_peak;          /* the highest split_held since the cycle opened */
@@ -1615,6 +1622,9 @@ lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap
     while (c->split_bin < LX_NBINS && bin_bytes(c->split_bin) <= split_above) {
         c->split_bin++;
     }
+    while (c->plan_bin < c->split_bin && bin_bytes(c->plan_bin) <= LX_PLAN_ABOVE) {
+        c->plan_bin++;
+    }
     enlist_core(c);
     return c;
 }
@@ -1676,9 +1686,9 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         lane_of_locked(c, &call, &lane);
         lane_rank = call >= 0 ? tl_lane.births++ : 0;
     }
-    /* Recorded and planned: the split pool's requests, and a lane's small ones, of
+    /* Recorded and planned: requests above LX_PLAN_ABOVE, and a lane's small ones, of
      * which threads can hold more at once in one step than in another. */
-    int recorded = (split || call >= 0) && c->stepping;
+    int recorded = (bin >= c->plan_bin || call >= 0) && c->stepping;
     int direct = recorded && c->warm_up && c->plan == NULL;
     int seg = split && !direct; /* a miss makes a new segment of the split pool */
     lx_block *b = NULL;
@@ -1689,7 +1699,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         /* warm-up: a miss, by design */
     }
     else if (!split) { /* the fast path: exact-bin reuse */
-        if (call >= 0 && c->plan != NULL) {
+        if (recorded && c->plan != NULL) {
             b = take_planned_locked(c, bin, size, call, lane, lane_rank);
         }
         if (b == NULL) {
@@ -2838,7 +2848,7 @@ Core_install_plan(CoreObject *self, PyObject *args)
         }
         else if (size <= 0 || (size_t)size > room ||
                  bin_bytes(bin_of((size_t)size)) != (size_t)size ||
-                 (call < 0 && (bin_of((size_t)size) < self->core->split_bin ||
+                 (call < 0 && (bin_of((size_t)size) < self->core->plan_bin ||
                                (size_t)size < last))) {
             bad = "sizes must be block sizes, each within its arena, out of lanes of "
                   "split-pool bins and ascending";
