@@ -6,6 +6,7 @@ arenas (`Core.blocks`, `Core.audit`)."""
 import os
 
 import numpy as np
+import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -135,16 +136,23 @@ class CacheMachine(RuleBasedStateMachine):
             st.tuples(st.sampled_from(PLANNED), st.integers(0, 7), st.integers(0, 7), st.integers(0, 1)),
             min_size=1, max_size=8,
         ),
+        cut=st.sampled_from([0, ARENA // 2]),
     )  # fmt: skip
-    def install_a_plan(self, which, slots):
+    def install_a_plan(self, which, slots, cut):
         # Places that overlap, in one cycle or across the two parities: the core serves a
         # place only while all its bytes are free, so live arrays still never share memory.
+        # With a cut, the cycle arena comes in two chunks, the second after the first cycle.
         slots = sorted(slots)
         core = self.caches[which]._core
         columns = [np.array(column, dtype=np.int64) for column in zip(*slots)]
         sizes, even, odd, arena = columns[0], columns[1] << 18, columns[2] << 18, columns[3]
         before = core.stats()
-        status = core.install_plan(ARENA, ARENA, sizes, even, odd, arena)
+        no_lanes = np.full(len(sizes), -1, dtype=np.int64)
+        if any(at < cut < at + n for n, e, o, a in zip(sizes, even, odd, arena) for at in (e, o) if a == 0):
+            with pytest.raises(ValueError, match="straddle"):
+                core.install_plan(ARENA, ARENA, sizes, even, odd, arena, no_lanes, no_lanes, cut)
+            return
+        status = core.install_plan(ARENA, ARENA, sizes, even, odd, arena, no_lanes, no_lanes, cut)
         if status == PlanStatus.LATER:  # the plan's arenas would replace ones a live block is in
             assert before.plans > 0 and core.stats().plans == before.plans
             return
@@ -195,7 +203,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert s.peak_live >= s.bytes_live and s.peak_reserved >= s.bytes_reserved
             assert s.peak_reserved >= s.peak_live
             assert s.upstream_allocs >= s.upstream_frees
-            assert s.hits + s.misses + 2 * s.plans >= s.upstream_allocs  # a plan: two arenas at most
+            assert s.hits + s.misses + 3 * s.plans >= s.upstream_allocs  # a plan: two chunks and an arena at most
             cache._core.audit()  # records, free lists, LRU ring and figures agree
 
     @invariant()

@@ -17,7 +17,9 @@ cores back as soon as the step is over.
 
 Kernels write into arrays made beforehand; arrays a kernel makes for itself come from the
 allocator of the caller's context (the luxnn cache inside ``cached``), because each block
-runs in a copy of the caller's context. Kernels on CuPy arrays run once, whole: the GPU
+runs in a copy of the caller's context. Each thread's share runs in a lane of the call
+(``memory._core.enter_lane``), so that the cache's step plans match the share's requests
+by their order within it, which no interleaving of the threads changes. Kernels on CuPy arrays run once, whole: the GPU
 is parallel already.
 
 >>> import numpy as np

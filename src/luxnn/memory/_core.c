@@ -176,27 +176,30 @@ floor_bin(size_t s)
  *   (lx_step_begin, lx_step_end; luxnn/training.py): scopes, the user's own
  *   included, neither open nor close one, so none left open (around a loop,
  *   in a suspended generator) can stop planning or grow a record. Each
- *   records its split-pool requests: the block size, and a clock
- *   (counting those allocations and deaths) at the allocation and at the
- *   death; -1 for a block still alive when the next cycle opens; and the most
- *   bytes the split pool held meanwhile (a plan that would hold more is not
- *   made). Before the next cycle opens, the planner
- *   (luxnn/memory/plan.py) takes the record and may install a plan: for each
- *   request of a recorded cycle, ordered by bin and within a bin by birth, a
- *   slot, its place in one of two arenas (each one upstream allocation), such
- *   that requests alive at the same time never share a byte. The cycle's own
- *   blocks share one arena; the blocks that outlive it (a step's gradients,
- *   its new optimizer state) have two places each in the other, used in even
- *   and odd cycles, since the previous step's are usually still alive (the
- *   core carries them into the next cycle and records their deaths there, so
- *   a place is shared with blocks of the other parity that die first). So
- *   the first arena is idle between cycles, and a new plan (the planner
- *   widens it when threads interleave beyond it) replaces it without both
- *   being held.
+ *   records its requests above LX_PLAN_ABOVE and its lanes' (below): the
+ *   block size, and a clock (counting those allocations and deaths) at the
+ *   allocation and at the death; -1 for a block still alive when the next
+ *   cycle opens; and the most bytes the split pool held meanwhile. Before the
+ *   next cycle opens, the planner (luxnn/memory/plan.py) takes the record and
+ *   may install a plan: for each request of a recorded cycle a slot, its
+ *   places in even and in odd cycles in one arena, such that requests alive
+ *   at the same time never share a byte (the blocks that outlive a cycle, a
+ *   step's gradients and new optimizer state, alive while the next step makes
+ *   its own, take two places; the core carries them into the next cycle and
+ *   records their deaths there). The arena may come in two chunks (two
+ *   upstream allocations, no slot across the cut): the first at once, the
+ *   second once the plan's first cycle is over (grow_arenas_locked), so that
+ *   the first planned step, whose step before kept its results outside the
+ *   arena, holds only the first. (The core also serves a second, kept arena,
+ *   which the planner no longer asks for.) A plan widened later (threads
+ *   interleave beyond it) is repacked into the arena in use; one it cannot
+ *   hold waits (LX_BUSY) while a block lives in the arena.
  * - Warm-up (set_warm_up, luxnn/memory/plan.py: WarmUp): while it is on and
- *   no plan is installed, a step's split-pool requests go upstream at their
- *   size, as exact-bin blocks marked orphan, and back when they die: the
- *   steps a first plan is made from reserve what they use, nothing more.
+ *   no plan is installed, a step's recorded requests go upstream at their
+ *   size, as exact-bin blocks marked orphan and direct, and back when they
+ *   die: the steps a first plan is made from reserve what they use, nothing
+ *   more; what the split pool served before a warm-up step (an optimizer's
+ *   first state) goes back when the step begins, if it died.
  * - Lanes: a request made inside a share of a threaded kernel
  *   (luxnn.parallel.for_blocks) carries its lane, set per thread (tl_lane,
  *   below): the kernel call (numbered from the step's beginning), the share,
@@ -210,8 +213,9 @@ floor_bin(size_t s)
  *   any other, the k-th such request of a bin in a cycle, takes the bin's
  *   k-th slot, else the (k+1)-th or (k-1)-th (a request from another thread),
  *   if not taken in this cycle and all its bytes are free now. Otherwise it is
- *   a plan miss and goes to the split pool, as every request of a cycle
- *   without a plan does.
+ *   a plan miss and goes to a free run of the arena that fits, else to the
+ *   split pool or its exact bin, as every request of a cycle without a plan
+ *   does.
  * - Safety does not rest on the plan: a bitmap of each arena's 512-B
  *   granules marks the bytes of its live blocks, and a slot serves only when
  *   all of its bytes are free. A cycle unlike the recorded ones (other

@@ -1,19 +1,24 @@
-"""Step plans: where each large block of a repeated step lives (``_core.c``, section 1c).
+"""Step plans: where each block of a repeated step lives (``_core.c``, section 1c).
 
 A training loop repeats one step: the same requests, with the same lifetimes. Online
 placement cannot know which block dies when, so it holds more than the step uses at its
 peak; a plan made from earlier steps can place every block where it fits between the
 blocks alive at the same time. (What that saves, row by row: BENCHMARKS.md.) What a plan
-cannot remove: the small-block pool, blocks kept for two steps, and the lifetimes widened
-to cover how threads interleave.
+cannot remove: the small-block pool's requests of 16 KiB and less, and blocks kept for two
+steps or more.
 
 The core records each training step, as the verbs mark it (`luxnn.memory.step`): every
-request above 64 KiB, with a clock at its allocation and at its death (-1: still alive when
-the next step began, and then its death on the next step's clock). `Planner` turns two
-consecutive steps with the same requests into a plan (`layout`), and widens it when a later
-step's lifetimes reach beyond it (threads interleave differently from step to step) and
-the plan missed. The core serves a request at its planned place only when every byte there
-is free, so a plan can cost misses but never an overlap.
+request above 16 KiB, and every request made in a lane of a threaded kernel
+(`luxnn.parallel.for_blocks`), with a clock at its allocation and at its death (-1: still
+alive when the next step began, and then its death on the next step's clock), and for a
+lane's, the kernel call, the lane and the lane's own clock. `Planner` turns two consecutive
+steps with the same requests into a plan: one arena, packed over the circular two-step
+schedule (`layout`), where a kernel call's lanes sit side by side for the call's span, each
+packed by its own clock, which no interleaving of the threads changes. The first plan's
+first step needs only the arena's first chunk, beside the warm-up's results it replaces.
+A plan that misses is widened where a later step's lifetimes reach beyond it. The core
+serves a request at its planned place only when every byte there is free, so a plan can
+cost misses but never an overlap.
 """
 
 from __future__ import annotations
@@ -243,21 +248,24 @@ class Planner:
 
     - A step is what the training verbs mark (`luxnn.memory.step`): one
       ``single_train_step``, or a ``compute_gradients`` and the ``apply_gradients`` after it.
-    - A plan is made when a step repeats the requests (their sizes) of the step before it,
-      from the lifetimes of both. Steps with no request above 64 KiB are no part of it.
+    - A plan is made when a step repeats the requests (their sizes, calls and lanes) of
+      the step before it, from the lifetimes of both. Steps with no recorded request are
+      no part of it.
     - A step with the plan's requests that the plan missed, and whose lifetimes reach
       beyond those the plan was made from, widens it: every block's lifetime becomes the
-      union of what the steps showed, so a few steps cover the ways threads interleave.
+      union of what the steps showed (the arena in use must hold the widened plan; one it
+      cannot hold is not tried again).
     - A step with other requests (an evaluation step, a short last batch) leaves the plan
-      alone: the split pool serves it. Two such steps in a row drop the plan: the loop's
-      shapes changed, and the next repeat makes a new one.
-    - A first plan that would hold more than the split pool held for the same step, or,
-      in the warm-up (`WarmUp`), more than `BUDGET` times the step's peak of large blocks
-      (the blocks that outlive a step have two places each, for its whole length, where
-      the split pool can reuse a dead one's bytes) is not made; neither is one that found no
-      room (the cache's limit, out of memory). Either is not tried again for the same
-      requests during `RETRY_AFTER` steps. One that had to wait (LATER: the arena it
-      replaces was in use) is tried again with the next step's record.
+      alone: the pools serve it. Two such steps in a row drop the plan: the loop's shapes
+      changed, and the next repeat makes a new one.
+    - A first plan whose arena would hold more than both the split pool held for the same
+      step (in the warm-up: `BUDGET` times the step's peak of large blocks) and `BUDGET`
+      times the most bytes its own blocks can hold at once is not made; neither is one
+      that found no room (the cache's limit, out of memory). Either is not tried again for
+      the same requests during `RETRY_AFTER` steps. One that had to wait (LATER: the arena
+      it replaces was in use) is tried again with the next step's record.
+    - A first plan cuts its arena in two chunks (`layout`'s ``first_step``) when that holds
+      at most `STEADY_BUDGET` times its peak, or no more than one chunk would.
     """
 
     RETRY_AFTER = 64
@@ -323,7 +331,7 @@ class Planner:
         if self._refused is not None:
             self._refused = None if self._refused[1] <= 1 else (self._refused[0], self._refused[1] - 1)
         if not record.shape[1]:
-            return  # nothing above 64 KiB: no plan serves it, none is made from it
+            return  # no recorded request: no plan serves it, none is made from it
         repeats = _same_requests(record, before)
         if self._planned is not None and _same_requests(record, self._planned):
             self._strangers = 0
@@ -417,7 +425,7 @@ def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class WarmUp:
     """The warm-up: until a cache's first plan is installed or refused, or `steps` steps
-    with requests above 64 KiB have gone by without one, the core serves those requests
+    with recorded requests have gone by without one, the core serves those requests
     upstream at their size and gives them back when they die (``set_warm_up``), so the
     steps a plan is made from hold no more than they use; after it, the split pool serves
     what no plan does."""
