@@ -27,7 +27,9 @@ STEADY_FROM = 11  # the steady figures: peaks over steps STEADY_FROM..STEPS
 
 def models() -> dict:
     """name -> (model, optimizer, loss, data, split): `split` runs ``compute_gradients``
-    then ``apply_gradients_`` instead of ``single_train_step_``."""
+    then ``apply_gradients_`` instead of ``single_train_step_``; `data` is a batch, or a
+    function of the step number giving one (``lm-buckets``: shapes that vary, for which
+    promise 1 is not made)."""
     import numpy as np
 
     import luxnn as lx
@@ -45,6 +47,8 @@ def models() -> dict:
     cnn, resnet, lm, lstm = bench.CNN(), bench.ResNet(), bench.LM(), bench.LSTM()
     block = bench.Transformer(batch=16, length=128, dim=256)
     big = bench.LargeActivations()
+    buckets = bench.LM(buckets=(32, 64, 96, 128))
+    batches, pick = [buckets.data(n) for n in buckets.buckets], np.random.default_rng(0).integers(0, 4, STEPS + 1)
     return {
         "cnn": (cnn.luxnn_model(), adam, ce, cnn.data(), False),
         "cnn-split": (cnn.luxnn_model(), adam, ce, cnn.data(), True),
@@ -57,6 +61,7 @@ def models() -> dict:
         "large-activations": (bench.luxnn_mlp(big.sizes), lx.optim.sgd(0.01), lx.losses.MSELoss(), big.data(), False),
         "lm": (lm.luxnn_model(), adam, ce, lm.data(lm.length), False),
         "lstm": (lstm.luxnn_model(), adam, ce, lstm.data(), False),
+        "lm-buckets": (buckets.luxnn_model(), adam, ce, lambda step: batches[pick[step]], False),
     }
 
 
@@ -73,17 +78,18 @@ def one_run(name: str) -> dict:
     cache, ad = ts.allocator_cache, lx.AutoTape()
     marks, all_time = [], None  # upstream allocations as each step begins
     for step in range(1, STEPS + 1):
+        batch = data(step) if callable(data) else data
         if step == STEADY_FROM:
             figures = cache.stats()
             all_time = (figures.peak_live, figures.peak_reserved)
             cache.reset_peaks()
         marks.append(cache.stats().upstream_allocs)
         if split:
-            grads, _, _, ts = lx.compute_gradients(ad, loss, data, ts)
+            grads, _, _, ts = lx.compute_gradients(ad, loss, batch, ts)
             ts = lx.apply_gradients_(ts, grads)
             del grads
         else:
-            _, _, _, ts = lx.single_train_step_(ad, loss, data, ts)
+            _, _, _, ts = lx.single_train_step_(ad, loss, batch, ts)
     steady = cache.stats()
     # A step's count runs to the next step's beginning: what its results' deaths cause counts.
     upstream = np.diff([*marks, steady.upstream_allocs]).tolist()

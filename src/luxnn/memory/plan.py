@@ -255,9 +255,11 @@ class Planner:
       beyond those the plan was made from, widens it: every block's lifetime becomes the
       union of what the steps showed (the arena in use must hold the widened plan; one it
       cannot hold is not tried again).
-    - A step with other requests (an evaluation step, a short last batch) leaves the plan
-      alone: the pools serve it. Two such steps in a row drop the plan: the loop's shapes
-      changed, and the next repeat makes a new one.
+    - A step with other requests (an evaluation step, a short last batch, another length
+      bucket) leaves the plan alone: free bytes of its arena and the pools serve it. When
+      such a step repeats the one before it, and not only once in a while (two unlike the
+      plan in a row), it replaces the plan, in the same arena where that holds it: the
+      loop's shapes changed, or vary (lengths in buckets), and the arena stays one.
     - A first plan whose arena would hold more than both the split pool held for the same
       step (in the warm-up: `BUDGET` times the step's peak of large blocks) and `BUDGET`
       times the most bytes its own blocks can hold at once is not made; neither is one
@@ -345,11 +347,7 @@ class Planner:
         else:
             if self._planned is not None:
                 self._strangers += 1
-                if self._strangers < 2:
-                    return
-                self._core.drop_plan()
-                self._planned = None
-            if not repeats:
+            if not repeats or (self._planned is not None and self._strangers < 2):
                 return
             widened = _union(before, _lifetimes(record, before))
         if self._refused is not None and _same_requests(widened, self._refused[0]):
