@@ -1693,7 +1693,9 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     /* Recorded and planned: requests above LX_PLAN_ABOVE, and a lane's small ones, of
      * which threads can hold more at once in one step than in another. */
     int recorded = (bin >= c->plan_bin || call >= 0) && c->stepping;
-    int direct = recorded && c->warm_up && c->plan == NULL;
+    /* (The small ones out of lanes keep their bins: a step without larger requests is
+     * not planned, and needs no warm-up.) */
+    int direct = recorded && (split || call >= 0) && c->warm_up && c->plan == NULL;
     int seg = split && !direct; /* a miss makes a new segment of the split pool */
     lx_block *b = NULL;
     if (size == 0) {
@@ -2178,6 +2180,7 @@ lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2], size_t first
 {
     pthread_mutex_lock(&c->lock);
     lx_plan *old = c->plan;
+    int first_plan = old == NULL;
     lx_arena *own = old != NULL ? old->arena[LX_CYCLE] : NULL;
     if (own != NULL && own->live > 0 && own->size < arena_size[LX_CYCLE]) {
         /* Held with its replacement it would double the arena: wait until it is idle. */
@@ -2213,6 +2216,14 @@ lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2], size_t first
         pthread_mutex_unlock(&c->lock);
         free_plan(p);
         return status;
+    }
+    if (first_plan) { /* the plan serves the recorded small requests: their bins idle */
+        for (uint32_t bin = c->plan_bin; bin < c->split_bin; bin++) {
+            for (lx_block *b; (b = c->bins[bin].top) != NULL;) {
+                unlink_free_locked(c, b);
+                release_locked(c, b);
+            }
+        }
     }
     p->from_cycle = c->cycle + 1; /* the next to open: one open now was not planned for */
     if (p->from_cycle & 1) { /* its first cycle takes the places planned for an even one */

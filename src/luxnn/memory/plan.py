@@ -332,8 +332,8 @@ class Planner:
             self._planned = None  # none was made, or the cache dropped it (free, trim, eviction)
         if self._refused is not None:
             self._refused = None if self._refused[1] <= 1 else (self._refused[0], self._refused[1] - 1)
-        if not record.shape[1]:
-            return  # no recorded request: no plan serves it, none is made from it
+        if not ((record[SIZE] > _core.SPLIT_ABOVE) | (record[CALL] >= 0)).any():
+            return  # only small requests, which the small pool serves well: no plan
         repeats = _same_requests(record, before)
         if self._planned is not None and _same_requests(record, self._planned):
             self._strangers = 0
