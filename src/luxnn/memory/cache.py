@@ -40,15 +40,17 @@ pieces of segments still in use misses; step plans (below) take over from there.
 
 Step plans (``_core.c``, section 1c; `luxnn.memory.plan`). Online, no placement can know
 which block dies when, so the split pool holds more than a step's peak live bytes. A
-training loop repeats its step, so the cache plans it. The
-training verbs mark each step (`luxnn.memory.step`; plain `cached` scopes never begin or
-end one); a step records its requests above 64 KiB and their lifetimes, and once a step
-repeats the requests of the one before, every such block gets a place in an arena where no
-block alive at the same time overlaps it. The warm-up holds nothing: until the cache's
-first plan is made or refused (or 4 steps went by without one), a step's large requests go
-upstream at their size and back when they die, so the first two steps reserve what they
-use; the third is planned, and from then on the split pool only serves what the plan
-misses.
+training loop repeats its step, so the cache plans it. The training verbs mark each step
+(`luxnn.memory.step`; plain `cached` scopes never begin or end one); a step records its
+requests above 16 KiB and those made in a lane of a threaded kernel, with their lifetimes,
+and once a step repeats the requests of the one before, every such block gets a place in
+one arena where no block alive at the same time overlaps it (lane requests matched by
+kernel call, lane and rank, so no interleaving of threads misses). A step of other
+requests that repeats replaces the plan in its arena. The warm-up holds nothing: until
+the cache's first plan is made or refused (or 4 steps went by without one), a step's
+recorded requests go upstream at their size and back when they die, so the first two
+steps reserve what they use; the third is planned, and from then on the pools only serve
+what the plan misses.
 ``AllocCache(plan=False)`` turns plans off.
 """
 
