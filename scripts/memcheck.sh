@@ -18,11 +18,12 @@ PYTHON=${PYTHON:-.venv/bin/python}
 XML=${MEMCHECK_XML:-/tmp/luxnn-memcheck}
 rm -f "$XML".*.xml
 
-"$PYTHON" -m pip install -e . --no-build-isolation -q >/dev/null 2>&1
+# This checkout's extensions, and this checkout's package (also from a worktree of another's install).
+"$PYTHON" setup.py -q build_ext --inplace >/dev/null 2>&1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 tests=("$@")
-[ ${#tests[@]} -eq 0 ] && tests=(tests/test_memory.py tests/test_memory_plan.py tests/test_memory_stateful.py tests/test_memory_cuda.py
-                                 tests/test_memory_timeline.py tests/test_memory_fork.py)
+[ ${#tests[@]} -eq 0 ] && tests=(tests/test_memory*.py)
 
 set +e
 PYTHONMALLOC=malloc LUXNN_MEMCHECK=1 valgrind --tool=memcheck --xml=yes --xml-file="$XML.%p.xml" \
