@@ -96,13 +96,15 @@ def sample(step: Callable[[], Any], inner: int, samples: int) -> list[float]:
     return out
 
 
-def interleaved_rounds(steps: dict[str, Callable[[], Any]], rounds: int, per_round: int, warmup: int = 5) -> dict[str, list[float]]:
+def interleaved_rounds(
+    steps: dict[str, Callable[[], Any]], rounds: int, per_round: int, warmup: int = 5, settle_s: float = 0.05
+) -> dict[str, list[float]]:
     """Seconds per call of each of `steps`, one sample per round, the steps taking turns
     within a round (the per-issue scripts in benchmarks/). Before each sample, a pause lets
     the previous step's worker threads (OpenBLAS, OpenMP) stop spinning, so that they do
-    not compete with the next one; then one untimed call, as a training loop's steps follow
-    one another: after a pause, sleeping threads (luxnn's, after 2 ms idle) wake slowly at
-    first, on a virtual machine especially."""
+    not compete with the next one; then untimed calls for `settle_s` (at least one), as a
+    training loop's steps follow one another: after a pause, sleeping threads (luxnn's,
+    after 2 ms idle) wake slowly for the first few calls, on a virtual machine especially."""
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -110,7 +112,10 @@ def interleaved_rounds(steps: dict[str, Callable[[], Any]], rounds: int, per_rou
     for _ in range(rounds):
         for name, step in steps.items():
             time.sleep(0.3)
+            settled = time.perf_counter() + settle_s
             step()
+            while time.perf_counter() < settled:
+                step()
             samples[name] += sample(step, per_round, 1)
     return samples
 
