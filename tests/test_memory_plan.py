@@ -348,6 +348,38 @@ def test_a_plan_waits_while_the_cycle_arena_it_must_replace_is_in_use():
     core.audit()
 
 
+def test_under_the_limit_an_arena_waiting_for_its_second_chunk_is_not_dropped_to_make_room_for_it():
+    cache = memory.AllocCache(limit=3 * MiB, plan=False)  # plans installed by hand below
+    core = cache._core
+    with memory.cached(cache):
+        held = np.ones(MiB // 8)  # 1 MiB: the second chunk fits only if the first goes
+    one = [np.array(c, dtype=np.int64) for c in ([MiB // 2], [0], [0], [0], [-1], [-1])]
+    assert core.install_plan(3 * MiB, 0, *one, 2 * MiB) == PlanStatus.INSTALLED  # 2 MiB now
+    with memory.step(cache):
+        pass  # its end asks for the second chunk: over the limit, asked for again later
+    s = cache.stats()
+    assert s.plans == 1 and s.bytes_cached == 2 * MiB and s.bytes_reserved == s.bytes_live + s.bytes_cached
+    core.audit()  # (once, the trim for the chunk dropped the plan it grows and wrote to its freed arena)
+    assert held[0] == 1.0
+
+
+def test_a_retired_arena_gives_back_at_once_the_chunk_no_block_lives_in():
+    cache = memory.AllocCache(plan=False)  # plans installed by hand below
+    core = cache._core
+    one = [np.array(c, dtype=np.int64) for c in ([MiB], [0], [0], [0], [-1], [-1])]
+    assert core.install_plan(4 * MiB, 0, *one, 2 * MiB) == PlanStatus.INSTALLED
+    with memory.step(cache):
+        kept = np.full(MiB, 7, np.uint8)  # at its place in the first chunk; outlives the step
+    assert cache.stats().bytes_reserved >= 4 * MiB  # the second chunk came at the step's end
+    cache.free()  # the arena retires: its first chunk waits for `kept`, the second goes now
+    s = cache.stats()
+    assert s.bytes_live == MiB and s.bytes_cached == MiB and s.bytes_reserved == 2 * MiB, s
+    core.audit()
+    del kept
+    assert cache.stats().bytes_reserved == 0
+    core.audit()
+
+
 def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_before_the_split_pool():
     cache = memory.AllocCache(plan=False)  # plans installed by hand below
     core = cache._core

@@ -1,4 +1,5 @@
-"""Random sequences of allocations, drops, resizes, nested scopes over two caches, trims,
+"""Random sequences of allocations, drops, resizes, nested scopes over two caches (the second
+under a limit), trims,
 frees and step plans (any plan, even one whose places overlap), checked against a model of
 what the caches must hold, and against the core's own record of its blocks, segments and
 arenas (`Core.blocks`, `Core.audit`)."""
@@ -24,16 +25,18 @@ SIZES = [1, 100, 513, 8192, 8193, SPLIT, SPLIT + 1, 70_000, 300_000, MiB, 4 * Mi
 LARGE = [MiB, 4 * MiB, 5 * MiB + 3, 12 * MiB]
 PLANNED = sorted({memory.bin_size(n) for n in (SPLIT + 1, 70_000, 300_000, MiB)})
 ARENA = 4 * MiB  # places at multiples of 256 KiB up to 1.75 MiB: every PLANNED size fits
+LIMIT = 12 * MiB  # the second cache's: requests, arenas and their second chunks meet it
 
 
 class CacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.caches = [memory.AllocCache(evict_after=2), memory.AllocCache()]
+        self.caches = [memory.AllocCache(evict_after=2), memory.AllocCache(limit=LIMIT)]
         self.outside = _core.get_handler()
         self.scopes = []  # open scopes, innermost last: (scope, cache index or None)
         self.arrays = {}  # key -> (array, cache index or None, fill value)
         self.next_key = 0
+        self.refused = [0, 0]  # plans refused for want of room, per cache (their arenas came and went)
 
     @initialize(which=st.sampled_from([0, 1, None]))
     def start_in_a_scope(self, which):
@@ -46,19 +49,29 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(size=st.sampled_from(SIZES))
     def allocate(self, size):
+        self.make(size)
+
+    def make(self, size) -> bool:
+        """Whether the array was made (only the cache with a limit may refuse one)."""
         value = self.next_key % 251
         frees = [c.stats().upstream_frees for c in self.caches]
-        a = np.empty(size, np.uint8)
+        try:
+            a = np.empty(size, np.uint8)
+        except MemoryError:
+            assert self.routing() == 1
+            event("a request over the limit")
+            return False
         if [c.stats().upstream_frees for c in self.caches] != frees:  # no limit here: only this
             event("a miss consolidated whole free segments")
         a.fill(value)
         self.arrays[self.next_key] = (a, self.routing(), value)
         self.next_key += 1
+        return True
 
     @rule(size=st.sampled_from(SIZES), count=st.integers(2, 4))
     def allocate_several(self, size, count):
         for _ in range(count):
-            self.allocate(size)
+            self.make(size)
 
     @rule(
         big=st.sampled_from(LARGE),
@@ -67,20 +80,19 @@ class CacheMachine(RuleBasedStateMachine):
     def carve(self, big, smaller):
         # A large block dies, then smaller requests come: served by splitting its segment
         # (where a cache routes them), whatever else is free.
-        self.allocate(big)
-        del self.arrays[self.next_key - 1]
+        if self.make(big):
+            del self.arrays[self.next_key - 1]
         for size in smaller:
-            self.allocate(size)
+            self.make(size)
 
     @rule(sizes=st.lists(st.sampled_from(LARGE[:-1]), min_size=2, max_size=3), then=st.sampled_from(LARGE))
     def consolidate(self, sizes, then):
         # Blocks die in separate segments, then a request larger than each comes: a miss
         # that gives them back and takes their bytes in one segment (where a cache routes it).
-        for size in sizes:
-            self.allocate(size)
-        for _ in sizes:
+        made = sum(self.make(size) for size in sizes)
+        for _ in range(made):
             del self.arrays[max(self.arrays)]
-        self.allocate(then)
+        self.make(then)
 
     @precondition(lambda self: self.arrays)
     @rule(data=st.data())
@@ -115,8 +127,12 @@ class CacheMachine(RuleBasedStateMachine):
     def resize(self, data, size):
         # Through the handler the array was made with (np_realloc), whatever the scope.
         key = data.draw(st.sampled_from(sorted(self.arrays)))
-        a, _, value = self.arrays[key]
-        a.resize(size, refcheck=False)
+        a, which, value = self.arrays[key]
+        try:
+            a.resize(size, refcheck=False)
+        except MemoryError:
+            assert which == 1 and a[0] == value  # over the limit: the old block stays
+            return
         assert a[0] == value  # the contents moved with the block
         a.fill(value)
 
@@ -156,7 +172,12 @@ class CacheMachine(RuleBasedStateMachine):
         if status == PlanStatus.LATER:  # the plan's arenas would replace ones a live block is in
             assert before.plans > 0 and core.stats().plans == before.plans
             return
-        assert status == PlanStatus.INSTALLED and core.stats().plans == before.plans + 1  # no limit; arenas of one size
+        if status == PlanStatus.NO_ROOM:  # over the limit: the old plan is dropped all the same
+            assert which == 1 and core.stats().plans == before.plans
+            self.caches[which]._planner._planned = None
+            self.refused[which] += 1
+            return
+        assert status == PlanStatus.INSTALLED and core.stats().plans == before.plans + 1  # arenas of one size
         self.caches[which]._planner._planned = None  # the planner's own plan is gone
 
     @precondition(lambda self: len(self.scopes) < 6)
@@ -166,9 +187,9 @@ class CacheMachine(RuleBasedStateMachine):
         if any(index == which for _, index in self.scopes):
             return
         self.enter(which, "step")
-        for size in sizes:
-            self.allocate(size)
-        del self.arrays[self.next_key - 1]
+        made = [self.make(size) for size in sizes]
+        if made[-1]:
+            del self.arrays[self.next_key - 1]
         self.exit()
 
     @rule(which=st.sampled_from([0, 1]))
@@ -203,7 +224,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert s.peak_live >= s.bytes_live and s.peak_reserved >= s.bytes_reserved
             assert s.peak_reserved >= s.peak_live
             assert s.upstream_allocs >= s.upstream_frees
-            assert s.hits + s.misses + 3 * s.plans >= s.upstream_allocs  # a plan: two chunks and an arena at most
+            plans = s.plans + self.refused[index]  # a plan: two chunks and an arena at most
+            assert s.hits + s.misses + 3 * plans >= s.upstream_allocs
             cache._core.audit()  # records, free lists, LRU ring and figures agree
 
     @invariant()

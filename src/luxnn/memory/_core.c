@@ -256,7 +256,7 @@ typedef struct {
 
 /* The lane this thread's requests are made in (set by luxnn.parallel around a
  * share of a kernel call; call 0: none): the kernel call (a number of
- * kernel_calls), the share, the split-pool requests made in it so far, and
+ * kernel_calls), the share, the requests made in it so far (of any size), and
  * its clock (those requests and the deaths in it of its blocks). */
 typedef struct {
     int64_t call, lane, births, tick;
@@ -265,10 +265,9 @@ typedef struct {
 static _Thread_local lx_lane tl_lane;
 static _Atomic int64_t kernel_calls; /* threaded kernel calls begun, in every thread */
 
-/* A plan's two arenas: one for the blocks that die within the cycle (planned
- * again when lifetimes widen; idle between cycles, so a new one replaces it
- * without both being held), one for those that outlive it (kept apart: the
- * last cycle's are alive whenever a plan changes). Either may be NULL. */
+/* A plan's arenas: the cycle arena, one for every block of the circular two-step
+ * schedule (section 1c), and a kept one that install_plan still takes but the
+ * planner no longer asks for (kept_size 0). Either may be NULL. */
 enum { LX_CYCLE, LX_KEPT };
 
 typedef struct {
@@ -290,7 +289,7 @@ typedef struct {
 /* What install_plan says (luxnn.memory.plan.PlanStatus). */
 enum { LX_PLAN_INSTALLED, LX_PLAN_LATER, LX_PLAN_NO_ROOM };
 
-/* A split-pool request of the open cycle, for the planner. */
+/* A recorded request of the open cycle (above LX_PLAN_ABOVE, or a lane's), for the planner. */
 typedef struct { /* its int64 fields first, in the order of a record's columns */
     int64_t size, born, died; /* died: -1 while alive; still -1 when the cycle ends */
     int64_t call, lane;       /* its lane (call from 0: the step's first kernel call),
@@ -1030,13 +1029,11 @@ return_piece_locked(lx_core *c, lx_block *b)
 static size_t drop_plan_locked(lx_core *c);
 static void grow_arenas_locked(lx_core *c);
 
-/* Release whole free blocks and segments, least recently used first, then
- * the plan if one of its arenas is idle (that one goes upstream, one in use
- * retires), until at most max_cached bytes stay cached (or nothing whole is
- * left: free pieces of segments in use cannot go back). Returns the bytes
- * released. */
+/* Release whole free blocks and segments, least recently used first, until at
+ * most max_cached bytes stay cached (or nothing whole is left: free pieces of
+ * segments in use cannot go back). Returns the bytes released. */
 static size_t
-trim_locked(lx_core *c, size_t max_cached)
+trim_pools_locked(lx_core *c, size_t max_cached)
 {
     size_t released = 0;
     lx_block *b = c->lru.newer;
@@ -1049,6 +1046,16 @@ trim_locked(lx_core *c, size_t max_cached)
         }
         b = newer;
     }
+    return released;
+}
+
+/* trim_pools_locked, then the plan if one of its arenas is idle (that one goes
+ * upstream, one in use retires), until at most max_cached bytes stay cached.
+ * Returns the bytes released. */
+static size_t
+trim_locked(lx_core *c, size_t max_cached)
+{
+    size_t released = trim_pools_locked(c, max_cached);
     if (c->fig.bytes_cached > max_cached && c->plan != NULL &&
         ((c->plan->arena[LX_CYCLE] != NULL && c->plan->arena[LX_CYCLE]->live == 0) ||
          (c->plan->arena[LX_KEPT] != NULL && c->plan->arena[LX_KEPT]->live == 0))) {
@@ -1078,11 +1085,12 @@ release_split_wholes_locked(lx_core *c, uint64_t since)
 
 /* ---- 4, continued: step plans (section 1c) ---------------------------- */
 
-/* The bytes of arena a taken from upstream: its first chunk, and its second once there. */
+/* The bytes of arena a taken from upstream: its first chunk, and its second once there
+ * (a retired arena may have given back the one of its chunks that no block lives in). */
 static inline size_t
 arena_held(const lx_arena *a)
 {
-    return a->base2 != NULL ? a->size : a->first;
+    return (a->base != NULL ? a->first : 0) + (a->base2 != NULL ? a->size - a->first : 0);
 }
 
 /* The address of offset `at` of arena a (in a chunk it holds). */
@@ -1097,7 +1105,7 @@ static size_t
 arena_offset(const lx_arena *a, const void *ptr)
 {
     uintptr_t p = (uintptr_t)ptr, base = (uintptr_t)a->base, base2 = (uintptr_t)a->base2;
-    if (p >= base && p < base + a->first) {
+    if (a->base != NULL && p >= base && p < base + a->first) {
         return (size_t)(p - base);
     }
     if (a->base2 != NULL && p >= base2 && p < base2 + (a->size - a->first)) {
@@ -1117,13 +1125,15 @@ arena_serves(const lx_arena *a, size_t at, size_t size)
 static void
 release_arena_locked(lx_core *c, lx_arena *a)
 {
-    c->up.free(c->up.ctx, a->base, a->first);
-    c->fig.upstream_frees++;
+    c->fig.bytes_cached -= arena_held(a);
+    if (a->base != NULL) {
+        c->up.free(c->up.ctx, a->base, a->first);
+        c->fig.upstream_frees++;
+    }
     if (a->base2 != NULL) {
         c->up.free(c->up.ctx, a->base2, a->size - a->first);
         c->fig.upstream_frees++;
     }
-    c->fig.bytes_cached -= arena_held(a);
     free(a->busy);
     free(a);
     record_locked(c, LX_EV_RELEASE);
@@ -1139,8 +1149,30 @@ free_plan(lx_plan *p)
     }
 }
 
+/* A retired arena of two chunks gives back the one no block lives in (the other
+ * waits for its last block). Returns the bytes released. */
+static size_t
+release_idle_chunk_locked(lx_core *c, lx_arena *a)
+{
+    if (a->base == NULL || a->base2 == NULL) {
+        return 0;
+    }
+    size_t cut = a->first >> LX_QUANTUM_LOG2, end = a->size >> LX_QUANTUM_LOG2;
+    char **chunk = granules_free(a, cut, end) ? &a->base2 : granules_free(a, 0, cut) ? &a->base : NULL;
+    if (chunk == NULL) {
+        return 0;
+    }
+    size_t bytes = chunk == &a->base2 ? a->size - a->first : a->first;
+    c->up.free(c->up.ctx, *chunk, bytes);
+    *chunk = NULL;
+    c->fig.upstream_frees++;
+    c->fig.bytes_cached -= bytes;
+    record_locked(c, LX_EV_RELEASE);
+    return bytes;
+}
+
 /* An arena that serves no more goes upstream, or retires until its last
- * block dies. Returns the bytes released now. */
+ * block dies (a chunk with none in it goes now). Returns the bytes released now. */
 static size_t
 drop_arena_locked(lx_core *c, lx_arena *a)
 {
@@ -1150,7 +1182,7 @@ drop_arena_locked(lx_core *c, lx_arena *a)
     if (a->live > 0) {
         a->next = c->retired;
         c->retired = a;
-        return 0;
+        return release_idle_chunk_locked(c, a);
     }
     size_t size = arena_held(a);
     release_arena_locked(c, a);
@@ -1229,7 +1261,7 @@ lane_slots(const lx_plan *p, int64_t call, int64_t lane)
     return NULL;
 }
 
-/* A split-pool request of `size` bytes (bin `bin`) at its planned place: the
+/* A recorded request of `size` bytes (bin `bin`) at its planned place: the
  * slot of its lane and rank there (call >= 0), else of its rank among the
  * bin's requests out of lanes; NULL: a plan miss, served elsewhere. */
 static lx_block *
@@ -1337,6 +1369,9 @@ put_planned_locked(lx_core *c, lx_block *b)
         *link = a->next;
         release_arena_locked(c, a);
         return;
+    }
+    if (retired_locked(c, a)) {
+        release_idle_chunk_locked(c, a);
     }
     record_locked(c, LX_EV_RETURN);
 }
@@ -2092,15 +2127,17 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *pla
     return pending;
 }
 
-/* `size` bytes from upstream for an arena (after a trim, if the limit or the
- * system asks for it), counted as cached; NULL with the reason in *status. */
+/* `size` bytes from upstream for an arena (after a trim of the pools, if the
+ * limit or the system asks for it), counted as cached; NULL with the reason in
+ * *status. The trim leaves the plan alone: the arena may be the plan's own,
+ * taking its second chunk (grow_arenas_locked). */
 static char *
 arena_chunk_locked(lx_core *c, size_t size, lx_status *status)
 {
     *status = LX_OK;
     if (c->limit) { /* live + cached + size <= limit, if trimming can */
         size_t room = c->fig.bytes_live < c->limit ? c->limit - c->fig.bytes_live : 0;
-        trim_locked(c, room > size ? room - size : 0);
+        trim_pools_locked(c, room > size ? room - size : 0);
         if (c->fig.bytes_live + c->fig.bytes_cached + size > c->limit) {
             *status = LX_OVER_LIMIT;
             return NULL;
@@ -2108,7 +2145,7 @@ arena_chunk_locked(lx_core *c, size_t size, lx_status *status)
     }
     char *base = c->up.alloc(c->up.ctx, size, 0);
     if (base == NULL) {
-        trim_locked(c, 0);
+        trim_pools_locked(c, 0);
         base = c->up.alloc(c->up.ctx, size, 0);
     }
     if (base == NULL) {
@@ -2424,7 +2461,7 @@ audit_locked(lx_core *c)
                 return broken;
             }
             cached += arena_held(a) - a->live_bytes;
-            owned += a->base2 != NULL ? 2 : 1;
+            owned += (a->base != NULL) + (a->base2 != NULL);
             held += arena_held(a);
         }
     }
@@ -3321,7 +3358,7 @@ mod_kernel_call(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored))
 }
 
 /* enter_lane(call, lane) -> this thread's lane before, for leave_lane: from now
- * on its split-pool requests are made in share `lane` of kernel call `call`. */
+ * on its requests (of any size) are made in share `lane` of kernel call `call`. */
 static PyObject *
 mod_enter_lane(PyObject *Py_UNUSED(mod), PyObject *args)
 {
