@@ -520,3 +520,26 @@ def test_the_planner_makes_no_plan_that_would_hold_more_than_the_split_pool_and_
     assert core.installed == []
     step(kept, 0, False, 5 * MiB)
     assert len(core.installed) == 1  # as much as the pool held: a plan (it is steadier)
+
+
+def test_a_plan_that_replaces_one_keeps_the_cut_of_the_arena_it_replaces_into(monkeypatch):
+    # The core keeps an arena's cut when a replacement fits in it (a smaller one: all in the
+    # first chunk): the next replacement must keep clear of that cut, not of the smaller
+    # plan's end.
+    from luxnn.memory import plan
+
+    walls = []
+
+    def fake_layout(table, *, first_step=False, wall=None):
+        n, span = table.shape[1], int(table[0].sum())  # row 0: the sizes
+        walls.append(wall)
+        first = span // 2 if first_step else span if wall is None else min(wall, span)
+        return plan.Layout(span, np.zeros(n, np.int64), np.zeros(n, np.int64), span, first)
+
+    monkeypatch.setattr(plan, "layout", fake_layout)
+    planner = Planner(FakeCore())
+    step = Steps(planner)
+    for sizes in ([2 * MiB, 2 * MiB], [MiB], [4 * MiB]):  # a first plan cut at 2 MiB, then two others
+        for _ in range(2):
+            step(_record(sizes), 0, True, ROOMY)
+    assert walls[-2:] == [2 * MiB, 2 * MiB]

@@ -363,7 +363,10 @@ class Planner:
             status = PlanStatus(self._core.install_plan(plan.arena_bytes, 0, *columns, plan.first_bytes))
         self._unfit = None
         if status == PlanStatus.INSTALLED:
-            self._planned, self._strangers, self._wall = widened, 0, plan.first_bytes
+            # The arena's cut is a first plan's: a plan that replaces one goes into its arena
+            # (one that spans less, in its first chunk) or into one cut where it was.
+            self._wall = plan.first_bytes if self._planned is None else self._wall
+            self._planned, self._strangers = widened, 0
         elif status in (PlanStatus.NO_ROOM, PlanStatus.NO_GAIN):
             self._planned, self._refused = None, (widened, self.RETRY_AFTER)
         elif self._planned is not None:
