@@ -24,6 +24,7 @@ SPLIT = _core.SPLIT_ABOVE  # blocks above this come from splitting free segments
 SIZES = [1, 100, 513, 8192, 8193, SPLIT, SPLIT + 1, 70_000, 300_000, MiB, 4 * MiB - 1, 4 * MiB, 5 * MiB + 3]
 LARGE = [MiB, 4 * MiB, 5 * MiB + 3, 12 * MiB]
 PLANNED = sorted({memory.bin_size(n) for n in (SPLIT + 1, 70_000, 300_000, MiB)})
+LANED = sorted({memory.bin_size(n) for n in (100, 8192, 70_000, MiB)})  # a kernel lane's: any size
 ARENA = 4 * MiB  # places at multiples of 256 KiB up to 1.75 MiB: every PLANNED size fits
 LIMIT = 12 * MiB  # the second cache's: requests, arenas and their second chunks meet it
 
@@ -152,23 +153,29 @@ class CacheMachine(RuleBasedStateMachine):
             st.tuples(st.sampled_from(PLANNED), st.integers(0, 7), st.integers(0, 7), st.integers(0, 1)),
             min_size=1, max_size=8,
         ),
+        laned=st.lists(
+            st.tuples(st.integers(0, 1), st.sampled_from(LANED), st.integers(0, 7), st.integers(0, 7)), max_size=6,
+        ),
         cut=st.sampled_from([0, ARENA // 2]),
     )  # fmt: skip
-    def install_a_plan(self, which, slots, cut):
+    def install_a_plan(self, which, slots, laned, cut):
         # Places that overlap, in one cycle or across the two parities: the core serves a
         # place only while all its bytes are free, so live arrays still never share memory.
         # With a cut, the cycle arena comes in two chunks, the second after the first cycle.
-        slots = sorted(slots)
+        # Lane slots (`a_kernel_cycle`'s first call, lanes 0 and 1) in the cycle arena.
+        slots = sorted(slots) + [(size, e, o, 0) for _, size, e, o in sorted(laned, key=lambda s: s[0])]
+        lanes = [-1] * (len(slots) - len(laned)) + sorted(lane for lane, *_ in laned)
         core = self.caches[which]._core
         columns = [np.array(column, dtype=np.int64) for column in zip(*slots)]
         sizes, even, odd, arena = columns[0], columns[1] << 18, columns[2] << 18, columns[3]
+        lane = np.array(lanes, dtype=np.int64)
+        call = np.where(lane >= 0, 0, -1)
         before = core.stats()
-        no_lanes = np.full(len(sizes), -1, dtype=np.int64)
         if any(at < cut < at + n for n, e, o, a in zip(sizes, even, odd, arena) for at in (e, o) if a == 0):
             with pytest.raises(ValueError, match="straddle"):
-                core.install_plan(ARENA, ARENA, sizes, even, odd, arena, no_lanes, no_lanes, cut)
+                core.install_plan(ARENA, ARENA, sizes, even, odd, arena, call, lane, cut)
             return
-        status = core.install_plan(ARENA, ARENA, sizes, even, odd, arena, no_lanes, no_lanes, cut)
+        status = core.install_plan(ARENA, ARENA, sizes, even, odd, arena, call, lane, cut)
         if status == PlanStatus.LATER:  # the plan's arenas would replace ones a live block is in
             assert before.plans > 0 and core.stats().plans == before.plans
             return
@@ -191,6 +198,33 @@ class CacheMachine(RuleBasedStateMachine):
         if made[-1]:
             del self.arrays[self.next_key - 1]
         self.exit()
+
+    @precondition(lambda self: len(self.scopes) < 6)
+    @rule(
+        which=st.sampled_from([0, 1]),
+        shares=st.lists(st.lists(st.sampled_from(LANED), max_size=4), min_size=1, max_size=2),
+        keep=st.booleans(),
+    )  # fmt: skip
+    def a_kernel_cycle(self, which, shares, keep):
+        # A step whose first kernel call's shares make requests in their lanes (as
+        # parallel.for_blocks's threads do, here one after the other); each share's last
+        # array dies in its lane unless kept.
+        if any(index == which for _, index in self.scopes):
+            return
+        hits = self.caches[which].stats().plan_hits
+        self.enter(which, "step")
+        call = _core.kernel_call()
+        for lane, sizes in enumerate(shares):
+            before = _core.enter_lane(call, lane)
+            try:
+                made = [self.make(size) for size in sizes]
+                if made and made[-1] and not keep:
+                    del self.arrays[self.next_key - 1]
+            finally:
+                _core.leave_lane(before)
+        self.exit()
+        if self.caches[which].stats().plan_hits > hits:
+            event("a kernel step's request served at its planned place")
 
     @rule(which=st.sampled_from([0, 1]))
     def free(self, which):
