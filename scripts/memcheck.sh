@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Build the allocator's C core and run its tests under valgrind memcheck.
+# Build luxnn's C extensions and run their tests under valgrind memcheck.
 #
-#   scripts/memcheck.sh [pytest args...]      (default: tests/test_memory*.py)
+#   scripts/memcheck.sh [pytest args...]      (default: tests/test_memory*.py and the
+#                                              recurrent C passes' tests)
 #
 # Python runs with PYTHONMALLOC=malloc so that every allocation is visible to valgrind.
 # CPython, glibc's loader and NumPy report errors of their own under valgrind (reads of
 # uninitialised small-int state, vectorised string compares, interpreter state kept until
 # exit); those are counted and listed by kind but do not fail the run. An error fails it
 # when any stack of the error (where it happened, where the memory was allocated or
-# freed, where an uninitialised value came from) is in the core, _core.c: that is the
-# suppression rule. Leaks count only when definite.
+# freed, where an uninitialised value came from) is in one of luxnn's C files (the
+# allocator's core, the BLAS holds, the recurrent passes): that is the suppression rule. Leaks count only when definite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -23,7 +24,8 @@ rm -f "$XML".*.xml
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 tests=("$@")
-[ ${#tests[@]} -eq 0 ] && tests=(tests/test_memory*.py)
+[ ${#tests[@]} -eq 0 ] && tests=(tests/test_memory*.py tests/test_recurrent.py
+                                 -k "not torch and (memory or c_passes or gates or split_over_threads or float32_lstm or mixed_dtypes or lstm_without)")
 
 set +e
 PYTHONMALLOC=malloc LUXNN_MEMCHECK=1 valgrind --tool=memcheck --xml=yes --xml-file="$XML.%p.xml" \
@@ -36,6 +38,7 @@ set -e
 "$PYTHON" - "$XML".*.xml <<'PY'
 import collections, sys, xml.etree.ElementTree as ET
 
+OURS = {"_core.c", "_blas.c", "_recurrent.c", "_recurrent_cell.h"}
 ours, noise, unreadable = [], collections.Counter(), []
 for path in sys.argv[1:]:
     try:
@@ -46,11 +49,11 @@ for path in sys.argv[1:]:
     for error in root.iter("error"):
         files = {f.text for f in error.iter("file")}
         kind = error.findtext("kind")
-        if "_core.c" in files:
+        if files & OURS:
             ours.append(error)
         else:
             noise[kind] += 1
-print(f"memcheck: {len(sys.argv) - 1} processes; {len(ours)} errors involving the core (_core.c); "
+print(f"memcheck: {len(sys.argv) - 1} processes; {len(ours)} errors involving luxnn's C ({', '.join(sorted(OURS))}); "
       f"{sum(noise.values())} elsewhere (CPython/glibc/NumPy): {dict(noise)}")
 for line in unreadable:
     print("unreadable report:", line)
