@@ -1,5 +1,6 @@
 """Shared fixtures. PyTorch is an optional oracle: tests that take `torch` skip without it;
-tests that take `gpu` skip without CuPy and a usable CUDA GPU.
+tests that take `gpu` skip without CuPy and a usable CUDA GPU; `threads` sets luxnn's
+kernel threads for one test.
 Hypothesis draws the same examples on every run and machine (derandomize): a failure is a
 bug to fix, never a draw of luck."""
 
@@ -13,6 +14,16 @@ settings.load_profile("luxnn")
 @pytest.fixture(scope="session")
 def torch():
     return pytest.importorskip("torch")
+
+
+@pytest.fixture
+def threads():
+    """Set luxnn's kernel threads for one test (``threads(2)``); restored after it."""
+    from luxnn import parallel
+
+    before = parallel.num_threads()
+    yield parallel.set_num_threads
+    parallel.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -27,13 +27,6 @@ def blas_threads() -> list[int]:
     return [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas" and "numpy" in p["filepath"]]
 
 
-@pytest.fixture
-def threads():
-    before = parallel.num_threads()
-    yield parallel.set_num_threads
-    parallel.set_num_threads(before)
-
-
 def _in_a_forked_child(body, timeout=60.0):
     """Run `body()` in a child forked now; fail unless it returns within `timeout` seconds."""
     pid = os.fork()

@@ -14,14 +14,6 @@ MiB = 1 << 20
 ROWS = 256  # rows of x: 2 MiB of float64 rows 1 KiB each, cut into blocks of 32 rows
 
 
-@pytest.fixture
-def two_threads():
-    before = parallel.num_threads()
-    parallel.set_num_threads(2)
-    yield
-    parallel.set_num_threads(before)
-
-
 def _kernel_step(x, out):
     # A step: a temporary out of lanes, then a kernel whose blocks each make a temporary
     # above the split threshold (256 KiB), then a result that outlives the step.
@@ -35,7 +27,8 @@ def _kernel_step(x, out):
     return out.copy()
 
 
-def test_a_kernels_requests_carry_their_call_and_lane_and_die_in_it(two_threads):
+def test_a_kernels_requests_carry_their_call_and_lane_and_die_in_it(threads):
+    threads(2)
     cache = memory.AllocCache()
     x, out = np.ones((ROWS, 128)), np.empty((ROWS, 128))
     with memory.step(cache):
@@ -52,7 +45,8 @@ def test_a_kernels_requests_carry_their_call_and_lane_and_die_in_it(two_threads)
     assert record[SIZE][laned & large].tolist() == [256 * 1024] * (ROWS // 32) and result[0, 0] == 3.0
 
 
-def test_a_planned_threaded_kernel_takes_its_lanes_places_in_every_step(two_threads):
+def test_a_planned_threaded_kernel_takes_its_lanes_places_in_every_step(threads):
+    threads(2)
     cache = memory.AllocCache()
     x, out = np.ones((ROWS, 128)), np.empty((ROWS, 128))
     result = None

@@ -18,14 +18,6 @@ from luxnn.ops.attention import attention_combine, attention_weights
 MiB = 1 << 20
 
 
-@pytest.fixture
-def threads():
-    """Run a test at a chosen thread count; restore the previous count afterwards."""
-    before = parallel.num_threads()
-    yield parallel.set_num_threads
-    parallel.set_num_threads(before)
-
-
 def test_blocks_cover_the_leading_axis_once_and_run_on_several_threads(threads):
     threads(3)
     like = np.empty((1000, 1024), np.float32)  # 4 MiB: four blocks of 1 MiB

@@ -156,13 +156,8 @@ def test_training_with_and_without_the_cache_is_bit_identical(make, shape):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.fixture
-def one_thread():
-    # The steps repeat exactly on one thread (threads: see the threaded test above).
-    before = lx.num_threads()
-    lx.set_num_threads(1)
-    yield
-    lx.set_num_threads(before)
+# The planned-loop tests below run on one kernel thread, where the steps repeat exactly
+# (threads: see the threaded test above).
 
 
 def _large_mlp_state(batch=256, plan=True):
@@ -175,7 +170,8 @@ def _large_mlp_state(batch=256, plan=True):
     return cache, lx.TrainState(model, ps, st, lx.optim.adam(1e-3), allocator_cache=cache), data
 
 
-def test_a_training_loop_is_planned_and_holds_its_working_set(one_thread):
+def test_a_training_loop_is_planned_and_holds_its_working_set(threads):
+    threads(1)
     cache, ts, data = _large_mlp_state()
     for k in range(12):
         if k == 6:
@@ -190,7 +186,8 @@ def test_a_training_loop_is_planned_and_holds_its_working_set(one_thread):
 
 
 @pytest.mark.parametrize("batch", [256, 1024])
-def test_steps_of_two_scopes_in_turn_are_planned_only_within_the_budget(batch, one_thread):
+def test_steps_of_two_scopes_in_turn_are_planned_only_within_the_budget(batch, threads):
+    threads(1)
     # compute_gradients begins a step, apply_gradients_ ends it: one cycle of both scopes.
     # Adam's new states and the gradients outlive a step (two places each): a plan is made
     # only if it holds at most 1.10x the step's large blocks at their peak; else the split
@@ -222,7 +219,8 @@ def _planned_steps(cache, ts, data, steps):
     return upstream
 
 
-def test_a_users_scope_around_the_whole_loop_changes_no_step(one_thread):
+def test_a_users_scope_around_the_whole_loop_changes_no_step(threads):
+    threads(1)
     # The README says nested scopes are harmless: a scope of the user's around 200 steps
     # neither opens nor closes a step, so the loop is planned and holds its working set.
     cache, ts, data = _large_mlp_state()
@@ -238,7 +236,8 @@ def test_a_users_scope_around_the_whole_loop_changes_no_step(one_thread):
     cache._core.audit()
 
 
-def test_a_generator_left_open_in_a_scope_changes_no_step(one_thread):
+def test_a_generator_left_open_in_a_scope_changes_no_step(threads):
+    threads(1)
     # A generator that yields inside cached(), started in another thread and closed from
     # this one after the loop: its scope is open through the whole loop.
     cache, ts, data = _large_mlp_state()
@@ -257,7 +256,8 @@ def test_a_generator_left_open_in_a_scope_changes_no_step(one_thread):
     cache._core.audit()
 
 
-def test_the_warm_up_holds_no_more_than_it_uses(one_thread):
+def test_the_warm_up_holds_no_more_than_it_uses(threads):
+    threads(1)
     # MLP 784 -> 256 -> 10, batch 128, SGD (the suite's training/mlp): the first step's
     # requests of many sizes once fragmented the split pool to 1.27x peak live, which stayed
     # the cache's all-time peak. Until a plan serves, large requests now go upstream at
