@@ -1,4 +1,6 @@
 """Build the allocator's C core, the BLAS holds and the LSTM cell kernels with the package (``pip install -e .``)."""
+import glob
+
 import numpy
 from setuptools import Extension, setup
 
@@ -6,9 +8,10 @@ setup(
     ext_modules=[
         Extension(
             "luxnn.memory._core",
-            sources=["src/luxnn/memory/_core.c"],
+            sources=sorted(glob.glob("src/luxnn/memory/csrc/*.c")),
+            depends=sorted(glob.glob("src/luxnn/memory/csrc/*.h")),  # a changed header rebuilds; in the sdist too
             include_dirs=[numpy.get_include()],
-            extra_compile_args=["-O2", "-std=c11"],
+            extra_compile_args=["-O2", "-std=c11", "-fvisibility=hidden"],  # only PyInit__core is exported
         ),
         Extension("luxnn._blas", sources=["src/luxnn/_blas.c"], extra_compile_args=["-O2", "-std=c11"]),
         Extension(

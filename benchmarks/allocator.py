@@ -211,7 +211,7 @@ def section_chain() -> None:
 
 
 def model_bin_size(n: int, div_log2: int) -> int:
-    """bin_bytes(bin_of(n)) of _core.c with 2**div_log2 classes per power of two."""
+    """bin_bytes(bin_of(n)) of the core's csrc/bins.h with 2**div_log2 classes per power of two."""
     m, quantum_log2 = max(n, 1) - 1, 9
     if m < 1 << (quantum_log2 + div_log2):
         return ((m >> quantum_log2) + 1) << quantum_log2

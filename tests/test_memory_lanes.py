@@ -1,4 +1,4 @@
-"""Lanes (_core.c section 1c, luxnn.memory.plan.layout): the requests made in a share of a
+"""Lanes (memory/csrc/record.c and plan.c, luxnn.memory.plan.layout): the requests made in a share of a
 threaded kernel carry its lane, and a plan matches them by (kernel call, lane, rank in the
 lane), so that no interleaving of the threads can make it miss. Nothing here bounds how
 threads interleave: what is checked holds for every interleaving."""

@@ -1,4 +1,4 @@
-"""Step plans (luxnn.memory.plan, _core.c section 1c): the planner's placement, when a cache
+"""Step plans (luxnn.memory.plan, memory/csrc/plan.c): the planner's placement, when a cache
 plans, what a plan saves, and that no plan, however wrong, lets two live arrays overlap."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Step plans: where each block of a repeated step lives (``_core.c``, section 1c).
+"""Step plans: where each block of a repeated step lives (served by ``csrc/plan.c``).
 
 A training loop repeats one step: the same requests, with the same lifetimes. Online
 placement cannot know which block dies when, so it holds more than the step uses at its
@@ -444,7 +444,7 @@ class WarmUp:
 
 # Fork copies only the forking thread: a planner's lock held by another thread would stay
 # held in the child for ever, over a half-made decision. So the forking thread takes every
-# planner's lock before the fork (the core's locks: ``_core.c``, section 4b), the parent
+# planner's lock before the fork (the core's locks: ``csrc/fork.c``), the parent
 # releases them after it, and the child, whose only thread holds them, starts afresh.
 _planners: weakref.WeakSet[Planner] = weakref.WeakSet()
 _planners_lock = threading.Lock()  # over adding to _planners and iterating it

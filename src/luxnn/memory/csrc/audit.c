@@ -1,0 +1,221 @@
+/*
+ * The bookkeeping checked against itself, for the tests (Core.audit): every
+ * record, segment, free list, arena and figure. Called with the core's lock
+ * held; it changes nothing.
+ */
+#include "core.h"
+
+/* Check an arena against the blocks in it (for audit_locked). */
+static const char *
+audit_arena_locked(lx_core *c, const lx_arena *a, int retired)
+{
+    size_t blocks = 0, bytes = 0, busy = 0;
+    for (size_t i = 0; i < c->map.cap; i++) {
+        lx_block *b = c->map.slots[i];
+        if (b != NULL && b->arena == a) {
+            blocks++;
+            bytes += b->size;
+        }
+    }
+    for (size_t w = 0; w < ((a->size >> LX_QUANTUM_LOG2) + 63) / 64; w++) {
+        busy += (size_t)__builtin_popcountll(a->busy[w]);
+    }
+    if (blocks != a->live || bytes != a->live_bytes || busy != bytes >> LX_QUANTUM_LOG2) {
+        return "an arena's count of live blocks, bytes or busy granules is wrong";
+    }
+    if (retired && blocks == 0) {
+        return "a retired arena with no live block is still held";
+    }
+    return NULL;
+}
+
+/* Check the bookkeeping against itself (for the tests): NULL when every record,
+ * segment, free list and figure agrees, else what does not. */
+const char *
+audit_locked(lx_core *c)
+{
+    size_t live = 0, cached = 0, owned = 0, records = 0, listed = 0, unlisted = 0, held = 0;
+    size_t free_records = 0, segments = 0, large = 0, inactive = 0;
+    for (size_t i = 0; i < c->map.cap; i++) {
+        lx_block *b = c->map.slots[i];
+        if (b == NULL) {
+            continue;
+        }
+        records++;
+        free_records += !b->live;
+        large += b->live && b->size >= bin_bytes(c->split_bin) ? b->size : 0;
+        if (map_find(&c->map, b->ptr) != b) {
+            return "a record cannot be found by its pointer";
+        }
+        *(b->live ? &live : &cached) += b->size;
+        if (b->arena != NULL) { /* a plan's block: its arena is counted below */
+            lx_arena *a = b->arena;
+            size_t at = arena_offset(a, b->ptr);
+            if (!b->live || b->seg != NULL || b->size != bin_bytes(b->bin) || at == SIZE_MAX ||
+                at % ((size_t)1 << LX_QUANTUM_LOG2) || !arena_serves(a, at, b->size)) {
+                return "a plan's block is free, not a split bin's size, or outside its arena";
+            }
+            size_t g = at >> LX_QUANTUM_LOG2, end = (at + b->size) >> LX_QUANTUM_LOG2;
+            for (; g < end && ((a->busy[g / 64] >> (g % 64)) & 1); g++) {
+            }
+            if (g != end) {
+                return "a plan's live block has a granule not marked busy";
+            }
+            continue;
+        }
+        if (b->seg == NULL) { /* the exact-bin pool, or the warm-up: a whole upstream block */
+            if ((b->bin >= c->split_bin && !b->orphan) || b->size != bin_bytes(b->bin)) {
+                return "an exact-bin block's size is not its bin's, or its bin is split";
+            }
+            if (b->left != NULL || b->right != NULL) {
+                return "an exact-bin block has neighbours";
+            }
+            if (b->orphan && !b->live) {
+                return "an exact-bin orphan is free but still held";
+            }
+            owned++;
+            held += b->size;
+            continue;
+        }
+        lx_segment *seg = b->seg;
+        size_t offset = (size_t)((char *)b->ptr - (char *)seg->base);
+        if (b->size == 0 || b->size % ((size_t)1 << LX_QUANTUM_LOG2) != 0 ||
+            (uintptr_t)b->ptr < (uintptr_t)seg->base || offset % ((size_t)1 << LX_QUANTUM_LOG2) ||
+            offset + b->size > seg->size || offset + b->size < offset) {
+            return "a piece is not a 512-B multiple inside its segment";
+        }
+        if (b->live ? (b->bin < c->split_bin || b->size != bin_bytes(b->bin))
+                    : b->bin != floor_bin(b->size)) {
+            return "a piece's bin is wrong (live: its request's; free: floor_bin of its size)";
+        }
+        if ((b->left == NULL) != (offset == 0) ||
+            (b->right == NULL) != (offset + b->size == seg->size)) {
+            return "a piece at a segment's edge has a neighbour there, or one inside has none";
+        }
+        if (b->right != NULL && (b->right->left != b || b->right->seg != seg ||
+                                 (char *)b->right->ptr != (char *)b->ptr + b->size)) {
+            return "a piece's right neighbour does not follow it";
+        }
+        if (b->right != NULL && !b->live && !b->right->live) {
+            return "two adjacent free pieces were not coalesced";
+        }
+        if (b->left != NULL) {
+            continue;
+        }
+        /* The segment's head: the pieces from here tile it exactly. */
+        if ((lx_block *)((char *)seg - offsetof(lx_head, seg)) != b || seg->base != b->ptr) {
+            return "a segment's head is not its first piece's record";
+        }
+        size_t tiled = 0, live_pieces = 0, live_bytes = 0;
+        for (lx_block *p = b; p != NULL; p = p->right) {
+            if (p->seg != seg || map_find(&c->map, p->ptr) != p) {
+                return "a segment's piece belongs elsewhere or is not owned";
+            }
+            tiled += p->size;
+            live_pieces += p->live;
+            live_bytes += p->live ? p->size : 0;
+        }
+        if (tiled != seg->size) {
+            return "a segment's pieces do not add up to its size";
+        }
+        if (live_pieces != seg->live || live_bytes != seg->live_bytes) {
+            return "a segment's count of live pieces or bytes is wrong";
+        }
+        inactive += live_pieces > 0 ? seg->size - live_bytes : 0;
+        if (seg->orphan && live_pieces == 0) {
+            return "an orphan segment with no live piece is still held";
+        }
+        if (seg->last_used > c->fig.scopes) {
+            return "a segment was used in the future";
+        }
+        owned++;
+        held += seg->size;
+        segments += seg->size;
+    }
+    for (uint32_t i = 0; i < LX_NBINS; i++) {
+        for (int pool = 0; pool < 2; pool++) {
+            lx_bin *bin = pool ? &c->split[i] : &c->bins[i];
+            size_t n = 0;
+            for (lx_block *b = bin->top, *prev = NULL; b != NULL; prev = b, b = b->next) {
+                if (b->live || b->bin != i || b->prev != prev || map_find(&c->map, b->ptr) != b ||
+                    (b->seg != NULL) != pool || (b->seg != NULL && b->seg->orphan) ||
+                    (b->seg == NULL && b->orphan)) {
+                    return "a free list holds a live, foreign, orphan or unowned block";
+                }
+                n++;
+            }
+            if (n != bin->nfree) {
+                return "a bin's count of free blocks is wrong";
+            }
+            if (pool && (n != 0) != (int)((c->split_mask[i / 64] >> (i % 64)) & 1)) {
+                return "the split pool's bin mask disagrees with its lists";
+            }
+            listed += n;
+        }
+    }
+    size_t in_lru = 0, split_whole = 0;
+    for (lx_block *b = c->lru.newer; b != &c->lru; b = b->newer) {
+        if (b->live || b->newer->older != b) {
+            return "the LRU ring holds a live block or is broken";
+        }
+        in_lru++;
+        split_whole += b->seg != NULL && whole_locked(b) ? b->size : 0;
+    }
+    if (split_whole != c->split_whole) {
+        return "the bytes of the split pool's whole free segments are miscounted";
+    }
+    for (size_t i = 0; i < c->map.cap; i++) {
+        lx_block *b = c->map.slots[i];
+        unlisted += b != NULL && !b->live && b->seg != NULL && b->seg->orphan;
+    }
+    if (in_lru != listed) {
+        return "the LRU ring and the free lists disagree";
+    }
+    lx_arena *arenas[2] = {NULL, NULL};
+    if (c->plan != NULL) {
+        arenas[0] = c->plan->arena[LX_CYCLE];
+        arenas[1] = c->plan->arena[LX_KEPT];
+        if (arenas[0] == NULL && arenas[1] == NULL) {
+            return "a plan has no arena";
+        }
+        if (c->plan->last_used > c->fig.scopes) {
+            return "a plan was used in the future";
+        }
+    }
+    for (int k = 0; k < 3; k++) {
+        for (lx_arena *a = k < 2 ? arenas[k] : c->retired; a != NULL; a = k < 2 ? NULL : a->next) {
+            const char *broken = audit_arena_locked(c, a, k == 2);
+            if (broken != NULL) {
+                return broken;
+            }
+            cached += arena_held(a) - a->live_bytes;
+            owned += (a->base != NULL) + (a->base2 != NULL);
+            held += arena_held(a);
+        }
+    }
+    if (live != c->fig.bytes_live || cached != c->fig.bytes_cached) {
+        return "bytes_live or bytes_cached disagrees with the records";
+    }
+    if (inactive != c->fig.inactive_split) {
+        return "inactive_split disagrees with the free bytes of segments in use";
+    }
+    if (large != c->large_live) {
+        return "large_live disagrees with the live blocks above the split threshold";
+    }
+    if (held != live + cached) {
+        return "the blocks and segments held do not add up to bytes_live + bytes_cached";
+    }
+    if (segments != c->split_held || c->split_peak < c->split_held) {
+        return "the split pool's bytes held (or their peak in the cycle) are miscounted";
+    }
+    if (records != c->map.count) {
+        return "the map's count of records is wrong";
+    }
+    if (free_records != listed + unlisted) {
+        return "a free block is neither listed nor in an orphan segment";
+    }
+    if (owned != c->fig.upstream_allocs - c->fig.upstream_frees) {
+        return "the blocks owned disagree with upstream allocations minus frees";
+    }
+    return NULL;
+}

@@ -1,0 +1,409 @@
+/*
+ * The core's life and its operations: creation and destruction, alloc (plan,
+ * then pool, then upstream, under the limit) and free, trim, release, and
+ * scopes (their peaks, and eviction when one closes). Functions named lx_*
+ * take the core's lock; they are what the front ends call.
+ */
+#include "core.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+lx_core *
+lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap,
+            size_t split_above)
+{
+    lx_core *c = calloc(1, sizeof(lx_core));
+    if (c == NULL) {
+        return NULL;
+    }
+    c->map.cap = 64;
+    c->map.slots = calloc(c->map.cap, sizeof(lx_block *));
+    c->events = event_cap ? calloc(event_cap, sizeof(lx_event)) : NULL;
+    c->spans = event_cap ? calloc(LX_SPANS, sizeof(lx_span)) : NULL;
+    c->span_group = 1;
+    if (c->map.slots == NULL || (event_cap && (c->events == NULL || c->spans == NULL)) ||
+        pthread_mutex_init(&c->lock, NULL) != 0) {
+        free(c->map.slots);
+        free(c->events);
+        free(c->spans);
+        free(c);
+        return NULL;
+    }
+    c->event_cap = event_cap;
+    c->up = up;
+    c->limit = limit;
+    c->evict_after = evict_after;
+    c->lru.newer = c->lru.older = &c->lru;
+    while (c->split_bin < LX_NBINS && bin_bytes(c->split_bin) <= split_above) {
+        c->split_bin++;
+    }
+    while (c->plan_bin < c->split_bin && bin_bytes(c->plan_bin) <= LX_PLAN_ABOVE) {
+        c->plan_bin++;
+    }
+    enlist_core(c);
+    return c;
+}
+
+/*
+ * Only called when nothing can free into the core any more (the NumPy front
+ * end guarantees it: every array holds its handler, which holds the core).
+ * Should a live block remain all the same, it is left allocated (with its
+ * segment): never free what something may still use.
+ */
+void
+lx_core_destroy(lx_core *c)
+{
+    unlist_core(c);
+    trim_locked(c, 0);
+    for (size_t i = 0; i < c->map.cap; i++) {
+        free(c->map.slots[i]); /* records left (heads with their segments); memory stays */
+    }
+    if (c->plan != NULL) { /* an arena with a live block: the memory stays */
+        for (int k = 0; k < 2; k++) {
+            if (c->plan->arena[k] != NULL) {
+                free(c->plan->arena[k]->busy);
+                free(c->plan->arena[k]);
+            }
+        }
+        free_plan(c->plan);
+    }
+    for (lx_arena *a = c->retired, *next; a != NULL; a = next) {
+        next = a->next;
+        free(a->busy);
+        free(a);
+    }
+    free(c->rec);
+    free(c->prev);
+    free(c->map.slots);
+    free(c->watchers);
+    free(c->events);
+    free(c->spans);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
+/*
+ * A block of at least n bytes for the caller to use, or NULL with the reason
+ * in *status. *zero_filled tells whether the block is known to hold zeros
+ * (only ever for a new upstream block requested with zeroed).
+ */
+void *
+lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
+{
+    *zero_filled = 0;
+    n = n ? n : 1;
+    pthread_mutex_lock(&c->lock);
+    uint32_t bin = n <= LX_MAX_REQUEST ? bin_of(n) : 0;
+    size_t size = n <= LX_MAX_REQUEST ? bin_bytes(bin) : 0;
+    int split = bin >= c->split_bin, no_record = 0;
+    int64_t call = -1, lane = -1, lane_rank = 0;
+    if (c->stepping && size != 0) {
+        lane_of_locked(c, &call, &lane);
+        lane_rank = call >= 0 ? tl_lane.births++ : 0;
+    }
+    /* Recorded and planned: requests above LX_PLAN_ABOVE, and a lane's small ones, of
+     * which threads can hold more at once in one step than in another. */
+    int recorded = (bin >= c->plan_bin || call >= 0) && c->stepping;
+    /* (The small ones out of lanes keep their bins: a step without larger requests is
+     * not planned, and needs no warm-up.) */
+    int direct = recorded && (split || call >= 0) && c->warm_up && c->plan == NULL;
+    int seg = split && !direct; /* a miss makes a new segment of the split pool */
+    lx_block *b = NULL;
+    if (size == 0) {
+        /* above 128 TiB: a miss that fails below */
+    }
+    else if (direct) {
+        /* warm-up: a miss, by design */
+    }
+    else if (!split) { /* the fast path: exact-bin reuse */
+        if (recorded && c->plan != NULL) {
+            b = take_planned_locked(c, bin, size, call, lane, lane_rank);
+        }
+        if (b == NULL) {
+            c->bins[bin].last_used = c->fig.scopes;
+            if ((b = c->bins[bin].top) != NULL) {
+                unlink_free_locked(c, b);
+            }
+        }
+    }
+    else {
+        if (c->plan != NULL && c->stepping) {
+            b = take_planned_locked(c, bin, size, call, lane, lane_rank);
+        }
+        if (b == NULL) {
+            b = take_piece_locked(c, bin, size, &no_record);
+        }
+    }
+    int kind = LX_EV_HIT;
+    if (b != NULL) {
+        c->fig.bytes_cached -= size;
+        c->fig.hits++;
+    }
+    else {
+        c->fig.misses++;
+        void *ptr = NULL;
+        lx_block *rest = NULL; /* a consolidated segment's bytes beyond the request */
+        size_t got = size;     /* bytes taken from upstream */
+        if (c->limit && (size == 0 || size > c->limit)) {
+            *status = LX_OVER_LIMIT; /* no trim can make room for it */
+        }
+        else if (size == 0) {
+            *status = LX_OUT_OF_MEMORY; /* above 128 TiB: no machine has it */
+        }
+        else if (no_record ||
+                 (b = malloc(seg ? sizeof(lx_head) : sizeof(lx_block))) == NULL ||
+                 map_reserve(&c->map, 2) != 0) {
+            *status = LX_FALLBACK;
+        }
+        else {
+            if (c->limit) { /* make room: live + cached + size <= limit, if trimming can */
+                size_t room = c->limit - size;
+                trim_locked(c, room > c->fig.bytes_live ? room - c->fig.bytes_live : 0);
+                if (c->fig.bytes_live + c->fig.bytes_cached > room) {
+                    drop_plan_locked(c); /* its arena in use retires: back when its blocks die */
+                }
+            }
+            tl_upstream_error = 0;
+            /* Consolidation (pool.c: Split pool): the split pool's whole free segments,
+             * each smaller than the request, add up to it: they go back and the
+             * new segment takes their bytes too (reserved grows by size, as on
+             * any miss). Should that fail, the request alone is asked for. */
+            if (seg && c->split_whole >= size && c->split_whole <= LX_MAX_REQUEST - size &&
+                (rest = malloc(sizeof(lx_block))) != NULL) {
+                got = size + release_split_wholes_locked(c, UINT64_MAX);
+                ptr = c->up.alloc(c->up.ctx, got, zeroed);
+            }
+            if (ptr == NULL) {
+                got = size;
+                ptr = c->up.alloc(c->up.ctx, size, zeroed);
+            }
+            if (ptr == NULL && c->fig.bytes_cached > 0) { /* out of memory: trim, retry */
+                trim_locked(c, 0);
+                ptr = c->up.alloc(c->up.ctx, size, zeroed);
+            }
+            *status = ptr != NULL ? LX_OK : LX_OUT_OF_MEMORY;
+        }
+        if (ptr == NULL) {
+            free(b);
+            free(rest);
+            if (*status != LX_FALLBACK) {
+                note_failure_locked(c, *status, n);
+            }
+            pthread_mutex_unlock(&c->lock);
+            return NULL;
+        }
+        *b = (lx_block){.ptr = ptr, .size = size, .bin = bin, .orphan = (uint8_t)direct,
+                        .direct = (uint8_t)direct};
+        c->direct_live += direct;
+        if (seg) { /* a new segment, this block its first piece */
+            lx_head *head = (lx_head *)b;
+            head->seg = (lx_segment){.base = ptr, .size = got, .last_used = c->fig.scopes};
+            note_piece_locked(c, &head->seg, size, +1);
+            b->seg = &head->seg;
+            c->split_held += got;
+            c->split_peak = c->split_held > c->split_peak ? c->split_held : c->split_peak;
+        }
+        map_put(&c->map, b);
+        if (got > size) {
+            *rest = (lx_block){.ptr = (char *)ptr + size, .size = got - size, .left = b,
+                               .seg = b->seg};
+            rest->bin = floor_bin(rest->size);
+            b->right = rest;
+            map_put(&c->map, rest);
+            c->fig.bytes_cached += rest->size;
+            link_free_locked(c, rest);
+        }
+        else {
+            free(rest);
+        }
+        c->fig.upstream_allocs++;
+        *zero_filled = zeroed;
+        kind = LX_EV_UPSTREAM;
+    }
+    b->live = 1;
+    c->fig.bytes_live += size;
+    if (split) {
+        c->large_live += size;
+        c->large_peak = c->large_live > c->large_peak ? c->large_live : c->large_peak;
+    }
+    if (recorded) {
+        note_birth_locked(c, b);
+    }
+    note_peaks_locked(c);
+    record_locked(c, kind);
+    pthread_mutex_unlock(&c->lock);
+    *status = LX_OK;
+    return b->ptr;
+}
+
+/* Take back a block whose array died. Returns 0 if ptr is not the core's. */
+int
+lx_free(lx_core *c, void *ptr)
+{
+    pthread_mutex_lock(&c->lock);
+    lx_block *b = map_find(&c->map, ptr);
+    if (b == NULL) {
+        int ours = in_an_arena_locked(c, ptr); /* a second free of a plan's block: ignored */
+        pthread_mutex_unlock(&c->lock);
+        return ours;
+    }
+    if (b->live) { /* a second free of a free block is ignored: it is cached */
+        b->live = 0;
+        c->fig.bytes_live -= b->size;
+        if (b->size >= bin_bytes(c->split_bin)) {
+            c->large_live -= b->size;
+        }
+        c->fig.bytes_cached += b->size;
+        if (b->rec || b->carry) {
+            note_death_locked(c, b);
+        }
+        if (b->arena != NULL) {
+            put_planned_locked(c, b);
+        }
+        else if (b->seg != NULL) {
+            return_piece_locked(c, b);
+        }
+        else if (b->orphan) {
+            int direct = b->direct; /* the warm-up's: outside every arena */
+            release_locked(c, b);
+            c->direct_live -= direct;
+            if (direct && c->direct_live == 0 && c->plan != NULL && c->cycle >= c->plan->from_cycle) {
+                grow_arenas_locked(c); /* the first planned step's last outsider died */
+            }
+        }
+        else {
+            link_free_locked(c, b);
+            record_locked(c, LX_EV_RETURN);
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return 1;
+}
+
+/* The block size of a live block of the core, or 0 if ptr is not one. */
+size_t
+lx_live_size(lx_core *c, void *ptr)
+{
+    pthread_mutex_lock(&c->lock);
+    lx_block *b = map_find(&c->map, ptr);
+    size_t size = b != NULL && b->live ? b->size : 0;
+    pthread_mutex_unlock(&c->lock);
+    return size;
+}
+
+size_t
+lx_trim(lx_core *c, size_t max_cached)
+{
+    pthread_mutex_lock(&c->lock);
+    size_t released = trim_locked(c, max_cached);
+    pthread_mutex_unlock(&c->lock);
+    return released;
+}
+
+/* Release every whole free block and segment now, and every other when its
+ * last array dies (an orphan). Blocks allocated afterwards are cached as usual. */
+void
+lx_release_all(lx_core *c)
+{
+    pthread_mutex_lock(&c->lock);
+    trim_locked(c, 0);
+    drop_plan_locked(c); /* one with live blocks: retired, released when they die */
+    /* What is still listed is a free piece of a segment with a live piece. */
+    while (c->lru.newer != &c->lru) {
+        unlink_free_locked(c, c->lru.newer);
+    }
+    for (size_t i = 0; i < c->map.cap; i++) {
+        lx_block *b = c->map.slots[i];
+        if (b != NULL && b->seg != NULL) {
+            b->seg->orphan = 1;
+        }
+        else if (b != NULL && b->arena == NULL) {
+            b->orphan = 1; /* every exact-bin block left is live */
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* Open a scope: advance the clock, start watching its peaks. Returns the
+ * watcher's slot, or -1 when the bookkeeping is out of memory. */
+long
+lx_scope_enter(lx_core *c)
+{
+    pthread_mutex_lock(&c->lock);
+    size_t slot = 0;
+    while (slot < c->nwatchers && c->watchers[slot].in_use) {
+        slot++;
+    }
+    if (slot == c->nwatchers) {
+        size_t n = c->nwatchers ? 2 * c->nwatchers : 8;
+        lx_watcher *w = realloc(c->watchers, n * sizeof(lx_watcher));
+        if (w == NULL) {
+            pthread_mutex_unlock(&c->lock);
+            return -1;
+        }
+        memset(w + c->nwatchers, 0, (n - c->nwatchers) * sizeof(lx_watcher));
+        c->watchers = w;
+        c->nwatchers = n;
+    }
+    c->watchers[slot].in_use = 1;
+    c->watchers[slot].owner = pthread_self();
+    c->watchers[slot].peak_live = c->fig.bytes_live;
+    c->watchers[slot].peak_reserved = c->fig.bytes_live + c->fig.bytes_cached;
+    if (slot >= c->watch_hi) {
+        c->watch_hi = slot + 1;
+    }
+    c->fig.scopes++;
+    if (c->depth++ == 0 && c->spans != NULL) {
+        open_span_locked(c);
+    }
+    record_locked(c, LX_EV_SCOPE_ENTER);
+    pthread_mutex_unlock(&c->lock);
+    return (long)slot;
+}
+
+/* Close a scope: report its peaks, and release the free blocks of every
+ * exact-bin size bin not asked for during the last evict_after scopes, every
+ * whole free segment that served no request during them, and likewise a
+ * plan. -1 if slot is not open. */
+int
+lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
+{
+    pthread_mutex_lock(&c->lock);
+    if (slot >= c->nwatchers || !c->watchers[slot].in_use) {
+        pthread_mutex_unlock(&c->lock);
+        return -1;
+    }
+    *peak_live = c->watchers[slot].peak_live;
+    *peak_reserved = c->watchers[slot].peak_reserved;
+    c->watchers[slot].in_use = 0;
+    while (c->watch_hi > 0 && !c->watchers[c->watch_hi - 1].in_use) {
+        c->watch_hi--;
+    }
+    uint64_t now = c->fig.scopes;
+    for (uint32_t i = 0; c->evict_after && i < c->split_bin; i++) {
+        lx_bin *bin = &c->bins[i];
+        while (bin->top != NULL && now - bin->last_used >= c->evict_after) {
+            lx_block *b = bin->top;
+            unlink_free_locked(c, b);
+            release_locked(c, b);
+        }
+    }
+    for (lx_block *b = c->lru.newer; c->evict_after && c->split_whole > 0 && b != &c->lru;) {
+        lx_block *newer = b->newer;
+        if (b->seg != NULL && whole_locked(b) && now - b->seg->last_used >= c->evict_after) {
+            unlink_free_locked(c, b);
+            release_locked(c, b);
+        }
+        b = newer;
+    }
+    if (c->evict_after && c->plan != NULL && now - c->plan->last_used >= c->evict_after) {
+        drop_plan_locked(c);
+    }
+    if (--c->depth == 0 && c->spans != NULL) {
+        close_span_locked(c);
+    }
+    record_locked(c, LX_EV_SCOPE_EXIT);
+    pthread_mutex_unlock(&c->lock);
+    return 0;
+}

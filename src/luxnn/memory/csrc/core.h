@@ -1,0 +1,472 @@
+/*
+ * luxnn.memory._core -- the step-scoped caching allocator: the core's types,
+ * its lock contract, and what each of its files offers the others.
+ *
+ * One core does the bookkeeping of one AllocCache: which blocks it owns, which
+ * are free (by size bin, and in least-recently-used order), and the figures.
+ * It never reads or writes the contents of a block, so the same core can serve
+ * host pointers (the NumPy front end) and device pointers (a CuPy front end
+ * plugs in its own lx_upstream: upstream_cuda.c).
+ *
+ * Files (src/luxnn/memory/csrc/; the design notes are comment blocks beside
+ * the code they explain, named here in quotes):
+ *   bins.h            size bins: which byte sizes share a free list ("Size bins")
+ *   core.h            the core's types and lock contract; the functions across files
+ *   map.c             ownership map: pointer -> block record ("Ownership map")
+ *   pool.c            the exact-bin pool and the split pool ("Split pool")
+ *   plan.c            step plans: a request at its planned place, installing a
+ *                     plan ("Step plans")
+ *   arena.c           a plan's arena: chunks, granule bitmap, blocks, retirement
+ *   record.c          steps, their record for the planner, kernel lanes
+ *   core.c            the core's life and operations: alloc, free, trim, scopes
+ *   figures.c         peaks, the event ring and the timeline's spans
+ *   audit.c           the bookkeeping checked against itself (for the tests)
+ *   failure.c         why this thread's last cached allocation failed ("Failure record")
+ *   fork.c            every core lock taken before fork, released after it ("Fork")
+ *   upstream.h        where blocks come from and go back to
+ *   upstream_host.c   host memory ("Host memory")
+ *   upstream_cuda.c   device memory through the CUDA driver, bound at run time
+ *                     ("CUDA upstream")
+ *   numpy_handler.c   the NEP 49 handler whose ctx is a core ("NumPy front end")
+ *   py.h, py_module.c the Core type and the module; py_plan.c the planner's
+ *                     interface; py_cuda.c bind_cuda and the Block type
+ *
+ * Locking: every mutable field of lx_core is guarded by core->lock. Functions
+ * named lx_* take the lock; functions named *_locked expect it held. Nothing
+ * done under the lock touches a Python object (the core's own files do not
+ * include Python.h: only py.h and so py_*.c and numpy_handler.c do), so the
+ * handler's free (and malloc) may run in any thread, with or without the GIL.
+ * Lock order when both are held: the GIL first, then a core lock; no code path
+ * holding a core lock waits for the GIL, so the two cannot deadlock.
+ *
+ * All of it is internal to the extension: it is built with -fvisibility=hidden,
+ * and only PyInit__core is exported.
+ */
+#ifndef LX_CORE_H
+#define LX_CORE_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1 /* POSIX and Linux calls under -std=c11 (Python.h defines it too) */
+#endif
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bins.h"
+#include "upstream.h"
+
+/* ---- Thresholds -----------------------------------------------------------
+ *
+ * Requests whose block is larger than LX_SPLIT_ABOVE go to the split pool
+ * (pool.c: Split pool), smaller ones to the exact-bin pool. */
+#ifndef LX_SPLIT_ABOVE
+#define LX_SPLIT_ABOVE ((size_t)64 << 10)
+#endif
+#define LX_MASK_WORDS ((LX_NBINS + 63) / 64)
+/* Steps record and plans serve requests above this (and a lane's of any size): a
+ * small block's bin holds as many blocks as a step ever needed at once, idle while
+ * the step's peak needs other sizes. */
+#ifndef LX_PLAN_ABOVE
+#define LX_PLAN_ABOVE ((size_t)16 << 10)
+#endif
+
+/* ---- Blocks, segments and the ownership map ------------------------------ */
+
+struct lx_segment;
+
+/* A block of the core: a whole upstream allocation (exact-bin pool: seg and
+ * arena are NULL), a piece of a segment of the split pool (pool.c: Split pool), or a
+ * live block at a plan's place in an arena (plan.c: Step plans; never free: its
+ * record goes when it dies). */
+typedef struct lx_block {
+    void *ptr;
+    size_t size;                   /* bytes: the request's bin size while live */
+    struct lx_block *prev, *next;  /* neighbours in the bin's free list (free blocks) */
+    struct lx_block *older, *newer; /* neighbours in the core's LRU ring (free blocks) */
+    struct lx_block *left, *right; /* split pool: the pieces before and after (NULL: none) */
+    struct lx_segment *seg;        /* split pool: the segment; NULL: the exact-bin pool */
+    struct lx_arena *arena;        /* a plan's block (plan.c): its arena; seg is NULL */
+    size_t rec;                    /* 1 + its index in the open cycle's record; 0: none */
+    size_t carry;                  /* 1 + its index in the last cycle's record, which it
+                                      outlived, while the next one runs; 0: none */
+    uint32_t bin;   /* exact-bin pool and live pieces: the request's bin; free
+                       pieces: floor_bin(size) */
+    uint8_t live;   /* 1: in use by an array; 0: free */
+    uint8_t orphan; /* exact-bin pool: live block released by free(): goes upstream
+                       when it dies (pieces: seg->orphan) */
+    uint8_t direct; /* the warm-up's (plan.c: Warm-up): upstream at its size, back when it dies */
+} lx_block;
+
+/* A segment of the split pool. Its leftmost piece (at base) lives exactly as
+ * long as the segment (merges keep the left record, splits add records to the
+ * right), so both share one allocation, an lx_head: freeing that piece's
+ * record frees the segment's. */
+typedef struct lx_segment {
+    void *base;
+    size_t size;        /* bytes allocated upstream */
+    size_t live;        /* pieces in use by arrays */
+    size_t live_bytes;  /* their bytes */
+    uint64_t last_used; /* scope clock when a piece of it last served a request */
+    uint8_t orphan;     /* released by free(): free pieces unlisted, upstream when no
+                           piece is live */
+} lx_segment;
+
+typedef struct {
+    lx_block block; /* first: a pointer to the head is a pointer to its block */
+    lx_segment seg;
+} lx_head;
+
+typedef struct {
+    lx_block **slots; /* NULL: empty */
+    size_t cap;       /* a power of two */
+    size_t count;
+} lx_map;
+
+static inline size_t
+map_home(const lx_map *m, const void *ptr)
+{
+    uint64_t x = ((uint64_t)(uintptr_t)ptr >> 6) * 0x9E3779B97F4A7C15ull;
+    return (size_t)(x >> 32) & (m->cap - 1);
+}
+
+static inline lx_block *
+map_find(const lx_map *m, const void *ptr)
+{
+    size_t mask = m->cap - 1;
+    for (size_t i = map_home(m, ptr);; i = (i + 1) & mask) {
+        lx_block *b = m->slots[i];
+        if (b == NULL || b->ptr == ptr) {
+            return b;
+        }
+    }
+}
+
+/* ---- Step plans (plan.c: Step plans) ------------------------------------- */
+
+typedef struct lx_arena {
+    char *base;               /* its first chunk: offsets [0, first) */
+    char *base2;              /* its second chunk, offsets [first, size); NULL: not yet */
+    size_t size;              /* bytes of both chunks */
+    size_t first;             /* bytes of the first chunk (size: it is the only one) */
+    size_t live;              /* blocks alive in it */
+    size_t live_bytes;
+    uint64_t *busy;           /* bit i: granule i (512 B) belongs to a live block */
+    struct lx_arena *next;    /* the next retired arena */
+} lx_arena;
+
+typedef struct {
+    size_t offset[2]; /* its place in even and odd cycles (equal unless it outlives one) */
+    uint32_t arena;   /* LX_CYCLE or LX_KEPT */
+    uint32_t bin;     /* the bin of its requests */
+    uint64_t taken;   /* the last cycle that took it */
+} lx_slot;
+
+/* A lane of a threaded kernel call: its slots, in rank order. */
+typedef struct {
+    int64_t call, lane;
+    uint32_t first, count;
+} lx_lane_slots;
+
+/* The lane this thread's requests are made in (set by luxnn.parallel around a
+ * share of a kernel call; call 0: none): the kernel call (a number of
+ * kernel_calls), the share, the requests made in it so far (of any size), and
+ * its clock (those requests and the deaths in it of its blocks). */
+typedef struct {
+    int64_t call, lane, births, tick;
+} lx_lane;
+
+extern _Thread_local lx_lane tl_lane;
+extern _Atomic int64_t kernel_calls; /* threaded kernel calls begun, in every thread */
+
+/* A plan's arenas: the cycle arena, one for every block of the circular two-step
+ * schedule (plan.c: Step plans), and a kept one that install_plan still takes but the
+ * planner no longer asks for (kept_size 0). Either may be NULL. */
+enum { LX_CYCLE, LX_KEPT };
+
+typedef struct {
+    lx_arena *arena[2];
+    lx_slot *slots;            /* the others' by bin, and within a bin in the recorded
+                                  order; then the lanes' */
+    size_t nslots;
+    lx_lane_slots *lanes;      /* by (call, lane) */
+    size_t nlanes;
+    uint64_t installed;        /* scope clock of the first scope that the first of the
+                                  plans that replaced one another could serve */
+    uint64_t last_used;        /* scope clock when it last served a request */
+    uint64_t from_cycle;       /* the first cycle it serves */
+    uint32_t first[LX_NBINS];  /* each bin's first slot (if it has any) */
+    uint32_t count[LX_NBINS];  /* each bin's slots */
+    uint32_t rank[LX_NBINS];   /* this cycle: the bin's requests so far, out of lanes */
+} lx_plan;
+
+/* What install_plan says (luxnn.memory.plan.PlanStatus). */
+enum { LX_PLAN_INSTALLED, LX_PLAN_LATER, LX_PLAN_NO_ROOM };
+
+/* A recorded request of the open cycle (above LX_PLAN_ABOVE, or a lane's), for the planner. */
+typedef struct { /* its int64 fields first, in the order of a record's columns */
+    int64_t size, born, died; /* died: -1 while alive; still -1 when the cycle ends */
+    int64_t call, lane;       /* its lane (call from 0: the step's first kernel call),
+                                 or -1, -1 */
+    int64_t lane_born, lane_died; /* on its lane's clock; lane_died -1 unless it died
+                                     in its lane */
+    struct lx_block *block;   /* while alive in the cycle */
+} lx_request;
+#define LX_REQUEST_COLUMNS 7  /* the int64 fields above, in their order */
+_Static_assert(offsetof(lx_request, block) == LX_REQUEST_COLUMNS * sizeof(int64_t),
+               "a request's int64 fields are its record's columns");
+
+/* A request of the last cycle: as recorded, and, for one that outlived it, its
+ * death on the clock of the cycle after (-1: alive at that one's end too). */
+typedef struct {
+    lx_request r;
+    int64_t next_died;
+} lx_carried;
+
+/* ---- The core ------------------------------------------------------------ */
+
+typedef struct {
+    uint64_t hits;            /* requests served from a free list */
+    uint64_t misses;          /* requests the free lists could not serve */
+    uint64_t upstream_allocs; /* blocks and segments obtained from upstream */
+    uint64_t upstream_frees;  /* blocks and segments given back to upstream */
+    uint64_t scopes;          /* scopes entered; also the clock of evict_after */
+    size_t bytes_live;        /* block bytes in use by arrays */
+    size_t bytes_cached;      /* bytes held and not in use: free blocks and pieces
+                                 (an orphan segment's too, though never reused) */
+    size_t peak_live;         /* highest bytes_live since creation or reset_peaks */
+    size_t peak_reserved;     /* highest bytes_live + bytes_cached, likewise */
+    uint64_t plan_hits;       /* requests served at their planned place (also hits) */
+    uint64_t plan_misses;     /* split-pool requests of cycles with a plan it did not serve */
+    uint64_t plans;           /* plans installed */
+    size_t inactive_split;    /* free bytes of the split pool's segments that hold a live
+                                 piece (PyTorch's inactive_split_bytes) */
+} lx_figures;
+
+typedef struct {
+    lx_block *top;      /* most recently freed block of the bin; linked by next */
+    size_t nfree;
+    uint64_t last_used; /* scope clock at the bin's last allocation request */
+} lx_bin;
+
+/* The peaks of one open scope (slots are reused; in_use marks the open ones). */
+typedef struct {
+    int in_use;
+    pthread_t owner; /* the thread that opened it: a forked child keeps only its own */
+    size_t peak_live, peak_reserved;
+} lx_watcher;
+
+enum {
+    LX_EV_HIT,         /* a request served from a free list */
+    LX_EV_UPSTREAM,    /* a request served by a new upstream block */
+    LX_EV_RETURN,      /* a block back in the free lists: its array died */
+    LX_EV_RELEASE,     /* a block given back upstream */
+    LX_EV_SCOPE_ENTER,
+    LX_EV_SCOPE_EXIT,
+    LX_EV_PLAN,        /* an arena taken from upstream for a plan */
+};
+
+typedef struct {
+    int64_t t_ns; /* CLOCK_MONOTONIC */
+    int64_t bytes_live;
+    int64_t bytes_reserved;
+    int64_t kind;
+} lx_event;
+
+/* A span of the timeline: from a scope opened while none was open to the
+ * close of the last one open (one step, in the usual loop; scopes of threads
+ * that overlap make one span), or several spans in a row merged. The event
+ * ring keeps only the last events; spans cover the whole run: when LX_SPANS
+ * rows are full, neighbours merge pairwise and each row takes twice as many. */
+typedef struct {
+    int64_t t_enter, t_exit; /* CLOCK_MONOTONIC */
+    int64_t live_enter, reserved_enter;
+    int64_t peak_live, peak_reserved;
+    int64_t live_exit, reserved_exit;
+    int64_t spans; /* spans merged in this row */
+} lx_span;
+
+#define LX_SPANS 4096
+
+typedef struct lx_core {
+    pthread_mutex_t lock;
+    lx_upstream up;             /* constant after creation */
+    size_t limit;               /* 0: none */
+    uint64_t evict_after;       /* 0: never */
+    lx_figures fig;
+    lx_bin bins[LX_NBINS];      /* the exact-bin pool's free lists, bins below split_bin */
+    lx_bin split[LX_NBINS];     /* the split pool's free pieces by floor_bin (no last_used) */
+    uint64_t split_mask[LX_MASK_WORDS]; /* bit i: split[i] holds a free piece */
+    uint32_t split_bin;         /* the first bin served by the split pool; constant */
+    uint32_t plan_bin;          /* the first bin that steps record and plans; constant */
+    size_t split_whole;         /* bytes of the split pool's whole free segments */
+    size_t split_held;          /* bytes of the split pool's segments */
+    size_t split_peak;          /* the highest split_held since the cycle opened */
+    lx_block lru;               /* ring sentinel: lru.newer is the oldest free block */
+    lx_map map;
+    lx_watcher *watchers;
+    size_t nwatchers;           /* slots allocated */
+    size_t watch_hi;            /* slots at or above this index are not in use */
+    lx_event *events;           /* ring of the last event_cap events; NULL: not recording */
+    size_t event_cap;
+    uint64_t events_total;
+    lx_span *spans;             /* LX_SPANS rows while recording, else NULL */
+    size_t nspans;              /* rows in use */
+    int64_t span_group;         /* spans a full row holds */
+    lx_span open_span;          /* the span open now, while depth > 0 */
+    /* Step plans (plan.c, record.c). */
+    size_t depth;               /* scopes open */
+    uint64_t cycle;             /* cycles opened */
+    uint64_t cycle_misses;      /* plan misses of the open (or last) cycle */
+    lx_plan *plan;              /* NULL: none */
+    lx_arena *retired;          /* replaced arenas with live blocks */
+    lx_request *rec;            /* the open cycle's record */
+    size_t nrec, rec_cap;
+    lx_carried *prev;           /* the last final record, with the deaths of its blocks
+                                   that outlived it during the cycle after */
+    size_t nprev, prev_cap;
+    int64_t tick;               /* the record's clock */
+    int rec_lost;               /* the record ran out of memory: incomplete */
+    int pending;                /* the last cycle closed; its record not yet taken */
+    int finished;               /* the last cycle's record is final (finish_record_locked) */
+    int stepping;               /* a step is open: the cycle */
+    int warm_up;                /* while no plan serves, a step's split-pool requests go
+                                   upstream at their size, and back when they die */
+    size_t direct_live;         /* the warm-up's blocks alive (plan.c: Warm-up) */
+    size_t large_live;          /* bytes of live blocks above the split threshold */
+    size_t large_peak;          /* the highest large_live since the cycle opened */
+    pthread_t step_owner;       /* the thread that began it */
+    int64_t call_base;          /* kernel_calls when it began */
+    struct lx_core *fork_prev, *fork_next; /* every core, for fork (fork.c); guarded
+                                              by cores_lock, not by lock */
+} lx_core;
+
+typedef enum {
+    LX_OK,
+    LX_FALLBACK,      /* the bookkeeping is out of memory: use the plain allocator */
+    LX_OVER_LIMIT,    /* one request larger than the limit */
+    LX_OUT_OF_MEMORY, /* upstream failed, even after releasing every free block */
+    LX_BUSY,          /* a plan's arena that must be replaced is in use: not now */
+} lx_status;
+
+/* ---- Failure record (failure.c) ------------------------------------------ */
+
+typedef struct {
+    uint64_t seq;   /* failures in this thread so far */
+    int status;     /* LX_OVER_LIMIT or LX_OUT_OF_MEMORY */
+    size_t request; /* bytes asked for */
+    size_t limit;   /* the cache's limit, 0 if none */
+    lx_figures fig; /* the cache's figures when it failed */
+    int upstream_error; /* the CUDA driver's error code, 0 for host memory */
+} lx_failure;
+
+extern _Thread_local lx_failure tl_failure; /* this thread's last failure */
+
+/* ---- Small helpers, inline ----------------------------------------------- */
+
+/* Whether a free block is a whole upstream allocation, which alone may go back. */
+static inline int
+whole_locked(const lx_block *b)
+{
+    return b->left == NULL && b->right == NULL;
+}
+
+/* The bytes of arena a taken from upstream: its first chunk, and its second once there
+ * (a retired arena may have given back the one of its chunks that no block lives in). */
+static inline size_t
+arena_held(const lx_arena *a)
+{
+    return (a->base != NULL ? a->first : 0) + (a->base2 != NULL ? a->size - a->first : 0);
+}
+
+/* The address of offset `at` of arena a (in a chunk it holds). */
+static inline char *
+arena_at(const lx_arena *a, size_t at)
+{
+    return at < a->first ? a->base + at : a->base2 + (at - a->first);
+}
+
+/* Whether bytes [at, at + size) of arena a lie in one chunk that it holds. */
+static inline int
+arena_serves(const lx_arena *a, size_t at, size_t size)
+{
+    return at + size <= arena_held(a) && (at >= a->first || at + size <= a->first);
+}
+
+/* ---- Across files -----------------------------------------------------------
+ * Functions named lx_* take the core's lock; *_locked ones expect it held. */
+
+/* core.c: the core's life and operations (what the front ends call) */
+lx_core *lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap,
+                     size_t split_above);
+void lx_core_destroy(lx_core *c);
+void *lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status);
+int lx_free(lx_core *c, void *ptr);
+size_t lx_live_size(lx_core *c, void *ptr);
+size_t lx_trim(lx_core *c, size_t max_cached);
+void lx_release_all(lx_core *c);
+long lx_scope_enter(lx_core *c);
+int lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved);
+
+/* map.c: the ownership map (map_find is above) */
+void map_put(lx_map *m, lx_block *b);
+int map_reserve(lx_map *m, size_t n);
+void map_remove(lx_map *m, const lx_block *b);
+
+/* pool.c: the exact-bin pool and the split pool */
+void unlink_free_locked(lx_core *c, lx_block *b);
+void link_free_locked(lx_core *c, lx_block *b);
+void release_locked(lx_core *c, lx_block *b);
+void note_piece_locked(lx_core *c, lx_segment *seg, size_t size, int change);
+lx_block *take_piece_locked(lx_core *c, uint32_t bin, size_t size, int *no_record);
+void return_piece_locked(lx_core *c, lx_block *b);
+size_t trim_pools_locked(lx_core *c, size_t max_cached);
+size_t trim_locked(lx_core *c, size_t max_cached);
+size_t release_split_wholes_locked(lx_core *c, uint64_t since);
+
+/* plan.c: step plans, served */
+void free_plan(lx_plan *p);
+size_t drop_plan_locked(lx_core *c);
+lx_block *take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t lane,
+                              int64_t lane_rank);
+lx_status lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2], size_t first);
+
+/* arena.c: a plan's arena */
+int granules_free(const lx_arena *a, size_t from, size_t to);
+size_t arena_offset(const lx_arena *a, const void *ptr);
+size_t drop_arena_locked(lx_core *c, lx_arena *a);
+lx_block *arena_block_locked(lx_core *c, lx_arena *a, size_t at, size_t size, uint32_t bin);
+int free_run(const lx_arena *a, size_t size, size_t *at);
+int retired_locked(const lx_core *c, const lx_arena *a);
+int in_an_arena_locked(const lx_core *c, const void *ptr);
+void put_planned_locked(lx_core *c, lx_block *b);
+lx_arena *new_arena_locked(lx_core *c, size_t size, size_t first, lx_status *status);
+void grow_arenas_locked(lx_core *c);
+
+/* record.c: steps, their record, lanes */
+void lane_of_locked(const lx_core *c, int64_t *call, int64_t *lane);
+void note_birth_locked(lx_core *c, lx_block *b);
+void note_death_locked(lx_core *c, lx_block *b);
+void finish_record_locked(lx_core *c);
+void lx_step_begin(lx_core *c);
+void lx_step_end(lx_core *c);
+int lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *planned,
+                   size_t *split_peak, size_t *large_peak, int64_t **prev, size_t *nprev);
+
+/* figures.c: peaks, events, spans */
+void record_locked(lx_core *c, int kind);
+void open_span_locked(lx_core *c);
+void close_span_locked(lx_core *c);
+void note_peaks_locked(lx_core *c);
+void lx_reset_peaks(lx_core *c);
+lx_figures lx_figures_of(lx_core *c);
+
+/* audit.c, failure.c, fork.c */
+const char *audit_locked(lx_core *c);
+void note_failure_locked(lx_core *c, lx_status status, size_t request);
+void enlist_core(lx_core *c);
+void unlist_core(lx_core *c);
+int install_fork_handlers(void);
+
+#endif /* LX_CORE_H */

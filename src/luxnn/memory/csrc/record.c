@@ -1,0 +1,235 @@
+/*
+ * Steps and their record (plan.c: Step plans): the training verbs begin and
+ * end a step, which is a cycle; the cycle's requests above LX_PLAN_ABOVE and
+ * its lanes' are recorded (size, birth, death, lane) for the planner
+ * (luxnn/memory/plan.py), and a record's blocks that outlive it are carried
+ * into the next. Lanes: which share of a threaded kernel call this thread's
+ * requests are made in. Functions named lx_* take the core's lock; the others
+ * expect it held.
+ */
+#include "core.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+_Thread_local lx_lane tl_lane;
+_Atomic int64_t kernel_calls; /* threaded kernel calls begun, in every thread */
+
+/* The lane of this thread's requests in the open step (*call counted from the
+ * step's first kernel call), or -1, -1: none, or one of an earlier step (a
+ * lane left set by an interrupt: its requests are matched as any other's). */
+void
+lane_of_locked(const lx_core *c, int64_t *call, int64_t *lane)
+{
+    int in_lane = c->stepping && tl_lane.call > c->call_base;
+    *call = in_lane ? tl_lane.call - c->call_base - 1 : -1;
+    *lane = in_lane ? tl_lane.lane : -1;
+}
+
+/* The open cycle's record: a split-pool block was allocated, or died. */
+void
+note_birth_locked(lx_core *c, lx_block *b)
+{
+    if (c->rec_lost) {
+        return;
+    }
+    if (c->nrec == c->rec_cap) {
+        size_t cap = c->rec_cap ? 2 * c->rec_cap : 256;
+        lx_request *rec = realloc(c->rec, cap * sizeof(lx_request));
+        if (rec == NULL) {
+            c->rec_lost = 1;
+            return;
+        }
+        c->rec = rec;
+        c->rec_cap = cap;
+    }
+    int64_t call, lane;
+    lane_of_locked(c, &call, &lane);
+    c->rec[c->nrec] = (lx_request){(int64_t)b->size, c->tick++, -1, call, lane,
+                                   call >= 0 ? tl_lane.tick++ : -1, -1, b};
+    b->rec = ++c->nrec;
+}
+
+void
+note_death_locked(lx_core *c, lx_block *b)
+{
+    if (b->rec) {
+        lx_request *r = &c->rec[b->rec - 1];
+        int64_t call, lane;
+        lane_of_locked(c, &call, &lane);
+        r->died = c->tick++;
+        if (r->call >= 0 && r->call == call && r->lane == lane) {
+            r->lane_died = tl_lane.tick++;
+        }
+        r->block = NULL;
+        b->rec = 0;
+    }
+    if (b->carry) {
+        lx_carried *r = &c->prev[b->carry - 1];
+        r->next_died = c->tick++;
+        r->r.block = NULL;
+        b->carry = 0;
+    }
+}
+
+/* The last cycle's record is final: its blocks alive now outlive it (died
+ * stays -1) and are carried into the next (their deaths there are noted); those
+ * that died since it closed died at its end, as far as the planner is
+ * concerned. The record before it is dropped (its blocks still alive outlive
+ * two cycles: next_died stays -1). */
+void
+finish_record_locked(lx_core *c)
+{
+    for (size_t i = 0; i < c->nprev; i++) {
+        if (c->prev[i].r.block != NULL) {
+            c->prev[i].r.block->carry = 0;
+        }
+    }
+    c->nprev = 0;
+    if (c->nrec > c->prev_cap) {
+        lx_carried *prev = realloc(c->prev, c->nrec * sizeof(lx_carried));
+        if (prev != NULL) {
+            c->prev = prev;
+            c->prev_cap = c->nrec;
+        }
+    }
+    int keep = !c->rec_lost && c->nrec <= c->prev_cap;
+    for (size_t i = 0; i < c->nrec; i++) {
+        lx_request *r = &c->rec[i];
+        lx_block *b = r->block;
+        if (b != NULL) {
+            b->rec = 0;
+            r->block = NULL;
+        }
+        if (keep) {
+            c->prev[i] = (lx_carried){*r, -1};
+            c->prev[i].r.block = b;
+            if (b != NULL) {
+                b->carry = i + 1;
+            }
+        }
+    }
+    c->nprev = keep ? c->nrec : 0;
+    c->pending = 0;
+    c->finished = 1;
+}
+
+/* A cycle opens: a fresh record, every slot free to take, and while a plan
+ * serves, no whole free segment of the split pool that served nothing since
+ * the plan came stays (what the plan replaced; misses' segments are kept, and
+ * evicted as usual). */
+static void
+open_cycle_locked(lx_core *c)
+{
+    if (!c->finished) {
+        finish_record_locked(c); /* nobody took it, or it holds no request */
+    }
+    c->finished = 0;
+    c->cycle++;
+    if (c->plan != NULL) {
+        memset(c->plan->rank, 0, sizeof(c->plan->rank));
+        if (c->cycle > c->plan->from_cycle) {
+            grow_arenas_locked(c); /* a warm-up block outlived the first planned step */
+        }
+        /* Blocks that outlived the last cycle may have died since it closed. */
+        release_split_wholes_locked(c, c->plan->installed);
+    }
+    else if (c->warm_up) {
+        /* The warm-up holds nothing: what the split pool served before it (an optimizer's
+         * first state, made outside a step) goes back once it died. */
+        release_split_wholes_locked(c, UINT64_MAX);
+    }
+    c->cycle_misses = 0;
+    c->large_peak = c->large_live;
+    c->split_peak = c->split_held;
+    c->nrec = 0;
+    c->tick = 0;
+    c->rec_lost = 0;
+}
+
+/* The open step ends: its record waits for the planner if it holds a request
+ * (a step with none is no cycle to plan). */
+static void
+end_step_locked(lx_core *c)
+{
+    c->stepping = 0;
+    if (c->plan != NULL && c->cycle >= c->plan->from_cycle && c->direct_live == 0) {
+        grow_arenas_locked(c); /* no block of the steps before it is alive outside */
+    }
+    if (c->nrec > 0 || c->rec_lost) {
+        c->pending = 1;
+        if (c->plan != NULL) {
+            release_split_wholes_locked(c, c->plan->installed);
+        }
+    }
+}
+
+/* A training step begins (one still open ends first): a cycle opens. */
+void
+lx_step_begin(lx_core *c)
+{
+    pthread_mutex_lock(&c->lock);
+    if (c->stepping) {
+        end_step_locked(c);
+    }
+    open_cycle_locked(c);
+    c->stepping = 1;
+    c->step_owner = pthread_self();
+    c->call_base = atomic_load(&kernel_calls);
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* The training step ends, if one is open. */
+void
+lx_step_end(lx_core *c)
+{
+    pthread_mutex_lock(&c->lock);
+    if (c->stepping) {
+        end_step_locked(c);
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* The record of the last cycle, if it closed, no cycle is open and it holds a
+ * request: n rows of (size, born, died) in *rows (malloc'd for the caller;
+ * NULL with n 0 when the record is incomplete), its plan misses in *misses,
+ * in *planned whether a plan is installed now (none: none was, or it was
+ * dropped), in *split_peak the most bytes the split pool held during it, in
+ * *large_peak the most bytes its blocks above the split threshold (and those
+ * of earlier steps) held, and in *prev (malloc'd) the *nprev rows of the
+ * record before it with their next deaths. Returns whether there was a record
+ * to take. */
+int
+lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *planned,
+               size_t *split_peak, size_t *large_peak, int64_t **prev, size_t *nprev)
+{
+    pthread_mutex_lock(&c->lock);
+    int pending = c->pending && !c->stepping && (c->nrec > 0 || c->rec_lost);
+    *rows = NULL;
+    *n = 0;
+    *misses = c->cycle_misses;
+    *planned = c->plan != NULL;
+    *split_peak = c->split_peak;
+    *large_peak = c->large_peak;
+    *prev = NULL;
+    *nprev = 0;
+    const size_t columns = LX_REQUEST_COLUMNS;
+    if (pending && c->nprev > 0 &&
+        (*prev = malloc(c->nprev * (columns + 1) * sizeof(int64_t))) != NULL) {
+        for (size_t i = 0; i < c->nprev; i++) {
+            memcpy(*prev + (columns + 1) * i, &c->prev[i].r, columns * sizeof(int64_t));
+            (*prev)[(columns + 1) * i + columns] = c->prev[i].next_died;
+        }
+        *nprev = c->nprev;
+    }
+    if (pending) {
+        finish_record_locked(c);
+        *rows = c->rec_lost ? NULL : malloc((c->nrec ? c->nrec : 1) * columns * sizeof(int64_t));
+        for (size_t i = 0; *rows != NULL && i < c->nrec; i++) {
+            memcpy(*rows + columns * i, &c->rec[i], columns * sizeof(int64_t));
+        }
+        *n = *rows != NULL ? c->nrec : 0;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return pending;
+}
