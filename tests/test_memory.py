@@ -54,7 +54,7 @@ def test_scope_sets_and_restores_exactly_the_previous_handler():
     cache = memory.AllocCache()
     before = _core.get_handler()
     with memory.cached(cache):
-        assert _core.get_handler() is cache._numpy_handler
+        assert _core.get_handler() is cache.front_end.handler
         assert handler_name() == "luxnn_cache"
     assert _core.get_handler() is before
     assert handler_name() == "default_allocator"
@@ -79,8 +79,8 @@ def test_arrays_come_from_the_innermost_cache_and_uncached_routes_around_all():
             with memory.uncached():
                 assert handler_name() == "default_allocator"
                 z = np.empty(3000)
-            assert _core.get_handler() is b._numpy_handler
-        assert _core.get_handler() is a._numpy_handler
+            assert _core.get_handler() is b.front_end.handler
+        assert _core.get_handler() is a.front_end.handler
     assert a.stats().bytes_live == memory.bin_size(x.nbytes)
     assert b.stats().bytes_live == memory.bin_size(y.nbytes)
     del x, y, z
@@ -106,7 +106,7 @@ def test_decorator_opens_a_fresh_scope_per_call():
 
     @memory.cached(cache)
     def step(n):
-        assert _core.get_handler() is cache._numpy_handler
+        assert _core.get_handler() is cache.front_end.handler
         return np.ones(n).sum()
 
     assert step(100) == step(100) == 100.0
@@ -530,7 +530,7 @@ def test_request_above_the_limit_is_a_memory_error_naming_both_and_leaks_nothing
     after = cache.stats()
     assert (after.bytes_live, after.bytes_reserved) == (before.bytes_live, before.bytes_reserved)
     assert after.upstream_allocs == before.upstream_allocs
-    assert _core.get_handler() is not cache._numpy_handler
+    assert _core.get_handler() is not cache.front_end.handler
     del keep
 
 
@@ -585,7 +585,7 @@ def test_threads_with_own_caches_and_a_shared_one_do_not_cross_talk():
         for step in range(30):
             cache = own[i] if step % 2 else shared
             with memory.cached(cache):
-                assert _core.get_handler() is cache._numpy_handler
+                assert _core.get_handler() is cache.front_end.handler
                 a = np.full(5000 + 1000 * i, float(i))
                 b = a * 2
                 assert (b == 2 * i).all()
@@ -610,7 +610,7 @@ def test_asyncio_tasks_have_their_own_scopes():
             total = 0.0
             for _ in range(10):
                 await asyncio.sleep(0)  # the other tasks run their scopes here
-                assert _core.get_handler() is cache._numpy_handler
+                assert _core.get_handler() is cache.front_end.handler
                 x = np.full(n, 1.0)
                 total += float(x.sum())
             return total

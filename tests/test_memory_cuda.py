@@ -1,7 +1,8 @@
 """The allocator's CUDA side without a GPU: the C core's CUDA upstream with a host-memory
-fake of the driver functions bound through the same path as the real ones, and (where
-CuPy is installed: it imports without a driver) the CuPy front end's hook, scopes and
-errors, with CuPy arrays made over the fake's memory and never computed on.
+fake of the driver functions bound through the same path as the real ones, and the CuPy
+front end's hook, scopes and errors, with CuPy arrays made over the fake's memory and never
+computed on: CuPy's own where it is installed (it imports without a driver), else
+tests/fake_cupy.py (CuPy's allocator API over host memory).
 
 What needs a device (real cuMemAlloc, kernels on cached arrays) is in tests/test_gpu.py.
 """
@@ -9,6 +10,7 @@ What needs a device (real cuMemAlloc, kernels on cached arrays) is in tests/test
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 
 import numpy as np
@@ -274,17 +276,22 @@ def test_a_cuda_cache_constructs_without_touching_the_device():
 
 try:
     import cupy
+
+    FAKE_CUPY = False
 except ImportError:
-    cupy = None
+    import fake_cupy as cupy
+
+    FAKE_CUPY = True
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A CUDA cache for device 0 bound to a FakeDriver, with the hook's device and stream
     queries faked (device 0, the null stream), an outside allocator that records, and
-    CuPy's default pool (which the hook empties when out of memory) replaced."""
-    if cupy is None:
-        pytest.skip("CuPy is not installed (pip install luxnn[cuda12]): its front end is untestable")
+    CuPy's default pool (which the hook empties when out of memory) replaced; without
+    CuPy, tests/fake_cupy.py is `cupy` meanwhile."""
+    if FAKE_CUPY:
+        monkeypatch.setitem(sys.modules, "cupy", cupy)
     where = {"device": 0, "stream": 0, "pool_released": 0}
 
     class Pool:
@@ -303,7 +310,7 @@ def fake_gpu(monkeypatch):
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ctypes.addressof(buf), size, buf, where["device"]), 0)
 
     cache = memory.AllocCache(lx.CUDADevice(0))
-    cache._cupy.bind = driver.bind
+    cache.front_end.bind = driver.bind
     with cupy.cuda.using_allocator(outside_malloc):
         yield cache, driver, where, outside
     assert driver.errors == []
@@ -332,6 +339,22 @@ def test_cupy_arrays_in_a_scope_come_from_the_cache(fake_gpu):
         again = cupy.empty((256, 256), cupy.float32)
     assert again.data.ptr == ptr and scope.stats.upstream_allocs == 0 and scope.stats.hits == 1
     cache._core.audit()
+
+
+def test_uncached_steps_outside_a_cupy_and_a_numpy_scope_at_once(fake_gpu):
+    cache, driver, _, outside = fake_gpu
+    host = memory.AllocCache()
+    before_numpy, before_cupy = _core.get_handler(), cupy.cuda.get_allocator()
+    with memory.cached(cache), memory.cached(host):
+        in_scopes = cupy.cuda.get_allocator()
+        with memory.uncached():
+            assert _core.get_handler() is before_numpy and cupy.cuda.get_allocator() is before_cupy
+            outside_both = cupy.empty(7)
+            assert host.stats().bytes_live == 0  # nor from the host cache
+        assert _core.get_handler() is host.front_end.handler and cupy.cuda.get_allocator() is in_scopes
+        inside = cupy.empty(7)
+    assert outside == [56] and outside_both.data.ptr not in driver.buffers and inside.data.ptr in driver.buffers
+    assert _core.get_handler() is before_numpy and cupy.cuda.get_allocator() is before_cupy
 
 
 def test_no_two_live_cupy_arrays_share_a_block(fake_gpu):
@@ -400,7 +423,7 @@ def test_the_hook_is_per_thread_and_restored_on_errors(fake_gpu):
 def test_the_cache_can_die_before_its_arrays(fake_gpu):
     _, driver, _, _ = fake_gpu
     cache = memory.AllocCache(lx.CUDADevice(0))
-    cache._cupy.bind = driver.bind
+    cache.front_end.bind = driver.bind
     with memory.cached(cache):
         a = cupy.empty(1000)
     frees = driver.frees
@@ -410,6 +433,9 @@ def test_the_cache_can_die_before_its_arrays(fake_gpu):
     assert driver.frees == frees + 1
 
 
+@pytest.mark.skipif(
+    FAKE_CUPY, reason="CuPy is not installed: the verbs need its ndarray, tests/fake_cupy.py has its allocator only"
+)
 def test_mixed_devices_are_refused_by_the_training_verbs(fake_gpu):
     cache, _, _, _ = fake_gpu
     with memory.cached(cache):

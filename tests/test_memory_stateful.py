@@ -243,7 +243,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def the_handler_is_the_innermost_scopes(self):
         which = self.routing()
-        expected = self.outside if which is None else self.caches[which]._numpy_handler
+        expected = self.outside if which is None else self.caches[which].front_end.handler
         assert _core.get_handler() is expected
 
     @invariant()

@@ -17,13 +17,20 @@ memory stays at the step's working set.
 >>> scope.stats.upstream_allocs
 0
 
+The package, one responsibility a module: `cache` (`AllocCache` and its figures), `scope`
+(`cached`, `step`, `uncached`), `frontend` (how an array library's allocations reach a cache:
+NumPy's NEP 49 handler, and the protocol every library's front end keeps), `cupy_backend`
+(CuPy's front end and the CUDA driver), `plan` (step plans), `errors` (out-of-memory errors
+and byte formatting), `timeline` (`plot_timeline`), and the C core, ``_core`` (``csrc/``).
+
 This module imports only NumPy and its own C core.
 """
 
 from .cache import (
     DEFAULT_EVICT_AFTER, EVENT_KINDS, AllocCache, CacheStats, ScopeStats, bin_size, get_allocator_cache,
 )  # fmt: skip
-from .scope import CacheMemoryError, Scope, UncachedScope, cached, step, uncached
+from .errors import CacheMemoryError
+from .scope import Scope, UncachedScope, cached, step, uncached
 from .timeline import plot_timeline
 
 __all__ = [

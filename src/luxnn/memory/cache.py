@@ -12,7 +12,7 @@ allocation or a piece of one (see splitting below); ``bytes_cached`` counts ever
 cache holds that no array uses, so ``bytes_reserved == bytes_live + bytes_cached`` always
 holds exactly and is what the cache holds from the system.
 
-Size bins (``_core.c``, section 1): requests up to 8 KiB are rounded up to 512 B classes,
+Size bins (``csrc/bins.h``): requests up to 8 KiB are rounded up to 512 B classes,
 larger ones to 16 classes per power of two, so a block wastes less than 6.25 % of any large
 request, for every shape rather than for lucky ones. Coarser classes reuse more across nearby
 lengths but waste more on a fixed step; varying lengths are better served by bucketing and by
@@ -26,7 +26,7 @@ not grow memory without bound. A step enters one to three scopes (the verbs', a 
 and a bin used once per step must survive the others: the default, 16, leaves room for
 nested scopes while bounding a loop of varying lengths.
 
-Splitting (``_core.c``, section 1b). Exact-bin reuse alone keeps every block of a size not
+Splitting (``csrc/pool.c``, "Split pool"). Exact-bin reuse alone keeps every block of a size not
 in use at a step's peak reserved but idle. So a request whose block is above 64 KiB takes
 the best-fitting free piece of any larger free block (a segment: one upstream allocation)
 and splits it; freed neighbours coalesce at once; when a request misses and the whole free
@@ -38,7 +38,7 @@ suite's steps (PyTorch's 1 MiB gives most of it back). What splitting cannot rem
 segment never merges with another, so a large request made while the free bytes lie in
 pieces of segments still in use misses; step plans (below) take over from there.
 
-Step plans (``_core.c``, section 1c; `luxnn.memory.plan`). Online, no placement can know
+Step plans (``csrc/plan.c``, "Step plans"; `luxnn.memory.plan`). Online, no placement can know
 which block dies when, so the split pool holds more than a step's peak live bytes. A
 training loop repeats its step, so the cache plans it. The training verbs mark each step
 (`luxnn.memory.step`; plain `cached` scopes never begin or end one); a step records its
@@ -63,6 +63,8 @@ from typing import Any
 import numpy as np
 
 from . import _core
+from .errors import format_bytes
+from .frontend import FrontEnd, NumpyFrontEnd
 from .plan import Planner
 
 __all__ = [
@@ -153,13 +155,13 @@ class ScopeStats:
     peak_reserved: int
 
 
-def format_bytes(n: int) -> str:
-    """`n` bytes for people: ``format_bytes(3 << 20) == '3.0 MiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+# An open scope of a cache, as `AllocCache.open_scope` opened it: the core's figures at its
+# entry and the core's record of its peaks (a plain tuple: a scope's cost stays the core's).
+OpenScope = tuple[Any, int]
+
+
+# The core's figures that a scope counts from its entry to its exit.
+_SCOPE_COUNTED = ("hits", "misses", "upstream_allocs", "upstream_frees", "scopes")
 
 
 def _check_device(device: Any) -> Any:
@@ -222,7 +224,9 @@ class AllocCache:
 
     `device`: None or a `CPUDevice` for NumPy arrays; a `CUDADevice` for the CuPy arrays of
     that GPU (`luxnn.memory.cupy_backend`: the device is first touched on the first scope,
-    not here).
+    not here). The device chooses the cache's `front_end` (`luxnn.memory.frontend`), which
+    `cached` installs; `open_scope` / `close_scope` and `begin_step` / `end_step` are the
+    core's side of `cached` and `step`.
 
     >>> import numpy as np
     >>> from luxnn import memory
@@ -260,17 +264,38 @@ class AllocCache:
             upstream="host" if device_id is None else "cuda",
         )
         self._planner = Planner(self._core) if self.plan else None
+        # The array library's way to the core, which `cached` installs.
         if device_id is None:
-            # The NEP 49 handler that `cached` installs. Each array made through it holds
-            # it, and it holds the core: memory outlives this object while arrays use it.
-            self._numpy_handler = self._core.numpy_handler()
-            self._cupy = None
+            self.front_end: FrontEnd = NumpyFrontEnd(self._core)
         else:
-            # CuPy's memory objects hold their blocks, which hold the core, likewise.
-            from .cupy_backend import CupyFrontEnd
+            from .cupy_backend import CupyFrontEnd  # it imports CuPy on the first scope, not here
 
-            self._numpy_handler = None
-            self._cupy = CupyFrontEnd(self._core, device_id, self.limit)
+            self.front_end = CupyFrontEnd(self._core, device_id, self.limit)
+
+    def open_scope(self) -> OpenScope:
+        """Count a scope of the cache from now on (`cached` does, its front end installed)."""
+        return self._core.stats(), self._core.scope_enter()
+
+    def close_scope(self, opened: OpenScope) -> ScopeStats:
+        """Close the scope that `open_scope` opened: its figures from then to now."""
+        before, slot = opened
+        peak_live, peak_reserved = self._core.scope_exit(slot)
+        after = self._core.stats()
+        change = {name: getattr(after, name) - getattr(before, name) for name in _SCOPE_COUNTED}
+        return ScopeStats(
+            **change, bytes_live_change=after.bytes_live - before.bytes_live,
+            bytes_cached_change=after.bytes_cached - before.bytes_cached,
+            bytes_reserved_change=after.bytes_reserved - before.bytes_reserved,
+            peak_live=peak_live, peak_reserved=peak_reserved,
+        )  # fmt: skip
+
+    def begin_step(self) -> None:
+        """A training step of the cache's begins (`luxnn.memory.step` does this)."""
+        self._core.step_begin()
+
+    def end_step(self) -> None:
+        """The training step that began last ends (`luxnn.memory.step` does this)."""
+        self._core.step_end()
 
     def stats(self) -> CacheStats:
         """The cache's figures now (see `CacheStats`).
@@ -349,7 +374,7 @@ class AllocCache:
     def __repr__(self) -> str:
         s = self.stats()
         limit = "none" if self.limit is None else format_bytes(self.limit)
-        device = "" if self._cupy is None else f"device={self.device!r}, "
+        device = "" if isinstance(self.front_end, NumpyFrontEnd) else f"device={self.device!r}, "
         return (
             f"AllocCache({device}live={format_bytes(s.bytes_live)}, cached={format_bytes(s.bytes_cached)}, "
             f"peak_live={format_bytes(s.peak_live)}, peak_reserved={format_bytes(s.peak_reserved)}, "

@@ -1,13 +1,14 @@
-"""The CuPy front end of the allocator: device memory for `AllocCache(device=CUDADevice(k))`.
+"""The CuPy front end of the allocator (`luxnn.memory.frontend`): device memory for
+`AllocCache(device=CUDADevice(k))`.
 
 Inside ``cached(cache)`` every CuPy allocation of the current thread on device k goes
-through CuPy's allocator hook (``cupy.cuda.using_allocator``, thread-local) to `CupyFrontEnd.
-malloc`, which takes a block from the cache's C core and hands CuPy a ``MemoryPointer``
+through CuPy's allocator hook (``cupy.cuda.using_allocator``, thread-local) to the cache's
+``malloc``, which takes a block from the cache's C core and hands CuPy a ``MemoryPointer``
 over it. The block's owner is a `_core.Block`: when CuPy's memory object for the block
 dies, the block returns to the cache's free lists, as a NumPy array's block does.
 
 Upstream: raw ``cuMemAlloc`` / ``cuMemFree`` (the CUDA driver API, called from the C core,
-section 2b of ``_core.c``), so the cache is the only pool between CuPy and the driver: its
+``csrc/upstream_cuda.c``), so the cache is the only pool between CuPy and the driver: its
 figures are the driver's, ``upstream_allocs`` counts driver allocations, and a trimmed or
 evicted block really goes back to the device. The alternative, CuPy's default pool as the
 upstream, was not built: the pool would keep every block the cache trims or evicts, so
@@ -29,7 +30,8 @@ does) on the first scope.
 
 Out of device memory: the core releases its whole free blocks and retries; then the front end
 releases the free blocks of CuPy's default pool and retries once more; then it raises
-CuPy's ``OutOfMemoryError`` (also a `CacheMemoryError`) with the cache's figures.
+CuPy's ``OutOfMemoryError`` (also a `CacheMemoryError`) with the cache's figures
+(`luxnn.memory.errors`).
 """
 
 from __future__ import annotations
@@ -37,12 +39,10 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Callable
 
-from . import _core
+from .errors import cupy_out_of_memory_error, last_failure
+from .frontend import FrontEnd, Installed
 
 __all__ = ["CupyFrontEnd", "bind_driver"]
-
-# CUresult codes that the messages name.
-_CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 # What the hook asks on every request: the current device and stream (the stream's
@@ -94,29 +94,10 @@ def bind_driver(core: Any, device_id: int) -> None:
     )  # fmt: skip
 
 
-_out_of_memory_type: type | None = None
-
-
-def _out_of_memory_error(size: int, message: str, reserved: int, limit: int) -> MemoryError:
-    """CuPy's ``OutOfMemoryError`` for `size` bytes, which is also a `CacheMemoryError` (so
-    that `cached` passes it on unchanged), its message followed by `message`."""
-    global _out_of_memory_type
-    if _out_of_memory_type is None:
-        import cupy
-
-        from .scope import CacheMemoryError
-
-        _out_of_memory_type = type(
-            "CacheOutOfMemoryError", (cupy.cuda.memory.OutOfMemoryError, CacheMemoryError),
-            {"__module__": __name__, "__doc__": "CuPy's OutOfMemoryError, raised by an AllocCache."},
-        )  # fmt: skip
-    err = _out_of_memory_type(size, reserved, limit)
-    err.args = (f"{err.args[0] if err.args else ''} {message}".strip(),)
-    return err
-
-
-class CupyFrontEnd:
-    """The CuPy side of one `AllocCache` on a `CUDADevice`; `cached` enters `scope`."""
+class CupyFrontEnd(FrontEnd):
+    """CuPy's: the cache's ``malloc`` in CuPy's thread-local allocator hook, for one
+    `AllocCache` on a `CUDADevice`. CuPy's memory objects hold their blocks, which hold the
+    core: memory outlives the cache while arrays use it."""
 
     def __init__(self, core: Any, device_id: int, limit: int | None) -> None:
         self.core = core  # not the AllocCache: no cycle keeps a dropped cache alive
@@ -126,23 +107,35 @@ class CupyFrontEnd:
         # Replaced by tests that plug a host-memory fake into the same code path.
         self.bind: Callable[[Any, int], None] = bind_driver
 
-    def scope(self) -> Any:
-        """Enter CuPy's allocator hook for this thread: returns the entered context
-        manager (exit it to restore the allocator it replaced) and that allocator."""
-        import cupy
-
-        if self.stream is None:
+    def install(self) -> Installed:
+        if self.stream is None:  # first use: the driver, and the stream current now
             _resolve_queries()
             self.bind(self.core, self.device_id)
             self.stream = _current_stream()
-        previous = cupy.cuda.get_allocator()
-        hook = cupy.cuda.using_allocator(self.allocator(previous))
-        hook.__enter__()
-        return hook, previous
+        return super().install()
 
-    def allocator(self, fallback: Callable[[int], Any]) -> Callable[[int], Any]:
-        """CuPy's allocator function for this cache: ``malloc(size) -> MemoryPointer``;
-        requests that the cache must not serve go to `fallback`."""
+    def _route(self) -> tuple[Any, Any]:
+        import cupy
+
+        previous = cupy.cuda.get_allocator()
+        return self._switch(self._malloc(previous)), previous
+
+    @classmethod
+    def _switch(cls, allocator: Any) -> Any:
+        import cupy
+
+        hook = cupy.cuda.using_allocator(allocator)
+        hook.__enter__()
+        return hook  # its exit restores the allocator it replaced
+
+    @classmethod
+    def _switch_back(cls, undo: Any) -> None:
+        undo.__exit__(None, None, None)
+
+    def _malloc(self, fallback: Callable[[int], Any]) -> Callable[[int], Any]:
+        # CuPy's allocator function for the cache, ``malloc(size) -> MemoryPointer``;
+        # requests the cache must not serve go to `fallback`. Out of memory, it raises
+        # CuPy's error itself, so `refusal` has nothing to relabel.
         import cupy
 
         block_of = self.core.block
@@ -169,12 +162,4 @@ class CupyFrontEnd:
         return malloc
 
     def _out_of_memory(self, size: int) -> MemoryError:
-        from .scope import _failure_message
-
-        failure = _core.last_failure()
-        message = _failure_message(failure) if failure is not None else ""
-        error = failure[5] if failure is not None else 0
-        if error not in (0, _CUDA_ERROR_OUT_OF_MEMORY):
-            message += f" The CUDA driver returned error {error} (not out of memory)."
-        reserved = self.core.stats()[6]
-        return _out_of_memory_error(size, message, reserved, self.limit or 0)
+        return cupy_out_of_memory_error(size, last_failure(), self.core.stats().bytes_reserved, self.limit or 0)

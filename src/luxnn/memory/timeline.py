@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from .cache import TIMELINE_CAPACITY, AllocCache, format_bytes
+from .cache import TIMELINE_CAPACITY, AllocCache
+from .errors import format_bytes
 
 __all__ = ["plot_timeline"]
 
