@@ -11,8 +11,8 @@ context variable, so per thread and per asyncio task; `CupyFrontEnd`
 - `FrontEnd.restore`: put that back, in the context that installed (closed in another
   context, as a generator that yielded inside the scope may be, the scope leaves that
   context's allocator alone: it is not the scope's to change);
-- `FrontEnd.step_outside` / `FrontEnd.step_back`: route this context's allocations to the
-  library's allocator outside every luxnn scope, for `uncached`, and back;
+- `step_outside` / `step_back`: route this context's allocations of every library to its
+  allocator outside every luxnn scope, for `uncached`, and back;
 - `FrontEnd.refusal`: the library's `MemoryError` for a request the core refused
   (`luxnn.memory.errors`).
 
@@ -34,7 +34,7 @@ from .errors import CacheMemoryError, failure_count, failure_message, last_failu
 # NumPy's error for an array it could not allocate (a private name; NumPy >= 2.0 is required).
 from numpy._core._exceptions import _ArrayMemoryError
 
-__all__ = ["FrontEnd", "Installed", "NumpyFrontEnd"]
+__all__ = ["FrontEnd", "Installed", "NumpyFrontEnd", "step_back", "step_outside"]
 
 
 # What `FrontEnd.install` gives back, for `FrontEnd.restore` and `FrontEnd.refusal`: what
@@ -90,19 +90,6 @@ class FrontEnd(ABC):
             return
         self._switch_back(undo)
 
-    @classmethod
-    def step_outside(cls) -> Any:
-        """Route this context's allocations of the library as outside every luxnn scope;
-        returns what `step_back` needs (None: no scope of the library is open here)."""
-        outside = cls._outside.get()
-        return None if outside is None else cls._switch(outside)
-
-    @classmethod
-    def step_back(cls, undo: Any) -> None:
-        """Undo a `step_outside`."""
-        if undo is not None:
-            cls._switch_back(undo)
-
     def refusal(self, exc: BaseException | None, installed: Installed) -> MemoryError | None:
         """The library's error to raise instead of `exc` as the scope closes, when `exc` is
         the library's report of a request the cache refused in the scope; else None (a
@@ -153,3 +140,20 @@ class NumpyFrontEnd(FrontEnd):
         if latest.request != max(int(getattr(exc, "_total_size", -1)), 1):
             return None
         return CacheMemoryError(failure_message(latest))
+
+
+def step_outside() -> list[tuple[type[FrontEnd], Any]]:
+    """Route this context's allocations of every library to its allocator outside every
+    luxnn scope (`uncached`); returns what `step_back` needs."""
+    stepped = []
+    for kind in FrontEnd.kinds:
+        outside = kind._outside.get()
+        if outside is not None:  # a scope of the library is open in this context
+            stepped.append((kind, kind._switch(outside)))
+    return stepped
+
+
+def step_back(stepped: list[tuple[type[FrontEnd], Any]]) -> None:
+    """Undo a `step_outside`."""
+    for kind, undo in reversed(stepped):
+        kind._switch_back(undo)

@@ -23,9 +23,9 @@ import inspect
 import warnings
 from typing import Any, Callable, TypeVar
 
+from . import frontend
 from .cache import AllocCache, ScopeStats
 from .errors import CacheMemoryError
-from .frontend import FrontEnd
 
 __all__ = ["cached", "step", "uncached", "Scope", "UncachedScope", "CacheMemoryError"]
 
@@ -175,13 +175,12 @@ class UncachedScope(_Switch):
     def __enter__(self) -> UncachedScope:
         if self._open is not None:
             raise RuntimeError("this scope is already open; enter a new uncached()")
-        self._open = [(kind, kind.step_outside()) for kind in FrontEnd.kinds]
+        self._open = frontend.step_outside()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         stepped, self._open = self._open, None
-        for kind, undo in reversed(stepped):
-            kind.step_back(undo)
+        frontend.step_back(stepped)
 
 
 def uncached() -> UncachedScope:
