@@ -341,6 +341,41 @@ def test_cupy_arrays_in_a_scope_come_from_the_cache(fake_gpu):
     cache._core.audit()
 
 
+def _cupys():
+    import fake_cupy
+
+    return [fake_cupy] if FAKE_CUPY else [fake_cupy, cupy]
+
+
+@pytest.mark.parametrize("module", _cupys(), ids=lambda m: m.__name__)
+def test_the_allocator_hook_is_cupys_in_the_fake_too(module):
+    # What the front end relies on, run against tests/fake_cupy.py and (where installed) CuPy.
+    cuda = module.cuda
+    default = cuda.get_allocator()
+    seen = []
+
+    def mine(size):
+        raise AssertionError("never called")
+
+    with cuda.using_allocator(mine):
+        assert cuda.get_allocator() is mine
+        worker = threading.Thread(target=lambda: seen.append(cuda.get_allocator()))
+        worker.start()
+        worker.join()
+        with pytest.raises(ValueError):
+            cuda.set_allocator(None)  # not inside using_allocator
+    assert seen == [default] and cuda.get_allocator() is default
+    for args in ((10, 20), (10, -1), (1 << 20, 20, 30)):
+        assert str(cuda.memory.OutOfMemoryError(*args)).startswith(f"Out of memory allocating {args[0]:,} bytes")
+    assert str(cuda.memory.OutOfMemoryError(10, 20, 30)) == (
+        "Out of memory allocating 10 bytes (allocated so far: 20 bytes, limit set to: 30 bytes)."
+    )
+    unowned = cuda.UnownedMemory(4096, 512, owner=None, device_id=0)
+    pointer = cuda.MemoryPointer(unowned, 256)
+    assert (pointer.ptr, pointer.device_id, pointer.mem) == (4096 + 256, 0, unowned)
+    assert callable(module.get_default_memory_pool().free_all_blocks) and callable(cuda.runtime.getDevice)
+
+
 def test_uncached_steps_outside_a_cupy_and_a_numpy_scope_at_once(fake_gpu):
     cache, driver, _, outside = fake_gpu
     host = memory.AllocCache()
