@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -453,6 +455,31 @@ def test_the_hook_is_per_thread_and_restored_on_errors(fake_gpu):
     assert cupy.cuda.get_allocator() is before
     assert seen and seen[0] is not None and cupy.cuda.get_allocator() is before
     assert cache.stats().scopes == 1
+
+
+def test_threads_racing_to_a_caches_first_scope_bind_it_once(fake_gpu):
+    _, driver, _, _ = fake_gpu
+    cache = memory.AllocCache(lx.CUDADevice(0))
+    binds = []
+
+    def slow_bind(core, device_id):
+        binds.append(device_id)
+        time.sleep(0.05)  # the other thread reaches its first scope meanwhile
+        driver.bind(core, device_id)
+
+    cache.front_end.bind = slow_bind
+    both = threading.Barrier(2)
+
+    def first_scope():
+        both.wait()
+        with memory.cached(cache):
+            cupy.empty(10)
+
+    with ThreadPoolExecutor(2) as pool:
+        scopes = [pool.submit(first_scope) for _ in range(2)]
+    for scope in scopes:
+        scope.result()  # raises what the thread raised
+    assert binds == [0] and cache.stats().scopes == 2
 
 
 def test_the_cache_can_die_before_its_arrays(fake_gpu):

@@ -37,6 +37,8 @@ CuPy's ``OutOfMemoryError`` (also a `CacheMemoryError`) with the cache's figures
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 from typing import Any, Callable
 
 from .errors import cupy_out_of_memory_error, last_failure
@@ -94,6 +96,20 @@ def bind_driver(core: Any, device_id: int) -> None:
     )  # fmt: skip
 
 
+# A cache's first scope binds it, once, whichever threads race to it. Fork copies only the
+# forking thread: a lock another thread held would stay held in the child, which starts
+# with a new one.
+_binding = threading.Lock()
+
+
+def _new_binding_lock() -> None:
+    global _binding
+    _binding = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_binding_lock)
+
+
 class CupyFrontEnd(FrontEnd):
     """CuPy's: the cache's ``malloc`` in CuPy's thread-local allocator hook, for one
     `AllocCache` on a `CUDADevice`. CuPy's memory objects hold their blocks, which hold the
@@ -108,11 +124,17 @@ class CupyFrontEnd(FrontEnd):
         self.bind: Callable[[Any, int], None] = bind_driver
 
     def install(self) -> Installed:
-        if self.stream is None:  # first use: the driver, and the stream current now
-            _resolve_queries()
-            self.bind(self.core, self.device_id)
-            self.stream = _current_stream()
+        if self.stream is None:
+            self._bind()
         return super().install()
+
+    def _bind(self) -> None:
+        # The first use: the core to the driver, and the cache to the stream current now.
+        with _binding:
+            if self.stream is None:  # no other thread bound it meanwhile
+                _resolve_queries()
+                self.bind(self.core, self.device_id)
+                self.stream = _current_stream()
 
     def _route(self) -> tuple[Any, Any]:
         import cupy
