@@ -1,6 +1,8 @@
 """Step plans (luxnn.memory.plan, memory/csrc/plan.c): the planner's placement, when a cache
 plans, what a plan saves, and that no plan, however wrong, lets two live arrays overlap."""
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -8,13 +10,19 @@ from hypothesis import strategies as st
 
 from luxnn import memory
 from luxnn.memory import _core
-from luxnn.memory.plan import PlanStatus, Planner, layout, place
+from luxnn.memory.plan import MAX_PLANS, PlanStatus, Planner, layout, place
 
 KiB, MiB = 1 << 10, 1 << 20
 
 
 def _overlap(a0, a1, b0, b1):
     return a0 < b1 and b0 < a1
+
+
+def whole(block) -> bool:
+    """Whether a `Core.blocks()` row is a whole upstream allocation (not a block in an arena)."""
+    ptr, size, _live, base, segment_size, _orphan = block
+    return ptr == base and size == segment_size
 
 
 @settings(max_examples=200, deadline=None)
@@ -195,25 +203,19 @@ def test_arrays_kept_past_their_planned_lifetime_are_never_overlapped():
     cache._core.audit()
 
 
-def test_a_plan_whose_requests_stop_coming_is_dropped_and_its_arena_released():
+def test_steps_of_shapes_seen_once_are_no_plans_misses_and_a_shape_that_repeats_gets_a_plan():
     cache = memory.AllocCache()
     for n in [MiB] * 4 + [2 * MiB, 3 * MiB]:
         with memory.step(cache):
             np.ones(n // 8) + 1.0
     s = cache.stats()
-    assert s.plans == 1 and s.plan_misses == 2 and s.upstream_frees >= 1  # dropped after two
+    assert s.plans == 1 and s.plan_misses == 0  # the plan chose none of the two: none served them
     for _ in range(3):
         with memory.step(cache):
             np.ones(3 * MiB // 8) + 1.0
-    assert cache.stats().plans == 2  # the new shape repeats: a new plan
-
-
-def test_an_evaluation_step_now_and_then_keeps_the_training_plan():
-    cache = memory.AllocCache()
-    for step in range(12):
-        with memory.step(cache):
-            np.ones((MiB if step % 4 else 2 * MiB) // 8) * 2.0
-    assert cache.stats().plans == 1
+    s = cache.stats()
+    assert s.plans == 2 and cache._planner.plans == 2  # the new shape repeats: a plan of its own
+    cache._core.audit()
 
 
 def test_no_plan_without_plan_true_or_a_repeat():
@@ -287,7 +289,7 @@ def test_under_the_limit_a_step_of_other_shapes_drops_the_plan_and_its_arena_goe
         result = big[:MiB].copy()  # the last result in the arena dies: the arena goes
     s = cache.stats()
     assert big.nbytes == 4 * MiB and s.plans == 1 and s.bytes_reserved <= 6 * MiB, s
-    assert not any(orphan for *_, orphan in cache._core.blocks())  # no retired arena left
+    assert all(whole(b) for b in cache._core.blocks() if b[5])  # no retired arena left (only the warm-up's)
     cache._core.audit()
 
 
@@ -328,23 +330,41 @@ def test_a_plan_over_the_limit_is_not_installed():
             b = a + 1.0  # a plan would need an arena of 2 MiB: 3.5 MiB with `held`
             del a, b
     assert cache.stats().plans == 0 and held[0] == 1.0
-    assert cache._planner._refused is not None  # a plan was made, and refused: not merely never tried
+    assert cache._planner._refused  # a plan was made, and refused: not merely never tried
 
 
-def test_a_plan_waits_while_the_cycle_arena_it_must_replace_is_in_use():
+def _slots(sizes, even, odd=None):
+    """install_plan's columns for slots out of lanes."""
+    return [np.array(c, dtype=np.int64) for c in (sizes, even, even if odd is None else odd)]
+
+
+def test_a_plan_that_must_change_the_arena_where_a_block_lives_waits():
     cache = memory.AllocCache(plan=False)  # plans installed by hand below
     core = cache._core
-    one = [np.array(c, dtype=np.int64) for c in ([MiB], [0], [0], [0])]
-    assert core.install_plan(MiB, 0, *one) == PlanStatus.INSTALLED
+    assert core.install_plan(0, 2 * MiB, *_slots([MiB], [0])) == PlanStatus.INSTALLED  # one chunk
     with memory.step(cache):
         kept = np.empty(MiB, np.uint8)  # at its planned place, and it outlives the cycle
-    assert core.stats()[10] == 1
-    two = [np.array(c, dtype=np.int64) for c in ([MiB, MiB], [0, MiB], [0, MiB], [0, 0])]
-    assert core.install_plan(2 * MiB, 0, *two) == PlanStatus.LATER  # it would hold both arenas
-    assert core.stats()[12] == 1 and cache.stats().bytes_reserved == MiB
+    assert core.stats().plan_hits == 1
+    across = _slots([2 * MiB], [MiB])  # across the arena's end: one chunk of 3 MiB in its stead
+    assert core.install_plan(1, 3 * MiB, *across) == PlanStatus.LATER  # not while `kept` lives there
+    assert core.stats().plans == 1 and cache.stats().bytes_reserved == 2 * MiB
+    beyond = _slots([MiB], [2 * MiB])  # beyond it: a second chunk, wherever a block lives
+    assert core.install_plan(1, 3 * MiB, *beyond) == PlanStatus.INSTALLED
+    assert core.stats().plans == 2 and cache.stats().bytes_reserved == 3 * MiB
+    with memory.step(cache):
+        second = np.empty(MiB, np.uint8)  # the plan of place 1 would put it at `kept`'s place...
+    assert not np.shares_memory(kept, second)  # ...where it cannot: it outlived its cycle
+    wider = _slots([MiB], [3 * MiB])  # the second chunk grows only while no block lives in it
+    assert core.install_plan(2, 4 * MiB, *wider) == PlanStatus.LATER
+    del second
+    assert core.install_plan(2, 4 * MiB, *wider) == PlanStatus.INSTALLED
+    assert core.stats().plans == 3 and cache.stats().bytes_reserved == 4 * MiB
+    core.audit()
     del kept
-    assert core.install_plan(2 * MiB, 0, *two) == PlanStatus.INSTALLED
-    assert core.stats()[12] == 2 and cache.stats().bytes_reserved == 2 * MiB
+    assert core.install_plan(1, 3 * MiB, *across) == PlanStatus.INSTALLED  # idle: one chunk of 4 MiB
+    assert core.stats().plans == 4 and cache.stats().bytes_reserved == 4 * MiB
+    record = core.take_record()
+    assert (record.installed, record.arena_bytes, record.arena_cut, record.arena_live) == (0b111, 4 * MiB, 4 * MiB, 0)
     core.audit()
 
 
@@ -353,8 +373,7 @@ def test_under_the_limit_an_arena_waiting_for_its_second_chunk_is_not_dropped_to
     core = cache._core
     with memory.cached(cache):
         held = np.ones(MiB // 8)  # 1 MiB: the second chunk fits only if the first goes
-    one = [np.array(c, dtype=np.int64) for c in ([MiB // 2], [0], [0], [0], [-1], [-1])]
-    assert core.install_plan(3 * MiB, 0, *one, 2 * MiB) == PlanStatus.INSTALLED  # 2 MiB now
+    assert core.install_plan(0, 3 * MiB, *_slots([MiB // 2], [0]), cut=2 * MiB) == PlanStatus.INSTALLED  # 2 MiB now
     with memory.step(cache):
         pass  # its end asks for the second chunk: over the limit, asked for again later
     s = cache.stats()
@@ -363,11 +382,22 @@ def test_under_the_limit_an_arena_waiting_for_its_second_chunk_is_not_dropped_to
     assert held[0] == 1.0
 
 
+def test_under_the_limit_a_plan_that_would_grow_the_arena_beyond_it_finds_no_room():
+    cache = memory.AllocCache(limit=3 * MiB, plan=False)  # plans installed by hand below
+    core = cache._core
+    assert core.install_plan(0, 2 * MiB, *_slots([MiB], [0])) == PlanStatus.INSTALLED
+    with memory.step(cache):
+        kept = np.ones(MiB // 8)  # in the arena: it cannot be replaced by a larger one
+    assert core.install_plan(1, 4 * MiB, *_slots([MiB], [3 * MiB])) == PlanStatus.NO_ROOM
+    s = cache.stats()
+    assert s.plans == 1 and s.bytes_reserved == 2 * MiB and kept[0] == 1.0  # nothing changed
+    core.audit()
+
+
 def test_a_retired_arena_gives_back_at_once_the_chunk_no_block_lives_in():
     cache = memory.AllocCache(plan=False)  # plans installed by hand below
     core = cache._core
-    one = [np.array(c, dtype=np.int64) for c in ([MiB], [0], [0], [0], [-1], [-1])]
-    assert core.install_plan(4 * MiB, 0, *one, 2 * MiB) == PlanStatus.INSTALLED
+    assert core.install_plan(0, 4 * MiB, *_slots([MiB], [0]), cut=2 * MiB) == PlanStatus.INSTALLED
     with memory.step(cache):
         kept = np.full(MiB, 7, np.uint8)  # at its place in the first chunk; outlives the step
     assert cache.stats().bytes_reserved >= 4 * MiB  # the second chunk came at the step's end
@@ -383,8 +413,7 @@ def test_a_retired_arena_gives_back_at_once_the_chunk_no_block_lives_in():
 def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_before_the_split_pool():
     cache = memory.AllocCache(plan=False)  # plans installed by hand below
     core = cache._core
-    one = [np.array(c, dtype=np.int64) for c in ([MiB], [0], [0], [0])]  # one slot, at 0
-    assert core.install_plan(3 * MiB, 0, *one) == PlanStatus.INSTALLED
+    assert core.install_plan(0, 3 * MiB, *_slots([MiB], [0])) == PlanStatus.INSTALLED  # one slot, at 0
     before = cache.stats()
     with memory.step(cache):
         first, second = np.ones(MiB, np.uint8), np.full(MiB, 2, np.uint8)  # the second: a miss
@@ -399,43 +428,77 @@ def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_before_the_spli
     core.audit()
 
 
+def test_a_step_takes_the_plan_its_first_requests_follow_and_the_latest_on_a_tie():
+    cache = memory.AllocCache(plan=False)  # plans installed by hand below
+    core = cache._core
+    small, large = [256 * KiB, 512 * KiB], [512 * KiB, 256 * KiB]  # the same sizes, another order
+    for place, sequence in enumerate((small, large)):  # each puts its 256 KiB block elsewhere
+        columns = _slots([256 * KiB, 512 * KiB], [place * MiB, 2 * MiB])
+        assert core.install_plan(place, 3 * MiB, *columns, sequence=np.array(sequence)) == PlanStatus.INSTALLED
+
+    def where(order):
+        # The offset in the arena of the step's first block, and the step's record.
+        with memory.step(cache):
+            first, *_ = [np.empty(n, np.uint8) for n in order]
+            (base,) = {b[3] for b in core.blocks() if b[0] == first.ctypes.data}
+        return first.ctypes.data - base, core.take_record()
+
+    at, record = where(large)
+    assert at == 2 * MiB and record.plan == 1  # large's plan: its 512 KiB block at 2 MiB
+    at, record = where(small)
+    assert at == 0 and record.plan == 0
+    at, record = where([768 * KiB])  # a step no plan follows: none serves it (a free run of the arena does)
+    assert at == 0 and record.plan == -1 and record.misses == 0 and core.stats().plan_misses == 0
+    assert core.install_plan(1, 3 * MiB, *_slots([256 * KiB, 512 * KiB], [MiB, 2 * MiB]), sequence=np.array(small)) == PlanStatus.INSTALLED
+    at, record = where(small)
+    assert at == MiB and record.plan == 1  # both follow it: the latest installed serves
+    core.audit()
+
+
 @pytest.mark.parametrize(
-    "args, match",
+    "args, kwargs, match",
     [
-        ((MiB, 0, [MiB, 65536], [0, 0], [0, 0], [0, 0]), "sizes must be block sizes"),
-        ((MiB, 0, [2 * MiB], [0], [0], [0]), "sizes must be block sizes"),
-        ((MiB, 0, [MiB // 2, MiB // 4], [0, 0], [0, 0], [0, 0]), "ascending"),
-        ((MiB, 0, [MiB // 2], [0], [0], [0], [0], [-1]), "both -1"),
-        ((MiB, 0, [MiB // 4, MiB // 4], [0, 0], [0, 0], [0, 0], [0, -1], [0, -1]), "by call and lane"),
-        ((MiB, 0, [MiB // 4, MiB // 4], [0, 0], [0, 0], [0, 0], [1, 0], [0, 0]), "by call and lane"),
-        ((MiB, 0, [MiB // 2], [0], [0], [0], [0, 0], [0]), "one length"),
-        ((MiB, 0, [MiB // 2], [MiB], [0], [0]), "inside its arena"),
-        ((MiB, 0, [MiB // 2], [100], [100], [0]), "multiple of 512"),
-        ((MiB, 0, [MiB // 2], [0], [0], [1]), "naming an arena of a positive size"),
-        ((MiB, 0, [MiB // 2], [0, 0], [0], [0]), "one length"),
-        ((0, 0, [MiB // 2], [0], [0], [0]), "not both 0"),
+        ((0, MiB, [MiB, 65536], [0, 0], [0, 0]), {}, "sizes must be block sizes"),
+        ((0, MiB, [2 * MiB], [0], [0]), {}, "sizes must be block sizes"),
+        ((0, MiB, [MiB // 2, MiB // 4], [0, 0], [0, 0]), {}, "ascending"),
+        ((0, MiB, [MiB // 2], [0], [0]), {"call": [0], "lane": [-1]}, "both -1"),
+        ((0, MiB, [MiB // 4, MiB // 4], [0, 0], [0, 0]), {"call": [0, -1], "lane": [0, -1]}, "by call and lane"),
+        ((0, MiB, [MiB // 4, MiB // 4], [0, 0], [0, 0]), {"call": [1, 0], "lane": [0, 0]}, "by call and lane"),
+        ((0, MiB, [MiB // 2], [0], [0]), {"call": [0, 0], "lane": [0]}, "one length"),
+        ((0, MiB, [MiB // 2], [MiB], [0]), {}, "inside the arena"),
+        ((0, MiB, [MiB // 2], [100], [100]), {}, "multiple of 512"),
+        ((0, MiB, [MiB // 2], [0, 0], [0]), {}, "one length"),
+        ((0, 0, [MiB // 2], [0], [0]), {}, "positive multiple of 512"),
+        ((0, MiB, [MiB // 2], [MiB // 4], [0]), {"cut": MiB // 2}, "straddle"),
+        ((0, MiB, [MiB // 2], [0], [0]), {"cut": 100}, "cut must be"),
+        ((0, MiB, [MiB // 2], [0], [0]), {"sequence": [100]}, "sequence's sizes"),
+        ((_core.MAX_PLANS, MiB, [MiB // 2], [0], [0]), {}, "place must be"),
     ],
 )
-def test_install_plan_rejects_a_plan_it_cannot_serve(args, match):
+def test_install_plan_rejects_a_plan_it_cannot_serve(args, kwargs, match):
     core = _core.Core()
-    cycle, kept, *columns = args
+    place, arena, *columns = args
+    arrays = {key: np.array(value, dtype=np.int64) if isinstance(value, list) else value for key, value in kwargs.items()}
     with pytest.raises(ValueError, match=match):
-        core.install_plan(cycle, kept, *(np.array(c, dtype=np.int64) for c in columns))
-    assert core.stats()[12] == 0 and core.stats()[2] == 0  # nothing installed, nothing taken
+        core.install_plan(place, arena, *(np.array(c, dtype=np.int64) for c in columns), **arrays)
+    assert core.stats().plans == 0 and core.stats().upstream_allocs == 0  # nothing installed, nothing taken
 
 
 class FakeCore:
-    """The calls a Planner makes, answering install_plan with the statuses given."""
+    """The calls a Planner makes, answering install_plan with the statuses given, and
+    keeping what a core would: the places that hold plans, and the arena's bytes."""
 
     def __init__(self, *statuses):
-        self.statuses, self.installed, self.dropped, self.warm_up = list(statuses), [], 0, []
+        self.statuses, self.installed, self.warm_up = list(statuses), [], []
+        self.places, self.arena, self.live = 0, 0, 0  # bits; bytes; bytes live in the arena
 
-    def install_plan(self, cycle_bytes, kept_bytes, sizes, even, odd, which, call, lane, first):
-        self.installed.append((cycle_bytes, kept_bytes, sizes.tolist()))
-        return self.statuses.pop(0) if self.statuses else PlanStatus.INSTALLED
-
-    def drop_plan(self):
-        self.dropped += 1
+    def install_plan(self, place, arena_bytes, sizes, even, odd, *, call, lane, cut, sequence):
+        self.installed.append(dict(place=place, arena=arena_bytes, sizes=sizes.tolist(), even=even.tolist(), odd=odd.tolist(), cut=cut))
+        status = self.statuses.pop(0) if self.statuses else PlanStatus.INSTALLED
+        if status == PlanStatus.INSTALLED:
+            self.places |= 1 << place
+            self.arena = max(self.arena, arena_bytes)
+        return status
 
     def set_warm_up(self, on):
         self.warm_up.append(on)
@@ -444,15 +507,29 @@ class FakeCore:
 ROOMY = 1 << 40  # the split pool's peak: more than any plan here
 
 
+class Record(NamedTuple):
+    rows: bytes
+    misses: int
+    plan: int
+    installed: int
+    split_peak: int
+    large_peak: int
+    previous: bytes
+    arena_bytes: int
+    arena_cut: int
+    arena_live: int
+
+
 class Steps:
     """Hands a Planner records as the core does: each with the one before it, whose blocks
     that outlived it are taken to outlive the next step too (next_died -1)."""
 
-    def __init__(self, planner):
-        self.planner, self.before = planner, b""
+    def __init__(self, planner, core):
+        self.planner, self.core, self.before = planner, core, b""
 
-    def __call__(self, rows, misses, planned, without_plan):
-        self.planner.step_ended(rows, misses, planned, without_plan, self.before)
+    def __call__(self, rows, misses=0, plan=-1, split_peak=ROOMY):
+        core = self.core
+        self.planner.step_ended(Record(rows, misses, plan, core.places, split_peak, 0, self.before, core.arena, core.arena, core.live))
         r = np.frombuffer(rows, np.int64).reshape(-1, 7)
         self.before = np.column_stack([r, np.full(len(r), -1)]).astype(np.int64).tobytes()
 
@@ -464,43 +541,63 @@ def _record(sizes, born=None, died=None):
     return np.vstack([np.array([sizes, born, died]), lanes]).astype(np.int64).T.tobytes()
 
 
-def test_the_planner_plans_a_repeat_widens_on_misses_and_waits_when_told_later():
-    core = FakeCore(PlanStatus.LATER, PlanStatus.INSTALLED)
+def test_the_planner_plans_a_repeat_widens_on_misses_and_tries_again_when_told_later():
+    core = FakeCore(PlanStatus.LATER)
     planner = Planner(core)
-    step = Steps(planner)
-    step(_record([MiB, MiB]), 0, False, ROOMY)
-    assert core.installed == []  # one cycle: nothing to compare with
-    step(_record([MiB, MiB]), 0, False, ROOMY)
-    assert len(core.installed) == 1 and not planner.served(0, True)  # "later": no plan yet
-    step(_record([MiB, MiB], born=[0, 0]), 0, False, ROOMY)  # the repeat kept waiting
-    assert len(core.installed) == 2 and planner.served(0, True)
-    assert core.installed[-1][0] == 2 * MiB  # the union of lifetimes: both alive at 0
-    step(_record([MiB, MiB], born=[0, 0]), 1, True, ROOMY)  # a miss, nothing new
+    step = Steps(planner, core)
+    step(_record([MiB, MiB]))
+    assert core.installed == []  # one step: nothing to compare with
+    step(_record([MiB, MiB]))
+    assert len(core.installed) == 1 and planner.plans == 0  # "later": no plan yet
+    step(_record([2 * MiB]))  # another signature: the plan waiting is tried again all the same
+    assert len(core.installed) == 2 and planner.plans == 1
+    assert core.installed[-1]["arena"] == MiB  # one block after the other
+    step(_record([MiB, MiB]), misses=1, plan=0)  # a miss, nothing new
     assert len(core.installed) == 2
-    step(_record([MiB, MiB], born=[0, 0], died=[3, 3]), 1, True, ROOMY)  # a miss, longer lives
-    assert len(core.installed) == 3 and core.installed[-1][0] == 2 * MiB
+    step(_record([MiB, MiB], born=[0, 0], died=[3, 3]), misses=1, plan=0)  # a miss, longer lives
+    assert len(core.installed) == 3 and core.installed[-1]["arena"] == 2 * MiB and core.installed[-1]["place"] == 0
+    step(_record([MiB, MiB], born=[0, 0], died=[4, 4]), misses=1, plan=1)  # another plan served: not its misses
+    assert len(core.installed) == 3
+
+
+def test_a_signature_that_repeats_later_gets_a_plan_and_beyond_MAX_PLANS_the_least_recently_used_goes():
+    core = FakeCore()
+    planner = Planner(core)
+    step = Steps(planner, core)
+    signatures = [_record([(k + 2) * 64 * KiB]) for k in range(MAX_PLANS + 1)]
+    for rows in signatures[:MAX_PLANS] * 2:  # each repeats MAX_PLANS steps later
+        step(rows)
+    assert [i["place"] for i in core.installed] == list(range(MAX_PLANS)) and planner.plans == MAX_PLANS
+    step(signatures[0], plan=0)  # served whole: signature 1's plan is now the least recently used
+    for _ in range(2):
+        step(signatures[MAX_PLANS])
+    assert core.installed[-1]["place"] == 1 and planner.plans == MAX_PLANS  # signature 1's place
+    step(signatures[1])  # a step no plan serves, of the signature that lost its plan
+    step(signatures[1])
+    assert core.installed[-1]["sizes"] == [3 * 64 * KiB] and core.installed[-1]["place"] == 2  # the next least recent
 
 
 def test_the_planner_retries_a_plan_without_room_only_after_a_while():
     core = FakeCore(PlanStatus.NO_ROOM)
     planner = Planner(core)
-    step = Steps(planner)
+    step = Steps(planner, core)
     for _ in range(1 + Planner.RETRY_AFTER):  # the repeat at the 2nd finds no room
-        step(_record([MiB]), 0, False, ROOMY)
+        step(_record([MiB]))
     assert len(core.installed) == 1
-    step(_record([MiB]), 0, False, ROOMY)
-    assert len(core.installed) == 2 and planner.served(0, True)
+    step(_record([MiB]))
+    assert len(core.installed) == 2 and planner.plans == 1
 
 
 def test_the_planner_forgets_a_plan_the_cache_dropped():
     core = FakeCore()
     planner = Planner(core)
-    step = Steps(planner)
+    step = Steps(planner, core)
     for _ in range(2):
-        step(_record([MiB]), 0, False, ROOMY)
-    assert planner.served(0, True) and not planner.served(0, False)
-    step(_record([MiB]), 0, False, ROOMY)  # trimmed away: the next repeat plans again
-    assert len(core.installed) == 2 and core.dropped == 0
+        step(_record([MiB]))
+    assert planner.plans == 1
+    core.places, core.arena = 0, 0  # trimmed away
+    step(_record([MiB]))  # a repeat: the plan again
+    assert len(core.installed) == 2 and planner.plans == 1
 
 
 def test_the_planner_makes_no_plan_that_would_hold_more_than_the_split_pool_and_its_own_peak(monkeypatch):
@@ -511,35 +608,33 @@ def test_the_planner_makes_no_plan_that_would_hold_more_than_the_split_pool_and_
     monkeypatch.setattr(plan, "layout", lambda table, **options: plan.Layout(5 * MiB, zeros, zeros, 4 * MiB, 5 * MiB))
     core = FakeCore()
     planner = Planner(core)
-    step = Steps(planner)
+    step = Steps(planner, core)
     kept = _record([MiB, MiB], died=[-1, -1])
     for _ in range(2):
-        step(kept, 0, False, 3 * MiB)
+        step(kept, split_peak=3 * MiB)
     for _ in range(Planner.RETRY_AFTER - 1):  # not tried again meanwhile
-        step(kept, 0, False, 5 * MiB)
+        step(kept, split_peak=5 * MiB)
     assert core.installed == []
-    step(kept, 0, False, 5 * MiB)
+    step(kept, split_peak=5 * MiB)
     assert len(core.installed) == 1  # as much as the pool held: a plan (it is steadier)
 
 
-def test_a_plan_that_replaces_one_keeps_the_cut_of_the_arena_it_replaces_into(monkeypatch):
-    # The core keeps an arena's cut when a replacement fits in it (a smaller one: all in the
-    # first chunk): the next replacement must keep clear of that cut, not of the smaller
-    # plan's end.
-    from luxnn.memory import plan
-
-    walls = []
-
-    def fake_layout(table, *, first_step=False, wall=None):
-        n, span = table.shape[1], int(table[0].sum())  # row 0: the sizes
-        walls.append(wall)
-        first = span // 2 if first_step else span if wall is None else min(wall, span)
-        return plan.Layout(span, np.zeros(n, np.int64), np.zeros(n, np.int64), span, first)
-
-    monkeypatch.setattr(plan, "layout", fake_layout)
-    planner = Planner(FakeCore())
-    step = Steps(planner)
-    for sizes in ([2 * MiB, 2 * MiB], [MiB], [4 * MiB]):  # a first plan cut at 2 MiB, then two others
-        for _ in range(2):
-            step(_record(sizes), 0, True, ROOMY)
-    assert walls[-2:] == [2 * MiB, 2 * MiB]
+def test_a_plan_into_the_arena_keeps_its_cut_while_a_block_lives_there_and_the_places_of_kept_blocks():
+    core = FakeCore()
+    planner = Planner(core)
+    step = Steps(planner, core)
+    first = _record([MiB, 2 * MiB], born=[0, 1], died=[-1, 2])  # a result of 1 MiB, a temporary
+    for _ in range(2):
+        step(first)
+    (made,) = core.installed
+    core.live = MiB  # the result lives in the arena when the next plan is made
+    second = _record([MiB, 3 * MiB], born=[1, 0], died=[-1, 2])  # the same result, another temporary
+    for _ in range(2):
+        step(second)
+    assert core.installed[-1]["cut"] == made["arena"]  # clear of the arena's end: it may grow a chunk
+    assert [core.installed[-1][k][0] for k in ("even", "odd")] == [made["even"][0], made["odd"][0]]  # the result's places
+    core.live = 0
+    third = _record([MiB, 4 * MiB], born=[1, 0], died=[-1, 2])
+    for _ in range(2):
+        step(third)
+    assert core.installed[-1]["cut"] == 0  # an idle arena: the core makes it one chunk

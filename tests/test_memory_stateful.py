@@ -1,6 +1,6 @@
 """Random sequences of allocations, drops, resizes, nested scopes over two caches (the second
 under a limit), trims,
-frees and step plans (any plan, even one whose places overlap), checked against a model of
+frees and step plans (several at once, in any places, even ones whose places overlap), checked against a model of
 what the caches must hold, and against the core's own record of its blocks, segments and
 arenas (`Core.blocks`, `Core.audit`)."""
 
@@ -149,43 +149,48 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(
         which=st.sampled_from([0, 1]),
+        place=st.integers(0, _core.MAX_PLANS - 1),
         slots=st.lists(
-            st.tuples(st.sampled_from(PLANNED), st.integers(0, 7), st.integers(0, 7), st.integers(0, 1)),
-            min_size=1, max_size=8,
+            st.tuples(st.sampled_from(PLANNED), st.integers(0, 7), st.integers(0, 7)), min_size=1, max_size=8,
         ),
         laned=st.lists(
             st.tuples(st.integers(0, 1), st.sampled_from(LANED), st.integers(0, 7), st.integers(0, 7)), max_size=6,
         ),
-        cut=st.sampled_from([0, ARENA // 2]),
+        arena=st.sampled_from([ARENA, 3 * ARENA // 2]),
+        cut=st.sampled_from([0, ARENA // 2, ARENA]),
+        sequence=st.lists(st.sampled_from(PLANNED), max_size=4),
     )  # fmt: skip
-    def install_a_plan(self, which, slots, laned, cut):
-        # Places that overlap, in one cycle or across the two parities: the core serves a
-        # place only while all its bytes are free, so live arrays still never share memory.
-        # With a cut, the cycle arena comes in two chunks, the second after the first cycle.
-        # Lane slots (`a_kernel_cycle`'s first call, lanes 0 and 1) in the cycle arena.
-        slots = sorted(slots) + [(size, e, o, 0) for _, size, e, o in sorted(laned, key=lambda s: s[0])]
+    def install_a_plan(self, which, place, slots, laned, arena, cut, sequence):
+        # Places that overlap, in one cycle or across the two parities, in any of the
+        # plans the core keeps: the core serves a place only while all its bytes are free,
+        # so live arrays still never share memory, whichever plan a step's first requests
+        # (the plan's `sequence`, drawn from `a_cycle`'s sizes) choose, and whatever blocks
+        # a step served by another plan left. With a cut, the arena comes in two chunks,
+        # the second after the first cycle; a plan that grows the arena, or lies across its
+        # cut, grows its second chunk or makes it one chunk where no block lives.
+        # Lane slots (`a_kernel_cycle`'s first call, lanes 0 and 1).
+        slots = sorted(slots) + [(size, e, o) for _, size, e, o in sorted(laned, key=lambda s: s[0])]
         lanes = [-1] * (len(slots) - len(laned)) + sorted(lane for lane, *_ in laned)
         core = self.caches[which]._core
         columns = [np.array(column, dtype=np.int64) for column in zip(*slots)]
-        sizes, even, odd, arena = columns[0], columns[1] << 18, columns[2] << 18, columns[3]
+        sizes, even, odd = columns[0], columns[1] << 18, columns[2] << 18
         lane = np.array(lanes, dtype=np.int64)
-        call = np.where(lane >= 0, 0, -1)
+        options = dict(call=np.where(lane >= 0, 0, -1), lane=lane, cut=cut, sequence=np.array(sequence, dtype=np.int64))
         before = core.stats()
-        if any(at < cut < at + n for n, e, o, a in zip(sizes, even, odd, arena) for at in (e, o) if a == 0):
+        if any(at < cut < at + n for n, e, o in zip(sizes, even, odd) for at in (e, o)):
             with pytest.raises(ValueError, match="straddle"):
-                core.install_plan(ARENA, ARENA, sizes, even, odd, arena, call, lane, cut)
+                core.install_plan(place, arena, sizes, even, odd, **options)
             return
-        status = core.install_plan(ARENA, ARENA, sizes, even, odd, arena, call, lane, cut)
-        if status == PlanStatus.LATER:  # the plan's arenas would replace ones a live block is in
+        status = core.install_plan(place, arena, sizes, even, odd, **options)
+        if status == PlanStatus.LATER:  # the arena would change where a live block is
             assert before.plans > 0 and core.stats().plans == before.plans
             return
-        if status == PlanStatus.NO_ROOM:  # over the limit: the old plan is dropped all the same
+        if status == PlanStatus.NO_ROOM:  # over the limit (an arena replaced: the others dropped)
             assert which == 1 and core.stats().plans == before.plans
-            self.caches[which]._planner._planned = None
             self.refused[which] += 1
             return
-        assert status == PlanStatus.INSTALLED and core.stats().plans == before.plans + 1  # arenas of one size
-        self.caches[which]._planner._planned = None  # the planner's own plan is gone
+        assert status == PlanStatus.INSTALLED and core.stats().plans == before.plans + 1
+        event(f"a plan installed in place {place}")
 
     @precondition(lambda self: len(self.scopes) < 6)
     @rule(which=st.sampled_from([0, 1]), sizes=st.lists(st.sampled_from(PLANNED), min_size=1, max_size=6))
@@ -193,11 +198,15 @@ class CacheMachine(RuleBasedStateMachine):
         # A step of a cache none of whose scopes is open: a cycle, which its plan serves.
         if any(index == which for _, index in self.scopes):
             return
+        before = self.caches[which].stats()
         self.enter(which, "step")
         made = [self.make(size) for size in sizes]
         if made[-1]:
             del self.arrays[self.next_key - 1]
         self.exit()
+        after = self.caches[which].stats()
+        if after.plan_hits > before.plan_hits and before.plans >= 2:
+            event("a step served at planned places, one plan of several")
 
     @precondition(lambda self: len(self.scopes) < 6)
     @rule(

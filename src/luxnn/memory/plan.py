@@ -11,35 +11,42 @@ The core records each training step, as the verbs mark it (`luxnn.memory.step`):
 request above 16 KiB, and every request made in a lane of a threaded kernel
 (`luxnn.parallel.for_blocks`), with a clock at its allocation and at its death (-1: still
 alive when the next step began, and then its death on the next step's clock), and for a
-lane's, the kernel call, the lane and the lane's own clock. `Planner` turns two consecutive
-steps with the same requests into a plan: one arena, packed over the circular two-step
-schedule (`layout`), where a kernel call's lanes sit side by side for the call's span, each
-packed by its own clock, which no interleaving of the threads changes. The first plan's
+lane's, the kernel call, the lane and the lane's own clock. `Planner` turns two steps with
+the same requests (a signature) into a plan, packed over the circular two-step schedule
+(`layout`), where a kernel call's lanes sit side by side for the call's span, each packed by
+its own clock, which no interleaving of the threads changes. A loop whose shapes vary (a
+short last batch, lengths in buckets, an evaluation pass) gets a plan per signature, up to
+`MAX_PLANS`, all in one arena; the core picks the plan for a step by its first requests,
+and blocks that outlive their step keep the same places in every plan. The first plan's
 first step needs only the arena's first chunk, beside the warm-up's results it replaces.
 A plan that misses is widened where a later step's lifetimes reach beyond it. The core
-serves a request at its planned place only when every byte there is free, so a plan can
-cost misses but never an overlap.
+serves a request at its planned place only when every byte there is free, so a plan (or
+the choice of one) can cost misses but never an overlap.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, ContextManager, NamedTuple
 
 import numpy as np
 
 from . import _core
 
-__all__ = ["place", "layout", "Layout", "Planner", "PlanStatus"]
+__all__ = ["place", "layout", "Layout", "Planner", "PlanStatus", "MAX_PLANS"]
 
 
 BUDGET = 1.10
 """Peak reserved / peak live that the cache keeps to over a whole run (DESIGN.md)."""
 STEADY_BUDGET = 1.05
 """The same, once the loop is planned."""
+SHAPES_BUDGET = 1.25
+"""The same for a loop whose shapes vary (DESIGN.md): a plan may grow the arena to this."""
 
 class PlanStatus(enum.IntEnum):
     """What became of a plan: installed by the core, to try again with the next step's
@@ -54,13 +61,17 @@ class PlanStatus(enum.IntEnum):
 
 def place(
     sizes: np.ndarray, born: np.ndarray, died: np.ndarray, born2: np.ndarray | None = None, died2: np.ndarray | None = None,
-    *, first: np.ndarray | None = None, wall: int | None = None,
+    *, first: np.ndarray | None = None, early: np.ndarray | None = None, wall: int | None = None,
+    fixed: np.ndarray | None = None,
 ) -> tuple[np.ndarray, int]:
     """Offsets for blocks of `sizes` bytes alive over ``[born, died)`` (and, if given, also
     over ``[born2, died2)``; an empty interval adds nothing) such that no two blocks alive at
     the same time overlap; returns ``(offsets, bytes spanned)``. `first` (a mask): these
     blocks are placed before the others, which then never straddle the first ones' span;
-    `wall`: no block straddles this offset.
+    `early` (a mask): these are placed before the others, from offset 0, none sharing a byte
+    with another (as if all were alive together), and the others fill around them;
+    `wall`: no block straddles this offset; `fixed`: an offset per block, or -1: a block
+    keeps the offset given where it overlaps no block kept before it that is alive with it.
 
     Each block at the lowest offset that clears the blocks already placed and alive with
     it, in several orders, keeping the smallest span: from the largest block down (Pisarchyk
@@ -82,9 +93,15 @@ def place(
     died2 = np.zeros_like(died) if died2 is None else np.asarray(died2, dtype=np.int64)
     lives = (born, died, born2, died2)
     offsets, placed = np.zeros(len(sizes), dtype=np.int64), np.zeros(len(sizes), dtype=bool)
-    if first is not None and first.any():
-        offsets[first], wall = place(sizes[first], *(x[first] for x in lives), wall=wall)
-        placed = first.copy()
+    if fixed is not None:
+        offsets, placed = _keep_fixed(sizes, lives, np.asarray(fixed, dtype=np.int64))
+    for group in (first, early):
+        if group is not None and group.any():
+            assert fixed is None and placed.sum() == 0, "first, early and fixed blocks exclude each other"
+            n = int(group.sum())
+            apart = (np.zeros(n), np.ones(n)) if group is early else (born[group], died[group], born2[group], died2[group])
+            offsets[group], span = place(sizes[group], *apart, wall=wall)
+            placed, wall = group.copy(), span if group is first else wall
     rest = np.flatnonzero(~placed)
     if not len(rest):
         return offsets, int((offsets + sizes).max(initial=0))
@@ -124,14 +141,28 @@ def peak_bytes(sizes: np.ndarray, born: np.ndarray, died: np.ndarray, born2: np.
     return int((alive * sizes).sum(axis=1).max())
 
 
-def _first_fit(order: np.ndarray, sizes: np.ndarray, lives: tuple, offsets: np.ndarray, placed: np.ndarray, wall: int | None) -> np.ndarray:
+def _alive_with(i: int, lives: tuple) -> np.ndarray:
+    # Which blocks are alive at some time with block i.
     born, died, born2, died2 = lives
+    return (
+        ((born < died[i]) & (born[i] < died)) | ((born2 < died[i]) & (born[i] < died2))
+        | ((born < died2[i]) & (born2[i] < died)) | ((born2 < died2[i]) & (born2[i] < died2))
+    )  # fmt: skip
+
+
+def _keep_fixed(sizes: np.ndarray, lives: tuple, fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # `place`'s fixed offsets, each where it overlaps none kept before it and alive with it.
+    offsets, placed = np.zeros(len(sizes), dtype=np.int64), np.zeros(len(sizes), dtype=bool)
+    for i in np.flatnonzero(fixed >= 0):
+        others = np.flatnonzero(placed & _alive_with(i, lives))
+        if not ((offsets[others] < fixed[i] + sizes[i]) & (fixed[i] < offsets[others] + sizes[others])).any():
+            offsets[i], placed[i] = fixed[i], True
+    return offsets, placed
+
+
+def _first_fit(order: np.ndarray, sizes: np.ndarray, lives: tuple, offsets: np.ndarray, placed: np.ndarray, wall: int | None) -> np.ndarray:
     for i in order:
-        together = (
-            ((born < died[i]) & (born[i] < died)) | ((born2 < died[i]) & (born[i] < died2))
-            | ((born < died2[i]) & (born2[i] < died)) | ((born2 < died2[i]) & (born2[i] < died2))
-        )  # fmt: skip
-        others = np.flatnonzero(placed & together)
+        others = np.flatnonzero(placed & _alive_with(i, lives))
         lo = offsets[others]
         order_lo = np.argsort(lo, kind="stable")
         lo, hi = lo[order_lo], lo[order_lo] + sizes[others][order_lo]
@@ -162,7 +193,10 @@ class Layout(NamedTuple):
     first_bytes: int
 
 
-def layout(table: np.ndarray, *, first_step: bool = False, wall: int | None = None) -> Layout:
+def layout(
+    table: np.ndarray, *, first_step: bool = False, wall: int | None = None,
+    fixed: tuple[np.ndarray, np.ndarray] | None = None, kept_first: bool = False,
+) -> Layout:
     """A plan for a recorded step, one arena (`Layout`). `table`: rows `SIZE` ...
     `NEXT_DIED` (see `Planner.step_ended`), a column per request.
 
@@ -171,7 +205,12 @@ def layout(table: np.ndarray, *, first_step: bool = False, wall: int | None = No
     first, into the arena's first chunk, which that step holds alone; the odd ones then
     fill the rest and a second chunk, taken once the first step is over (the results
     outside have died by then). `wall`: the end of the first chunk of the arena in use,
-    which no block may straddle.
+    which no block may straddle. `fixed`: for each request its places in even and odd
+    steps, or -1: a request that outlives the step keeps the places given (those of
+    another plan's blocks of its size, which steps of either plan carry into the next)
+    where that overlaps no other block kept so (see `place`). `kept_first`: the requests that
+    outlive the step are placed first, from the arena's start, both places of each apart
+    from the others': places that a plan of other requests can keep at little cost.
 
     The arena is packed by `place` over the circular two-step schedule: a step lasts `T`
     ticks, a block that dies within an even step lives over ``[born, died)`` and within an
@@ -210,9 +249,13 @@ def layout(table: np.ndarray, *, first_step: bool = False, wall: int | None = No
         region[k] = base, start, stop
     free = np.flatnonzero(~in_lane)
     sizes = np.concatenate([size[free], region[:, 0]])
+    pins = None
+    if fixed is not None:  # only blocks that outlive the step keep places
+        unpinned = np.full(len(calls), -1)
+        pins = [np.concatenate([np.where(died[free] < 0, f[free], -1), unpinned]) for f in fixed]
     even, odd, arena_bytes, peak, first_bytes = _circular(
         sizes, np.concatenate([born[free], region[:, 1]]), np.concatenate([died[free], region[:, 2]]),
-        np.concatenate([next_died[free], np.full(len(calls), -1)]), first_step, wall,
+        np.concatenate([next_died[free], np.full(len(calls), -1)]), first_step, wall, pins, kept_first,
     )
     even_at, odd_at = np.empty(len(size), dtype=np.int64), np.empty(len(size), dtype=np.int64)
     even_at[free], odd_at[free] = even[: len(free)], odd[: len(free)]
@@ -223,7 +266,10 @@ def layout(table: np.ndarray, *, first_step: bool = False, wall: int | None = No
     return Layout(arena_bytes, even_at, odd_at, peak, first_bytes)
 
 
-def _circular(size: np.ndarray, born: np.ndarray, died: np.ndarray, next_died: np.ndarray, first_step: bool, wall: int | None) -> tuple:
+def _circular(
+    size: np.ndarray, born: np.ndarray, died: np.ndarray, next_died: np.ndarray, first_step: bool, wall: int | None,
+    fixed: list | None, kept_first: bool,
+) -> tuple:
     # `layout`'s circle of two steps: each block's place in an even and in an odd step, the
     # bytes spanned, the most bytes alive at once, and the bytes of the first chunk.
     n, ticks = len(size), int(max(born.max(initial=0), died.max(initial=0), next_died.max(initial=0))) + 1
@@ -236,76 +282,110 @@ def _circular(size: np.ndarray, born: np.ndarray, died: np.ndarray, next_died: n
     wrap_stop = np.concatenate([np.zeros(n, np.int64), np.where(kept & ~whole, next_died, 0)])
     sizes, zeros = np.concatenate([size, size]), np.zeros(2 * n, np.int64)
     first = np.arange(2 * n) < n if first_step else None
-    offsets, span = place(sizes, start, stop, zeros, wrap_stop, first=first, wall=wall)
+    pins = None if fixed is None else np.concatenate(fixed)
+    early = np.concatenate([kept, kept]) if kept_first else None
+    offsets, span = place(sizes, start, stop, zeros, wrap_stop, first=first, early=early, wall=wall, fixed=pins)
     first_bytes = int((offsets[:n] + size).max(initial=0)) if first_step else span if wall is None else wall
     return offsets[:n], offsets[n:], span, peak_bytes(sizes, start, stop, zeros, wrap_stop) if n else 0, min(first_bytes, span)
 
 
+MAX_PLANS = _core.MAX_PLANS
+"""Plans a cache keeps at once, one per request-size signature; beyond them the least
+recently used one goes."""
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A plan the planner keeps: the lifetimes it was made from (`layout`'s table), its
+    place in the core, and a widening of it the arena had no room for (not tried again)."""
+
+    table: np.ndarray
+    place: int
+    unfit: np.ndarray | None = None
+
+
 class Planner:
     """When a cache plans: `step_ended` gets each step's record from the core and has the
-    core install (``install_plan``) or drop (``drop_plan``) a plan. Thread safe: steps may
-    end in any thread.
+    core install plans (``install_plan``). Thread safe: steps may end in any thread.
 
     - A step is what the training verbs mark (`luxnn.memory.step`): one
       ``single_train_step``, or a ``compute_gradients`` and the ``apply_gradients`` after it.
-    - A plan is made when a step repeats the requests (their sizes, calls and lanes) of
-      the step before it, from the lifetimes of both. Steps with no recorded request are
-      no part of it.
-    - A step with the plan's requests that the plan missed, and whose lifetimes reach
-      beyond those the plan was made from, widens it: every block's lifetime becomes the
-      union of what the steps showed (the arena in use must hold the widened plan; one it
-      cannot hold is not tried again).
-    - A step with other requests (an evaluation step, a short last batch, another length
-      bucket) leaves the plan alone: free bytes of its arena and the pools serve it. When
-      such a step repeats the one before it, and not only once in a while (two unlike the
-      plan in a row), it replaces the plan, in the same arena where that holds it: the
-      loop's shapes changed, or vary (lengths in buckets), and the arena stays one.
+      Its signature is its requests' sizes, calls and lanes; steps with no recorded
+      request are no part of it.
+    - A plan is made for a signature once a step of it repeats one seen before (the step
+      before it, or any of the last ``2 * MAX_PLANS`` signatures seen), from the lifetimes
+      of both. Up to `MAX_PLANS` plans are kept, one per signature (a short last batch,
+      each bucket of sequence lengths, an evaluation pass); a new one beyond them replaces
+      the least recently used. They share one arena, which grows to the largest (its
+      second chunk, or, where no block lives in it, one chunk as large), and the core picks
+      the plan that serves a step by the step's first requests (``csrc/plan.c``, "Step
+      plans").
+    - Blocks that outlive their step (new parameters and optimizer state, of the same sizes
+      whatever the shapes) take the same places in every plan: a step served by one plan
+      carries them into a step served by another, which then finds its places free. A plan
+      that cannot keep the places other plans have at little cost places its kept blocks
+      apart from the arena's start (`layout`'s ``kept_first``), and the others are laid out
+      again at those, one a step.
+    - A step its plan missed, whose lifetimes reach beyond those the plan was made from,
+      widens it: every block's lifetime becomes the union of what the steps showed (one
+      the arena has no room for is not tried again).
     - A first plan whose arena would hold more than both the split pool held for the same
       step (in the warm-up: `BUDGET` times the step's peak of large blocks) and `BUDGET`
-      times the most bytes its own blocks can hold at once is not made; neither is one
-      that found no room (the cache's limit, out of memory). Either is not tried again for
-      the same requests during `RETRY_AFTER` steps. One that had to wait (LATER: the arena
-      it replaces was in use) is tried again with the next step's record.
+      times the most bytes its own blocks can hold at once is not made (a plan that grows
+      the arena: `SHAPES_BUDGET`); neither is one that found no room (the cache's limit,
+      out of memory). Either is not tried again for the same signature during
+      `RETRY_AFTER` steps. One that had to wait (LATER: the arena must grow where a block
+      lives, or it was cut elsewhere) is tried again with the next step, as often.
     - A first plan cuts its arena in two chunks (`layout`'s ``first_step``) when that holds
       at most `STEADY_BUDGET` times its peak, or no more than one chunk would.
     """
 
     RETRY_AFTER = 64
-    WARM_UP_STEPS = 4
+    WARM_UP_STEPS = 8
 
     def __init__(self, core: Any) -> None:
         self._core = core
         self._lock = threading.RLock()  # before_step holds it around step_ended
         with _planners_lock:
             _planners.add(self)
-        self._planned: np.ndarray | None = None  # the table (`layout`) it covers
-        self._strangers = 0  # steps in a row unlike the plan's
-        self._refused: tuple[np.ndarray, int] | None = None  # requests, steps left before a retry
-        self._unfit: np.ndarray | None = None  # a widened plan the arena in use had no room for
-        self._wall = 0  # the end of the first chunk of the plan's arena
+        self._plans: OrderedDict[bytes, _Plan] = OrderedDict()  # by signature, least recently used first
+        self._seen: OrderedDict[bytes, np.ndarray] = OrderedDict()  # signatures not planned: their latest table
+        self._pending: tuple[bytes, np.ndarray, int] | None = None  # signature, table, tries left
+        self._refused: dict[bytes, int] = {}  # signature -> steps left before a retry
+        self._kept: dict[tuple[int, int], tuple[int, int]] = {}  # (size, rank): places of a block kept across steps
+        self._repin: list[bytes] = []  # plans to lay out again at the kept places
+        self._arena = (0, 0, 0)  # the core's arena: bytes, cut, live bytes (0, 0, 0: none)
         self._warm_up = WarmUp(core, self.WARM_UP_STEPS)
 
-    def served(self, misses: int, planned: bool) -> bool:
-        """Whether a step was served whole by this planner's plan (`planned`: a plan is
-        installed; `misses`: the step's requests it did not serve): then its record holds
-        nothing new."""
+    @property
+    def plans(self) -> int:
+        """The plans kept now (at most `MAX_PLANS`)."""
         with self._lock:
-            if misses or not planned or self._planned is None:
-                return False
-            self._strangers = 0
-            return True
+            return len(self._plans)
 
     def before_step(self, outside: Callable[[], ContextManager[Any]]) -> None:
         """Before a step begins: take the record of the step that ended last, if any, and
         plan from it. Its arrays are made inside ``outside()`` (the `uncached` scope: none of
-        them comes from a cache). A step the plan served whole holds nothing new, and costs
+        them comes from a cache). A step its plan served whole holds nothing new, and costs
         no more than taking its record."""
         with self._lock:  # records are taken and read in one order
             record = self._core.take_record()
-            if record is None or self.served(record.misses, record.planned):
+            if record is None:
+                return
+            if self._served_whole(record):
+                self._warm_up.step_ended(None)
                 return
             with outside():
-                self.step_ended(record.rows, record.misses, record.planned, self._held_without_plan(record), record.previous)
+                self.step_ended(record)
+
+    def _served_whole(self, record: Any) -> bool:
+        # A step its plan served with no miss: that plan is now the most recently used.
+        if record.misses or record.plan < 0 or not (record.installed >> record.plan) & 1 or self._pending or self._repin:
+            return False
+        key = next((key for key, kept in self._plans.items() if kept.place == record.plan), None)
+        if key is not None:
+            self._plans.move_to_end(key)
+        return key is not None
 
     @staticmethod
     def _held_without_plan(record: Any) -> int:
@@ -315,72 +395,182 @@ class Planner:
         their peak."""
         return record.split_peak if record.split_peak >= record.large_peak else int(BUDGET * record.large_peak)
 
-    def step_ended(self, rows: bytes, misses: int, planned: bool, without_plan: int, previous: bytes = b"") -> None:
-        """Take an ended step's record (the core's ``take_record``): native int64 rows of
-        (size, born, died, call, lane, lane_born, lane_died) (`layout`), its plan misses,
-        whether a plan is installed, the most bytes a first plan may hold
-        (`_held_without_plan`), and the step before's rows with their next_died (its
-        blocks' deaths in this step; empty if not known)."""
-        record, before = _table(rows, NEXT_DIED), _table(previous, NEXT_DIED + 1)
+    def step_ended(self, record: Any) -> None:
+        """Take an ended step's record (the core's ``take_record``, a `_core.Record`): its
+        native int64 rows of (size, born, died, call, lane, lane_born, lane_died)
+        (`layout`), its plan misses, the place of the plan that served it (or -1), the
+        places that hold plans now (bits), the split pool's and the large blocks' peaks,
+        the step before's rows with their next_died (its blocks' deaths in this step;
+        empty if not known), and the core's arena (bytes and cut)."""
+        table, before = _table(record.rows, NEXT_DIED), _table(record.previous, NEXT_DIED + 1)
         with self._lock:
-            self._decide(record, before, misses, planned, without_plan)
-            self._warm_up.step_ended(done=self._planned is not None or self._refused is not None)
+            self._forget_dropped(record)
+            status = self._decide(table, before, record)
+            self._warm_up.step_ended(status)
 
-    def _decide(self, record: np.ndarray, before: np.ndarray, misses: int, planned: bool, without_plan: int) -> None:
-        # step_ended's decision, with the lock held.
-        if not planned:
-            self._planned = None  # none was made, or the cache dropped it (free, trim, eviction)
-        if self._refused is not None:
-            self._refused = None if self._refused[1] <= 1 else (self._refused[0], self._refused[1] - 1)
+    def _forget_dropped(self, record: Any) -> None:
+        # The plans the core no longer holds (free, trim, eviction, the limit), and with
+        # its arena the places of kept blocks.
+        for key in [key for key, kept in self._plans.items() if not (record.installed >> kept.place) & 1]:
+            del self._plans[key]
+        self._arena = (record.arena_bytes, record.arena_cut, record.arena_live)
+        if not record.arena_bytes:
+            self._kept.clear()
+        for key in list(self._refused):
+            self._refused[key] -= 1
+            if self._refused[key] <= 0:
+                del self._refused[key]
+
+    def _decide(self, record: np.ndarray, before: np.ndarray, info: Any) -> PlanStatus | None:
+        # step_ended's decision, with the lock held: the status of a plan tried, if any.
         if not ((record[SIZE] > _core.SPLIT_ABOVE) | (record[CALL] >= 0)).any():
-            return  # only small requests, which the small pool serves well: no plan
-        repeats = _same_requests(record, before)
-        if self._planned is not None and _same_requests(record, self._planned):
-            self._strangers = 0
-            if misses == 0:
-                return
-            widened = _union(self._planned, _lifetimes(record, before if repeats else None))
-            if repeats:
+            return None  # only small requests, which the small pool serves well: no plan
+        without_plan = self._held_without_plan(info)
+        status = None
+        if len(before.T) and _signature(before) not in self._plans:
+            self._remember(_signature(before), before)  # now with its deaths in this step
+        if self._pending is not None:
+            key, table, tries = self._pending
+            self._pending = None
+            status = self._install(key, table, without_plan, tries - 1)
+        elif self._repin:  # one a step: a plan laid out again at the kept places
+            key = self._repin.pop()
+            if key in self._plans:
+                status = self._install(key, self._plans[key].table, without_plan, self.RETRY_AFTER)
+        key = _signature(record)
+        kept = self._plans.get(key)
+        if kept is not None:
+            self._plans.move_to_end(key)
+            if info.misses == 0 or info.plan != kept.place:
+                return status  # served whole, or (misses of its requests) by another plan
+            widened = _union(kept.table, _lifetimes(record, kept.table))
+            if len(before.T) and _signature(before) == key:
                 widened = _union(widened, before)
-            if np.array_equal(widened, self._planned) or (self._unfit is not None and np.array_equal(widened, self._unfit)):
-                return  # the misses came from elsewhere (an array kept longer), or it was tried
+            if np.array_equal(widened, kept.table) or (kept.unfit is not None and np.array_equal(widened, kept.unfit)):
+                return status  # the misses came from elsewhere (an array kept longer), or it was tried
+            table = widened
         else:
-            if self._planned is not None:
-                self._strangers += 1
-            if not repeats or (self._planned is not None and self._strangers < 2):
-                return
-            widened = _union(before, _lifetimes(record, before))
-        if self._refused is not None and _same_requests(widened, self._refused[0]):
-            return
-        plan = self._layout(widened)
+            seen = self._seen.pop(key, None)
+            if seen is None:
+                self._remember(key, _lifetimes(record, None))  # its deaths in the next step not known yet
+                return status
+            table = _union(seen, _lifetimes(record, seen))
+        tried = self._install(key, table, without_plan, self.RETRY_AFTER)
+        return status if status == PlanStatus.INSTALLED or tried is None else tried
+
+    def _remember(self, key: bytes, table: np.ndarray) -> None:
+        self._seen[key] = table
+        self._seen.move_to_end(key)
+        while len(self._seen) > 2 * MAX_PLANS:
+            self._seen.popitem(last=False)
+
+    def _install(self, key: bytes, table: np.ndarray, without_plan: int, tries: int) -> PlanStatus | None:
+        # Have the core install a plan for `table`: in its signature's place, else a free
+        # one, else the least recently used plan's.
+        if key in self._refused or (self._pending is not None and self._pending[0] == key):
+            return None
+        kept = self._plans.get(key)
+        arena_bytes, cut, live = self._arena
+        plan, wall, pinned = self._layout(table)
+        budget = BUDGET if not arena_bytes else SHAPES_BUDGET
         # The peak counts each kernel call's lanes as if all ran at once, which another
         # interleaving of its threads may do: no plan is refused for how they ran this time.
-        if self._planned is None and plan.arena_bytes > max(without_plan, BUDGET * plan.peak):
+        if plan.arena_bytes > arena_bytes and plan.arena_bytes > max(without_plan, budget * plan.peak):
             status = PlanStatus.NO_GAIN
         else:
-            columns = [widened[SIZE], plan.even, plan.odd, np.zeros_like(plan.even), widened[CALL], widened[LANE]]
-            columns = [np.ascontiguousarray(c, dtype=np.int64) for c in columns]
-            status = PlanStatus(self._core.install_plan(plan.arena_bytes, 0, *columns, plan.first_bytes))
-        self._unfit = None
+            place = kept.place if kept is not None else self._free_place()
+            columns = [np.ascontiguousarray(c, dtype=np.int64) for c in (table[SIZE], plan.even, plan.odd, table[CALL], table[LANE])]
+            out = table[CALL] < 0
+            sequence = np.ascontiguousarray(table[SIZE][out][np.argsort(table[BORN][out], kind="stable")], dtype=np.int64)
+            status = PlanStatus(self._core.install_plan(
+                place, plan.arena_bytes, *columns[:3], call=columns[3], lane=columns[4],
+                cut=wall, sequence=sequence,
+            ))  # fmt: skip
         if status == PlanStatus.INSTALLED:
-            # The arena's cut is a first plan's: a plan that replaces one goes into its arena
-            # (one that spans less, in its first chunk) or into one cut where it was.
-            self._wall = plan.first_bytes if self._planned is None else self._wall
-            self._planned, self._strangers = widened, 0
-        elif status in (PlanStatus.NO_ROOM, PlanStatus.NO_GAIN):
-            self._planned, self._refused = None, (widened, self.RETRY_AFTER)
-        elif self._planned is not None:
-            self._unfit = widened  # LATER: the arena in use is too small for it; not again
-        # LATER without a plan: the next step's record has this one's as its step before
+            for other in [k for k, p in self._plans.items() if p.place == place]:
+                del self._plans[other]  # the least recently used, replaced
+            self._plans[key] = _Plan(table, place)
+            self._arena = self._arena_after(table[SIZE], plan, wall)
+            if not pinned and arena_bytes and _kept_keys(table):
+                # Its kept blocks apart from the arena's start: the places the others keep.
+                self._kept.clear()
+                self._repin = [other for other in self._plans if other != key]
+            self._keep_places(table, plan)
+        elif status == PlanStatus.LATER and tries > 0:
+            self._pending = (key, table, tries)
+        elif kept is not None:
+            kept.unfit = table  # no room for the widened plan: not again
+        else:
+            self._refused[key] = self.RETRY_AFTER
+        return status
+
+    def _arena_after(self, sizes: np.ndarray, plan: Layout, wall: int) -> tuple[int, int, int]:
+        # The core's arena once it installed `plan` (``lx_install_plan``): a new one, the
+        # same, one chunk in an idle one's stead, or one whose second chunk grew.
+        arena_bytes, cut, live = self._arena
+        if not arena_bytes:
+            return plan.arena_bytes, wall or plan.arena_bytes, 0
+        across = any(((at < cut) & (cut < at + sizes)).any() for at in (plan.even, plan.odd))
+        if not across and plan.arena_bytes <= arena_bytes:
+            return self._arena
+        size = max(plan.arena_bytes, arena_bytes)
+        return (size, size, 0) if not live else (size, cut, live)
+
+    def _free_place(self) -> int:
+        taken = {kept.place for kept in self._plans.values()}
+        free = [k for k in range(MAX_PLANS) if k not in taken]
+        return free[0] if free else next(iter(self._plans.values())).place
+
+    def _layout(self, table: np.ndarray) -> tuple[Layout, int, bool]:
+        # A plan, the cut its places keep clear of, and whether it keeps the places other
+        # plans have for the blocks kept across steps. A first plan's first step holds its
+        # first chunk alone, where that costs little in the steady state. A plan into the
+        # arena keeps those places where that costs little (it fits the arena, or spans at
+        # most STEADY_BUDGET times as much as the alternative), else places its kept blocks
+        # apart from the arena's start, for the others to keep; and it keeps the arena's
+        # cut while a block lives there (else the core makes it one chunk, as large as
+        # needed).
+        arena_bytes, cut, live = self._arena
+        if arena_bytes:
+            wall = cut if live else None
+            apart, pins = layout(table, wall=wall, kept_first=bool(_kept_keys(table))), self._pins(table)
+            if (pins[0] >= 0).any():  # kept places where they cost little
+                pinned = layout(table, wall=wall, fixed=pins)
+                if pinned.arena_bytes <= max(arena_bytes, STEADY_BUDGET * apart.arena_bytes):
+                    return pinned, wall or 0, True
+            return apart, wall or 0, False
+        whole, first = layout(table), layout(table, first_step=True)
+        plan = first if first.arena_bytes <= max(whole.arena_bytes, STEADY_BUDGET * whole.peak) else whole
+        return plan, plan.first_bytes, False
+
+    def _pins(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # The places in the arena of the blocks of `table` that outlive their step, where a
+        # plan has them (-1: none), by size and rank within the size.
+        even, odd = np.full(table.shape[1], -1, np.int64), np.full(table.shape[1], -1, np.int64)
+        for i, key in _kept_keys(table):
+            even[i], odd[i] = self._kept.get(key, (-1, -1))
+        return even, odd
+
+    def _keep_places(self, table: np.ndarray, plan: Layout) -> None:
+        for i, key in _kept_keys(table):
+            self._kept.setdefault(key, (int(plan.even[i]), int(plan.odd[i])))
 
 
-    def _layout(self, table: np.ndarray) -> Layout:
-        # A first plan's first step holds its first chunk alone, where that costs little in
-        # the steady state; a plan that replaces one keeps its arena's cut.
-        if self._planned is not None:
-            return layout(table, wall=self._wall)
-        whole, cut = layout(table), layout(table, first_step=True)
-        return cut if cut.arena_bytes <= max(whole.arena_bytes, STEADY_BUDGET * whole.peak) else whole
+def _signature(table: np.ndarray) -> bytes:
+    """A step's requests (sizes, calls and lanes), as a key."""
+    return table[[SIZE, CALL, LANE]].tobytes()
+
+
+def _kept_keys(table: np.ndarray) -> list[tuple[int, tuple[int, int]]]:
+    """(column, (size, rank among them of its size)) of each request that outlives its step."""
+    kept = np.flatnonzero(table[DIED] < 0)
+    ranks: dict[int, int] = {}
+    keys = []
+    for i in kept:
+        size = int(table[SIZE, i])
+        keys.append((int(i), (size, ranks.setdefault(size, 0))))
+        ranks[size] += 1
+    return keys
 
 
 def _table(raw: bytes, rows: int) -> np.ndarray:
@@ -392,11 +582,6 @@ def _table(raw: bytes, rows: int) -> np.ndarray:
     laned = table[CALL] >= 0
     order = np.lexsort((np.where(laned, table[LANE_BORN], table[BORN]), np.where(laned, 0, table[SIZE]), table[LANE], table[CALL]))
     return table[:, order].copy()
-
-
-def _same_requests(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two tables hold the same requests: sizes, calls and lanes."""
-    return a.shape[1] == b.shape[1] and all(np.array_equal(a[r], b[r]) for r in (SIZE, CALL, LANE))
 
 
 def _lifetimes(record: np.ndarray, before: np.ndarray | None) -> np.ndarray:
@@ -425,21 +610,28 @@ def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 class WarmUp:
-    """The warm-up: until a cache's first plan is installed or refused, or `steps` steps
-    with recorded requests have gone by without one, the core serves those requests
-    upstream at their size and gives them back when they die (``set_warm_up``), so the
-    steps a plan is made from hold no more than they use; after it, the split pool serves
-    what no plan does."""
+    """The warm-up: while a cache learns its steps (from its first step, and again after
+    each plan installed, until `steps` steps with recorded requests have gone by without
+    one, or a plan is refused), the core serves the recorded requests that no plan serves
+    (a step of a signature not planned yet) upstream at their size and gives them back
+    when they die (``set_warm_up``), so the steps a plan is made from hold no more than
+    they use; after it, the split pool serves what no plan does."""
 
     def __init__(self, core: Any, steps: int) -> None:
-        self._core, self._left = core, steps
+        self._core, self._steps, self._left = core, steps, steps
         core.set_warm_up(steps > 0)
 
-    def step_ended(self, done: bool) -> None:
-        if self._left > 0:
-            self._left = 0 if done else self._left - 1
-            if self._left == 0:
-                self._core.set_warm_up(False)
+    def step_ended(self, status: PlanStatus | None) -> None:
+        """A step's record was planned from; `status`: of the plan tried, if any."""
+        was = self._left > 0
+        if status == PlanStatus.INSTALLED:
+            self._left = self._steps
+        elif status in (PlanStatus.NO_ROOM, PlanStatus.NO_GAIN):
+            self._left = 0
+        else:
+            self._left = max(self._left - 1, 0)
+        if (self._left > 0) != was:
+            self._core.set_warm_up(self._left > 0)
 
 
 # Fork copies only the forking thread: a planner's lock held by another thread would stay

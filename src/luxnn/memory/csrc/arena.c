@@ -8,6 +8,7 @@
 #include "core.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 /* Whether granules [from, to) of the arena are all free; mark them busy or free. */
 int
@@ -122,7 +123,7 @@ arena_block_locked(lx_core *c, lx_arena *a, size_t at, size_t size, uint32_t bin
     mark_granules(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2, 1);
     a->live++;
     a->live_bytes += size;
-    c->plan->last_used = c->fig.scopes;
+    a->last_used = c->fig.scopes;
     return b;
 }
 
@@ -147,19 +148,19 @@ free_run(const lx_arena *a, size_t size, size_t *at)
 int
 retired_locked(const lx_core *c, const lx_arena *a)
 {
-    return c->plan == NULL || (c->plan->arena[LX_CYCLE] != a && c->plan->arena[LX_KEPT] != a);
+    return c->arena != a;
 }
 
-/* Whether ptr lies in an arena of the plan or a retired one. */
+/* Whether ptr lies in the plans' arena or a retired one. */
 int
 in_an_arena_locked(const lx_core *c, const void *ptr)
 {
-    for (int k = 0; k < 3; k++) {
-        const lx_arena *a = k < 2 ? (c->plan != NULL ? c->plan->arena[k] : NULL) : c->retired;
-        for (; a != NULL; a = k < 2 ? NULL : a->next) {
-            if (arena_offset(a, ptr) != SIZE_MAX) {
-                return 1;
-            }
+    if (c->arena != NULL && arena_offset(c->arena, ptr) != SIZE_MAX) {
+        return 1;
+    }
+    for (const lx_arena *a = c->retired; a != NULL; a = a->next) {
+        if (arena_offset(a, ptr) != SIZE_MAX) {
+            return 1;
         }
     }
     return 0;
@@ -195,7 +196,7 @@ put_planned_locked(lx_core *c, lx_block *b)
 /* `size` bytes from upstream for an arena (after a trim of the pools, if the
  * limit or the system asks for it), counted as cached; NULL with the reason in
  * *status. The trim leaves the plan alone: the arena may be the plan's own,
- * taking its second chunk (grow_arenas_locked). */
+ * taking its second chunk (grow_arena_locked). */
 static char *
 arena_chunk_locked(lx_core *c, size_t size, lx_status *status)
 {
@@ -246,18 +247,57 @@ new_arena_locked(lx_core *c, size_t size, size_t first, lx_status *status)
     return a;
 }
 
-/* The plan's arenas take their second chunks, if they wait for them (the first
+/* The plans' arena takes its second chunk, if it waits for it (the first
  * planned step is over: the blocks of the step before it, held outside the
- * arena, have died). One that cannot be had now is asked for again later; its
- * slots miss meanwhile. */
+ * arena, have died; or a plan grew the arena). One that cannot be had now is
+ * asked for again later; its slots miss meanwhile. */
 void
-grow_arenas_locked(lx_core *c)
+grow_arena_locked(lx_core *c)
 {
-    for (int k = 0; c->plan != NULL && k < 2; k++) {
-        lx_arena *a = c->plan->arena[k];
-        lx_status status;
-        if (a != NULL && a->base2 == NULL && a->first < a->size) {
-            a->base2 = arena_chunk_locked(c, a->size - a->first, &status);
+    lx_arena *a = c->arena;
+    lx_status status;
+    if (a != NULL && a->base2 == NULL && a->first < a->size) {
+        a->base2 = arena_chunk_locked(c, a->size - a->first, &status);
+    }
+}
+
+/* Arena a grows to `size` bytes, beyond its first chunk: its second chunk, which
+ * no block lives in, goes back, and one of the new size comes (now or, while
+ * the first planned step's outsiders live, later). LX_BUSY, nothing changed: a
+ * block lives in the second chunk; LX_OVER_LIMIT: the limit has no room for it. */
+lx_status
+grow_arena_to_locked(lx_core *c, lx_arena *a, size_t size)
+{
+    size_t cut = a->first >> LX_QUANTUM_LOG2, end = a->size >> LX_QUANTUM_LOG2;
+    if (a->base2 != NULL && !granules_free(a, cut, end)) {
+        return LX_BUSY;
+    }
+    size_t second = a->base2 != NULL ? a->size - a->first : 0;
+    if (c->limit) { /* live + cached - second + the new second chunk <= limit, if trimming can */
+        size_t need = size - a->first;
+        size_t room = c->limit >= c->fig.bytes_live + need ? c->limit - c->fig.bytes_live - need : 0;
+        trim_pools_locked(c, room + second);
+        if (c->fig.bytes_live + c->fig.bytes_cached - second + need > c->limit) {
+            return LX_OVER_LIMIT;
         }
     }
+    size_t words = ((size >> LX_QUANTUM_LOG2) + 63) / 64, had = (end + 63) / 64;
+    uint64_t *busy = realloc(a->busy, words * sizeof(uint64_t));
+    if (busy == NULL) {
+        return LX_FALLBACK;
+    }
+    memset(busy + had, 0, (words - had) * sizeof(uint64_t));
+    a->busy = busy;
+    if (a->base2 != NULL) {
+        c->up.free(c->up.ctx, a->base2, second);
+        a->base2 = NULL;
+        c->fig.upstream_frees++;
+        c->fig.bytes_cached -= second;
+        record_locked(c, LX_EV_RELEASE);
+    }
+    a->size = size;
+    if (c->cycle >= a->from_cycle && c->direct_live == 0) {
+        grow_arena_locked(c);
+    }
+    return LX_OK;
 }

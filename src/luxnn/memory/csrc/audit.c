@@ -171,20 +171,29 @@ audit_locked(lx_core *c)
     if (in_lru != listed) {
         return "the LRU ring and the free lists disagree";
     }
-    lx_arena *arenas[2] = {NULL, NULL};
-    if (c->plan != NULL) {
-        arenas[0] = c->plan->arena[LX_CYCLE];
-        arenas[1] = c->plan->arena[LX_KEPT];
-        if (arenas[0] == NULL && arenas[1] == NULL) {
+    int serving_kept = c->serving == NULL;
+    for (uint32_t k = 0; k < LX_PLANS; k++) {
+        lx_plan *p = c->plans[k];
+        if (p != NULL && c->arena == NULL) {
             return "a plan has no arena";
         }
-        if (c->plan->last_used > c->fig.scopes) {
+        if (p != NULL && p->last_cycle > c->cycle + 1) {
             return "a plan was used in the future";
         }
+        serving_kept |= p != NULL && p == c->serving;
+        if (p == NULL && (c->candidates >> k) & 1) {
+            return "a place with no plan is a candidate to serve the cycle";
+        }
     }
-    for (int k = 0; k < 3; k++) {
-        for (lx_arena *a = k < 2 ? arenas[k] : c->retired; a != NULL; a = k < 2 ? NULL : a->next) {
-            const char *broken = audit_arena_locked(c, a, k == 2);
+    if (!serving_kept) {
+        return "the plan serving the cycle is not one of the plans";
+    }
+    if (c->arena != NULL && c->arena->last_used > c->fig.scopes) {
+        return "the arena was used in the future";
+    }
+    for (int k = 0; k < 2; k++) {
+        for (lx_arena *a = k == 0 ? c->arena : c->retired; a != NULL; a = k == 0 ? NULL : a->next) {
+            const char *broken = audit_arena_locked(c, a, k == 1);
             if (broken != NULL) {
                 return broken;
             }

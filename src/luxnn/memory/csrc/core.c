@@ -59,14 +59,12 @@ lx_core_destroy(lx_core *c)
     for (size_t i = 0; i < c->map.cap; i++) {
         free(c->map.slots[i]); /* records left (heads with their segments); memory stays */
     }
-    if (c->plan != NULL) { /* an arena with a live block: the memory stays */
-        for (int k = 0; k < 2; k++) {
-            if (c->plan->arena[k] != NULL) {
-                free(c->plan->arena[k]->busy);
-                free(c->plan->arena[k]);
-            }
-        }
-        free_plan(c->plan);
+    for (uint32_t k = 0; k < LX_PLANS; k++) {
+        free_plan(c->plans[k]);
+    }
+    if (c->arena != NULL) { /* an arena with a live block: the memory stays */
+        free(c->arena->busy);
+        free(c->arena);
     }
     for (lx_arena *a = c->retired, *next; a != NULL; a = next) {
         next = a->next;
@@ -104,36 +102,29 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     }
     /* Recorded and planned: requests above LX_PLAN_ABOVE, and a lane's small ones, of
      * which threads can hold more at once in one step than in another. */
-    int recorded = (bin >= c->plan_bin || call >= 0) && c->stepping;
-    /* (The small ones out of lanes keep their bins: a step without larger requests is
-     * not planned, and needs no warm-up.) */
-    int direct = recorded && (split || call >= 0) && c->warm_up && c->plan == NULL;
-    int seg = split && !direct; /* a miss makes a new segment of the split pool */
+    int recorded = (bin >= c->plan_bin || call >= 0) && c->stepping && size != 0;
     lx_block *b = NULL;
-    if (size == 0) {
-        /* above 128 TiB: a miss that fails below */
+    if (recorded) {
+        choose_plan_locked(c, size, call);
+        int64_t rank = call >= 0 ? lane_rank : c->rank[bin]++;
+        b = c->arena != NULL ? take_planned_locked(c, bin, size, call, lane, rank) : NULL;
     }
-    else if (direct) {
-        /* warm-up: a miss, by design */
+    /* Warm-up: what no plan serves goes upstream at its size (a miss, by design). (The
+     * small ones out of lanes keep their bins: a step without larger requests is not
+     * planned, and needs no warm-up.) */
+    int direct = b == NULL && recorded && (split || call >= 0) && c->warm_up;
+    int seg = split && !direct; /* a miss makes a new segment of the split pool */
+    if (b != NULL || size == 0 || direct) {
+        /* planned; above 128 TiB: a miss that fails below; the warm-up's */
     }
     else if (!split) { /* the fast path: exact-bin reuse */
-        if (recorded && c->plan != NULL) {
-            b = take_planned_locked(c, bin, size, call, lane, lane_rank);
-        }
-        if (b == NULL) {
-            c->bins[bin].last_used = c->fig.scopes;
-            if ((b = c->bins[bin].top) != NULL) {
-                unlink_free_locked(c, b);
-            }
+        c->bins[bin].last_used = c->fig.scopes;
+        if ((b = c->bins[bin].top) != NULL) {
+            unlink_free_locked(c, b);
         }
     }
     else {
-        if (c->plan != NULL && c->stepping) {
-            b = take_planned_locked(c, bin, size, call, lane, lane_rank);
-        }
-        if (b == NULL) {
-            b = take_piece_locked(c, bin, size, &no_record);
-        }
+        b = take_piece_locked(c, bin, size, &no_record);
     }
     int kind = LX_EV_HIT;
     if (b != NULL) {
@@ -268,8 +259,8 @@ lx_free(lx_core *c, void *ptr)
             int direct = b->direct; /* the warm-up's: outside every arena */
             release_locked(c, b);
             c->direct_live -= direct;
-            if (direct && c->direct_live == 0 && c->plan != NULL && c->cycle >= c->plan->from_cycle) {
-                grow_arenas_locked(c); /* the first planned step's last outsider died */
+            if (direct && c->direct_live == 0 && c->arena != NULL && c->cycle >= c->arena->from_cycle) {
+                grow_arena_locked(c); /* the first planned step's last outsider died */
             }
         }
         else {
@@ -397,7 +388,7 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
         }
         b = newer;
     }
-    if (c->evict_after && c->plan != NULL && now - c->plan->last_used >= c->evict_after) {
+    if (c->evict_after && c->arena != NULL && now - c->arena->last_used >= c->evict_after) {
         drop_plan_locked(c);
     }
     if (--c->depth == 0 && c->spans != NULL) {

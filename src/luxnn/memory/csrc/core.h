@@ -153,12 +153,15 @@ typedef struct lx_arena {
     size_t live;              /* blocks alive in it */
     size_t live_bytes;
     uint64_t *busy;           /* bit i: granule i (512 B) belongs to a live block */
+    uint64_t from_cycle;      /* the first cycle its plans serve: its even cycles are
+                                 those of this cycle's parity */
+    uint64_t last_used;       /* scope clock when it last served a request */
     struct lx_arena *next;    /* the next retired arena */
 } lx_arena;
 
 typedef struct {
-    size_t offset[2]; /* its place in even and odd cycles (equal unless it outlives one) */
-    uint32_t arena;   /* LX_CYCLE or LX_KEPT */
+    size_t offset[2]; /* its place in the arena's even and odd cycles (equal unless it
+                         outlives one) */
     uint32_t bin;     /* the bin of its requests */
     uint64_t taken;   /* the last cycle that took it */
 } lx_slot;
@@ -180,25 +183,25 @@ typedef struct {
 extern _Thread_local lx_lane tl_lane;
 extern _Atomic int64_t kernel_calls; /* threaded kernel calls begun, in every thread */
 
-/* A plan's arenas: the cycle arena, one for every block of the circular two-step
- * schedule (plan.c: Step plans), and a kept one that install_plan still takes but the
- * planner no longer asks for (kept_size 0). Either may be NULL. */
-enum { LX_CYCLE, LX_KEPT };
+/* Plans kept at once, one per request-size signature (luxnn.memory.plan.Planner
+ * chooses which to replace), all in the core's one arena. */
+#define LX_PLANS 8
+/* A step's first requests out of lanes that choose its plan (the sizes a plan keeps). */
+#define LX_MATCH 64
 
 typedef struct {
-    lx_arena *arena[2];
     lx_slot *slots;            /* the others' by bin, and within a bin in the recorded
                                   order; then the lanes' */
     size_t nslots;
     lx_lane_slots *lanes;      /* by (call, lane) */
     size_t nlanes;
-    uint64_t installed;        /* scope clock of the first scope that the first of the
-                                  plans that replaced one another could serve */
-    uint64_t last_used;        /* scope clock when it last served a request */
+    size_t *sequence;          /* the sizes of its first recorded requests out of lanes,
+                                  in the order they came (at most LX_MATCH) */
+    uint32_t nsequence;
+    uint64_t last_cycle;       /* the last cycle it served a request in, or was installed */
     uint64_t from_cycle;       /* the first cycle it serves */
     uint32_t first[LX_NBINS];  /* each bin's first slot (if it has any) */
     uint32_t count[LX_NBINS];  /* each bin's slots */
-    uint32_t rank[LX_NBINS];   /* this cycle: the bin's requests so far, out of lanes */
 } lx_plan;
 
 /* What install_plan says (luxnn.memory.plan.PlanStatus). */
@@ -223,6 +226,19 @@ typedef struct {
     lx_request r;
     int64_t next_died;
 } lx_carried;
+
+/* What the planner learns of a cycle with its record (luxnn.memory.plan). */
+typedef struct {
+    uint64_t misses;     /* the requests its plan missed */
+    int plan;            /* the place of the plan that served it, or -1: none */
+    uint32_t installed;  /* bit k: a plan is in place k now */
+    size_t split_peak;   /* the most bytes the split pool held during it */
+    size_t large_peak;   /* the most bytes its blocks above the split threshold (and
+                            those of earlier steps) held */
+    size_t arena_size;   /* the plans' arena now: its bytes (0: none) */
+    size_t arena_first;  /* and its first chunk's */
+    size_t arena_live;   /* and its live blocks' */
+} lx_record_info;
 
 /* ---- The core ------------------------------------------------------------ */
 
@@ -319,7 +335,16 @@ typedef struct lx_core {
     size_t depth;               /* scopes open */
     uint64_t cycle;             /* cycles opened */
     uint64_t cycle_misses;      /* plan misses of the open (or last) cycle */
-    lx_plan *plan;              /* NULL: none */
+    lx_plan *plans[LX_PLANS];   /* NULL: none in that place */
+    lx_arena *arena;            /* the plans' arena; NULL: none (then no plan either) */
+    uint64_t plans_since;       /* scope clock of the first scope the latest plan could
+                                   serve: the split pool's segments unused since then are
+                                   what the plans replaced */
+    lx_plan *serving;           /* the plan chosen for the open (or last) cycle; NULL: none */
+    uint32_t candidates;        /* bit k: plans[k] matches the open cycle's requests so far */
+    uint32_t matched;           /* the open cycle's recorded requests out of lanes so far */
+    uint32_t rank[LX_NBINS];    /* the open cycle's recorded requests of each bin out of
+                                   lanes so far */
     lx_arena *retired;          /* replaced arenas with live blocks */
     lx_request *rec;            /* the open cycle's record */
     size_t nrec, rec_cap;
@@ -331,8 +356,9 @@ typedef struct lx_core {
     int pending;                /* the last cycle closed; its record not yet taken */
     int finished;               /* the last cycle's record is final (finish_record_locked) */
     int stepping;               /* a step is open: the cycle */
-    int warm_up;                /* while no plan serves, a step's split-pool requests go
-                                   upstream at their size, and back when they die */
+    int warm_up;                /* a step's recorded requests that neither a plan nor a
+                                   free run of the arena serves go upstream at their
+                                   size, and back when they die */
     size_t direct_live;         /* the warm-up's blocks alive (plan.c: Warm-up) */
     size_t large_live;          /* bytes of live blocks above the split threshold */
     size_t large_peak;          /* the highest large_live since the cycle opened */
@@ -347,7 +373,7 @@ typedef enum {
     LX_FALLBACK,      /* the bookkeeping is out of memory: use the plain allocator */
     LX_OVER_LIMIT,    /* one request larger than the limit */
     LX_OUT_OF_MEMORY, /* upstream failed, even after releasing every free block */
-    LX_BUSY,          /* a plan's arena that must be replaced is in use: not now */
+    LX_BUSY,          /* the plans' arena must change where a block lives: not now */
 } lx_status;
 
 /* ---- Failure record (failure.c) ------------------------------------------ */
@@ -428,9 +454,11 @@ size_t release_split_wholes_locked(lx_core *c, uint64_t since);
 /* plan.c: step plans, served */
 void free_plan(lx_plan *p);
 size_t drop_plan_locked(lx_core *c);
+lx_plan *latest_plan_locked(const lx_core *c, uint32_t among);
+void choose_plan_locked(lx_core *c, size_t size, int64_t call);
 lx_block *take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t lane,
-                              int64_t lane_rank);
-lx_status lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2], size_t first);
+                              int64_t rank);
+lx_status lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first);
 
 /* arena.c: a plan's arena */
 int granules_free(const lx_arena *a, size_t from, size_t to);
@@ -442,7 +470,8 @@ int retired_locked(const lx_core *c, const lx_arena *a);
 int in_an_arena_locked(const lx_core *c, const void *ptr);
 void put_planned_locked(lx_core *c, lx_block *b);
 lx_arena *new_arena_locked(lx_core *c, size_t size, size_t first, lx_status *status);
-void grow_arenas_locked(lx_core *c);
+void grow_arena_locked(lx_core *c);
+lx_status grow_arena_to_locked(lx_core *c, lx_arena *a, size_t size);
 
 /* record.c: steps, their record, lanes */
 void lane_of_locked(const lx_core *c, int64_t *call, int64_t *lane);
@@ -451,8 +480,8 @@ void note_death_locked(lx_core *c, lx_block *b);
 void finish_record_locked(lx_core *c);
 void lx_step_begin(lx_core *c);
 void lx_step_end(lx_core *c);
-int lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *planned,
-                   size_t *split_peak, size_t *large_peak, int64_t **prev, size_t *nprev);
+int lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int64_t **prev,
+                   size_t *nprev);
 
 /* figures.c: peaks, events, spans */
 void record_locked(lx_core *c, int kind);

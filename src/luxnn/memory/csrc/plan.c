@@ -1,7 +1,9 @@
 /*
- * Step plans, served: a recorded request takes the slot of its plan (by lane
- * and rank, or by bin and rank), else a free run of the arena; installing a
- * plan (reusing the arena in use where it fits) and dropping one. The plans
+ * Step plans, served: a step's first requests choose which of the plans serves
+ * it; a recorded request takes the slot of that plan (by lane and rank, or by
+ * bin and rank), else a free run of the arena; installing a plan (in the one
+ * arena of all the plans, which grows or is made one chunk where it must) and
+ * dropping them. The plans
  * themselves are made in Python (luxnn/memory/plan.py) from the record
  * (record.c); their memory is an arena (arena.c). Every function but
  * lx_install_plan expects the core's lock held.
@@ -35,18 +37,36 @@
  *   its own, take two places; the core carries them into the next cycle and
  *   records their deaths there). The arena may come in two chunks (two
  *   upstream allocations, no slot across the cut): the first at once, the
- *   second once the plan's first cycle is over (grow_arenas_locked), so that
- *   the first planned step, whose step before kept its results outside the
- *   arena, holds only the first. (The core also serves a second, kept arena,
- *   which the planner no longer asks for.) A plan widened later (threads
- *   interleave beyond it) is repacked into the arena in use; one it cannot
- *   hold waits (LX_BUSY) while a block lives in the arena.
- * - Warm-up (set_warm_up, luxnn/memory/plan.py: WarmUp): while it is on and
- *   no plan is installed, a step's recorded requests go upstream at their
- *   size, as exact-bin blocks marked orphan and direct, and back when they
- *   die: the steps a first plan is made from reserve what they use, nothing
- *   more; what the split pool served before a warm-up step (an optimizer's
- *   first state) goes back when the step begins, if it died.
+ *   second once the first plan's first cycle is over (grow_arena_locked), so
+ *   that the first planned step, whose step before kept its results outside
+ *   the arena, holds only the first. A plan widened later (threads interleave
+ *   beyond it) is repacked into the arena.
+ * - Several plans (shapes that vary: a short last batch, lengths in buckets, an
+ *   evaluation pass): up to LX_PLANS, one per request-size signature, in places
+ *   0 .. LX_PLANS - 1 that the planner chooses (it replaces the least recently
+ *   used), all in the one arena, sized for the largest: a plan beyond it grows
+ *   the arena's second chunk while no block lives there, or, with no block
+ *   alive in the arena, one chunk as large replaces it; else it waits
+ *   (LX_BUSY). A plan keeps the sizes of its step's first LX_MATCH recorded
+ *   requests out of lanes (its sequence): each such request of a cycle keeps
+ *   as candidates the plans that follow it, and the plan serving the cycle is
+ *   a candidate, else the most recently used one (a plan with no sequence
+ *   follows every step). No plan follows the cycle's first such request: none
+ *   serves the cycle (its requests take free runs of the arena, else go where
+ *   a cycle's without plans go); none follows a later one: the plan serving
+ *   goes on. A wrong choice costs misses, never an overlap. Slots have places
+ *   in the arena's even and odd cycles, the parity of its first cycle, so that
+ *   blocks one plan's cycle carries into another's sit where that one expects
+ *   them (the planner gives kept blocks the same places in every plan).
+ * - Warm-up (set_warm_up, luxnn/memory/plan.py: WarmUp): while it is on, a
+ *   step's recorded requests that no plan serves (before any plan, a step no
+ *   plan follows or the misses of one) go upstream at their size, as
+ *   exact-bin blocks marked orphan and direct, and back when they die (those
+ *   of a step no plan follows try a free run of the arena first): the steps a
+ *   plan is made from reserve what they use, nothing more, and a miss is not
+ *   left where the next step's plan places its own; what the split pool served
+ *   before a warm-up step (an optimizer's first state) goes back when the step
+ *   begins, if it died.
  * - Lanes: a request made inside a share of a threaded kernel
  *   (luxnn.parallel.for_blocks) carries its lane, set per thread (tl_lane,
  *   record.c): the kernel call (numbered from the step's beginning), the share,
@@ -60,9 +80,9 @@
  *   any other, the k-th such request of a bin in a cycle, takes the bin's
  *   k-th slot, else the (k+1)-th or (k-1)-th (a request from another thread),
  *   if not taken in this cycle and all its bytes are free now. Otherwise it is
- *   a plan miss and goes to a free run of the arena that fits, else to the
- *   split pool or its exact bin, as every request of a cycle without a plan
- *   does.
+ *   a plan miss and goes (after the warm-up) to a free run of the arena that
+ *   fits, else to the split pool or its exact bin, as every request of a cycle
+ *   without a plan does.
  * - Safety does not rest on the plan: a bitmap of each arena's 512-B
  *   granules marks the bytes of its live blocks, and a slot serves only when
  *   all of its bytes are free. A cycle unlike the recorded ones (other
@@ -70,11 +90,11 @@
  *   misses, never an overlap.
  * - An arena's bytes not in use are cached bytes; a plan hit is a hit. While
  *   plans serve, the whole free segments of the split pool that served no
- *   request since the first of them was installed are released when a cycle
+ *   request since the latest of them was installed are released when a cycle
  *   opens or closes: they are what the plans replaced (the segments of
- *   misses are kept, and evicted as usual). A replaced, freed, trimmed or
- *   evicted plan's arena goes upstream at once if no block lives in it, else
- *   when its last block dies (a retired arena).
+ *   misses are kept, and evicted as usual). Freed, trimmed or evicted (no plan
+ *   served for evict_after scopes), the plans' arena goes upstream at once if
+ *   no block lives in it, else when its last block dies (a retired arena).
  */
 
 void
@@ -83,23 +103,34 @@ free_plan(lx_plan *p)
     if (p != NULL) {
         free(p->slots);
         free(p->lanes);
+        free(p->sequence);
         free(p);
     }
 }
 
-/* The plan serves no more: its arenas are dropped. Returns the bytes released now. */
+/* Plan k serves no more (its blocks stay where they are until they die). */
+static void
+remove_plan_locked(lx_core *c, uint32_t k)
+{
+    if (c->serving == c->plans[k]) {
+        c->serving = NULL;
+    }
+    c->candidates &= ~((uint32_t)1 << k);
+    free_plan(c->plans[k]);
+    c->plans[k] = NULL;
+}
+
+/* No plan serves any more: the plans and their arena are dropped. Returns the
+ * bytes released now. */
 size_t
 drop_plan_locked(lx_core *c)
 {
-    lx_plan *p = c->plan;
-    if (p == NULL) {
-        return 0;
+    for (uint32_t k = 0; k < LX_PLANS; k++) {
+        remove_plan_locked(c, k);
     }
-    c->plan = NULL;
-    size_t released = drop_arena_locked(c, p->arena[LX_CYCLE]);
-    released += drop_arena_locked(c, p->arena[LX_KEPT]);
-    free_plan(p);
-    return released;
+    lx_arena *a = c->arena;
+    c->arena = NULL;
+    return drop_arena_locked(c, a);
 }
 
 /* The slots of lane (call, lane) of plan p, or NULL. */
@@ -123,147 +154,225 @@ lane_slots(const lx_plan *p, int64_t call, int64_t lane)
     return NULL;
 }
 
+/* Whether plan p keeps `size` as the r-th recorded request out of lanes (a plan
+ * that keeps no sequence follows every step). */
+static inline int
+plan_follows(const lx_plan *p, uint32_t r, size_t size)
+{
+    return p->nsequence == 0 || (r < p->nsequence && p->sequence[r] == size);
+}
+
+/* The most recently used plan among those of bits `among`, or NULL. */
+lx_plan *
+latest_plan_locked(const lx_core *c, uint32_t among)
+{
+    lx_plan *best = NULL;
+    for (uint32_t k = 0; k < LX_PLANS; k++) {
+        lx_plan *p = c->plans[k];
+        if ((among >> k) & 1 && p != NULL && (best == NULL || p->last_cycle > best->last_cycle)) {
+            best = p;
+        }
+    }
+    return best;
+}
+
+/* The open cycle's recorded request of `size` bytes out of lanes (call < 0) picks
+ * its plan: of the plans whose first requests were the cycle's so far, the one
+ * serving, else the most recently used. No plan follows the cycle's first request:
+ * none serves it; none follows a later one: the one serving goes on (a request
+ * in another order costs misses, never an overlap). */
+void
+choose_plan_locked(lx_core *c, size_t size, int64_t call)
+{
+    if (call >= 0 || c->candidates == 0 || c->matched >= LX_MATCH) {
+        return;
+    }
+    uint32_t r = c->matched++, follow = 0;
+    for (uint32_t k = 0; k < LX_PLANS; k++) {
+        if ((c->candidates >> k) & 1 && plan_follows(c->plans[k], r, size)) {
+            follow |= (uint32_t)1 << k;
+        }
+    }
+    c->candidates = follow;
+    if (follow == 0) {
+        c->serving = r == 0 ? NULL : c->serving;
+        return;
+    }
+    int serving_follows = 0;
+    for (uint32_t k = 0; k < LX_PLANS; k++) {
+        serving_follows |= (follow >> k) & 1 && c->plans[k] == c->serving;
+    }
+    if (!serving_follows) {
+        c->serving = latest_plan_locked(c, follow);
+    }
+}
+
 /* A recorded request of `size` bytes (bin `bin`) at its planned place: the
- * slot of its lane and rank there (call >= 0), else of its rank among the
- * bin's requests out of lanes; NULL: a plan miss, served elsewhere. */
+ * slot of its lane and rank there (call >= 0), else of rank `rank` among the
+ * bin's requests out of lanes, in the plan serving the cycle; else (a plan
+ * miss, or a request of a cycle no plan serves) a free run of the arena; NULL:
+ * served elsewhere. */
 lx_block *
 take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t lane,
-                    int64_t lane_rank)
+                    int64_t rank)
 {
-    lx_plan *p = c->plan;
-    if (c->cycle < p->from_cycle) {
-        return NULL; /* installed while this cycle was open: not planned for, not a miss */
+    lx_plan *p = c->serving;
+    lx_arena *a = c->arena;
+    if (p != NULL && c->cycle >= p->from_cycle) {
+        uint32_t first, count;
+        int tries; /* the slot of its rank, then (out of lanes) its neighbours' */
+        if (call >= 0) {
+            const lx_lane_slots *l = lane_slots(p, call, lane);
+            first = l != NULL ? l->first : 0;
+            count = l != NULL ? l->count : 0;
+            tries = 1;
+        }
+        else {
+            first = p->first[bin];
+            count = p->count[bin];
+            tries = 3; /* a neighbour's: another thread may have made a request of the size */
+        }
+        uint32_t own = rank < (int64_t)count ? (uint32_t)rank : count;
+        uint32_t ranks[3] = {own, own + 1, own - 1};
+        int parity = (int)((c->cycle ^ a->from_cycle) & 1);
+        for (int k = 0; k < tries && own < count; k++) {
+            if (ranks[k] >= count) { /* also own - 1 for rank 0 */
+                continue;
+            }
+            lx_slot *s = &p->slots[first + ranks[k]];
+            if (s->taken == c->cycle || s->bin != bin) {
+                continue;
+            }
+            /* Its place of this cycle's parity, else the other (a block that outlives its
+             * cycle: a cycle with no request between steps shifts the parity). */
+            size_t at = s->offset[parity];
+            if (!arena_serves(a, at, size) ||
+                !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+                at = s->offset[!parity];
+            }
+            if (!arena_serves(a, at, size) ||
+                !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+                continue;
+            }
+            lx_block *b = arena_block_locked(c, a, at, size, bin);
+            if (b == NULL) {
+                return NULL;
+            }
+            s->taken = c->cycle;
+            p->last_cycle = c->cycle;
+            c->fig.plan_hits++;
+            return b;
+        }
     }
-    uint32_t first, count, rank;
-    int tries; /* the slot of its rank, then (out of lanes) its neighbours' */
-    if (call >= 0) {
-        const lx_lane_slots *l = lane_slots(p, call, lane);
-        first = l != NULL ? l->first : 0;
-        count = l != NULL ? l->count : 0;
-        rank = lane_rank < (int64_t)count ? (uint32_t)lane_rank : count;
-        tries = 1;
+    if (p != NULL) {
+        c->fig.plan_misses++;
+        c->cycle_misses++;
+        if (c->warm_up) {
+            return NULL; /* upstream at its size: not where the next step's plan places its own */
+        }
     }
-    else {
-        first = p->first[bin];
-        count = p->count[bin];
-        rank = p->rank[bin]++;
-        tries = 3; /* a neighbour's: another thread may have made a request of the size */
-    }
-    uint32_t ranks[3] = {rank, rank + 1, rank - 1};
-    lx_slot *own = rank < count ? &p->slots[first + rank] : NULL;
-    for (int k = 0; k < tries && own != NULL; k++) {
-        if (ranks[k] >= count) { /* also rank - 1 for rank 0 */
-            continue;
-        }
-        lx_slot *s = &p->slots[first + ranks[k]];
-        lx_arena *a = p->arena[s->arena];
-        if (s->arena != own->arena || s->taken == c->cycle || s->bin != bin) {
-            continue;
-        }
-        /* Its place of this cycle's parity, else the other (a block that outlives its
-         * cycle: a cycle with no request between steps shifts the parity). */
-        size_t at = s->offset[c->cycle & 1];
-        if (!arena_serves(a, at, size) ||
-            !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
-            at = s->offset[(c->cycle + 1) & 1];
-        }
-        if (!arena_serves(a, at, size) ||
-            !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
-            continue;
-        }
-        lx_block *b = arena_block_locked(c, a, at, size, bin);
-        if (b == NULL) {
-            break;
-        }
-        s->taken = c->cycle;
-        c->fig.plan_hits++;
-        return b;
-    }
-    c->fig.plan_misses++;
-    c->cycle_misses++;
-    /* A miss (the planner widens the plan from it): any free run of the cycle arena that
-     * fits, before the split pool (threads' temporaries of one size swap places from step
-     * to step); the bitmap keeps it clear of every live block. */
-    lx_arena *a = p->arena[LX_CYCLE];
+    /* A miss (the planner widens or makes a plan from it): any free run of the arena
+     * that fits, before the pools (threads' temporaries of one size swap places from
+     * step to step; a step of other shapes fits between the blocks that live there);
+     * the bitmap keeps it clear of every live block. */
     size_t at;
-    return a != NULL && free_run(a, size, &at) ? arena_block_locked(c, a, at, size, bin) : NULL;
+    return free_run(a, size, &at) ? arena_block_locked(c, a, at, size, bin) : NULL;
+}
+
+/* Whether a slot of plan p lies across offset `cut`. */
+static int
+plan_straddles(const lx_plan *p, size_t cut)
+{
+    for (size_t i = 0; i < p->nslots; i++) {
+        size_t size = bin_bytes(p->slots[i].bin);
+        for (int k = 0; k < 2; k++) {
+            if (p->slots[i].offset[k] < cut && p->slots[i].offset[k] + size > cut) {
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* A new arena for the plans: `size` bytes, of which the first `first` now (the
+ * rest once its first cycle is over), its even cycles those of the parity of
+ * cycle `from_cycle` (the split pool's whole free segments first go back: the
+ * plans replace them). NULL with the reason in *status. */
+static lx_arena *
+plans_arena_locked(lx_core *c, size_t size, size_t first, uint64_t from_cycle, lx_status *status)
+{
+    release_split_wholes_locked(c, UINT64_MAX);
+    lx_arena *a = new_arena_locked(c, size, first, status);
+    if (a != NULL) {
+        a->from_cycle = from_cycle;
+        a->last_used = c->fig.scopes;
+        c->arena = a;
+    }
+    return a;
 }
 
 /*
- * Install plan p (Step plans, above), built by the caller (slots, first, count), whose
- * arenas must hold arena_size[] bytes (0: none), the cycle arena's in two
- * chunks: `first` bytes now, the rest once the plan's first cycle is over
- * (first == arena_size[LX_CYCLE]: one chunk). Each arena of the current plan
- * serves again if it is large enough (and in one chunk, or cut where the new
- * one is); else it is dropped before a new one comes from upstream (the split
- * pool's whole free segments first go back: the plan replaces them). The new
- * plan serves from the next cycle to open, which takes the places planned for
- * even cycles (so that its first cycle needs the first chunk only). The core takes p in any case. Returns LX_OK; LX_BUSY, nothing
- * changed, when the cycle arena must grow while a block lives in it (a block
- * planned to die in its cycle outlived it); or, the old plan dropped all the
- * same, why there is no plan now: LX_OVER_LIMIT, LX_OUT_OF_MEMORY, LX_FALLBACK
- * (no memory for the bookkeeping).
+ * Install plan p (section 1c), built by the caller (slots, first, count,
+ * sequence), in place k (the plan there serves no more), its slots within
+ * `size` bytes of the plans' arena. With no arena yet, one comes from upstream,
+ * in two chunks: `first` bytes now (0, or as much as size: one chunk), the rest
+ * once the plan's first cycle is over; its even cycles are those of the parity
+ * of the next cycle to open, so that the first needs the first chunk only (and
+ * the small bins that the plans now serve go back). An arena that is too small,
+ * or cut where a slot lies across, is replaced by one chunk large enough for
+ * both if no block lives in it; else, if no slot lies across its cut, its second
+ * chunk grows (grow_arena_to_locked). The plan serves from the next cycle to
+ * open. The core takes p in any case. Returns LX_OK; LX_BUSY, nothing changed:
+ * a block lives where the arena must change; or why there is no room for it:
+ * LX_OVER_LIMIT, LX_OUT_OF_MEMORY, LX_FALLBACK (no memory for the bookkeeping),
+ * nothing changed (but an idle arena whose larger stead cannot be had is gone,
+ * and the other plans with it).
  */
 lx_status
-lx_install_plan(lx_core *c, lx_plan *p, const size_t arena_size[2], size_t first)
+lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first)
 {
     pthread_mutex_lock(&c->lock);
-    lx_plan *old = c->plan;
-    int first_plan = old == NULL;
-    lx_arena *own = old != NULL ? old->arena[LX_CYCLE] : NULL;
-    if (own != NULL && own->live > 0 && own->size < arena_size[LX_CYCLE]) {
-        /* Held with its replacement it would double the arena: wait until it is idle. */
-        pthread_mutex_unlock(&c->lock);
-        free_plan(p);
-        return LX_BUSY;
-    }
-    /* The split pool's segments unused since plans serve are what they replaced. */
-    p->installed = old != NULL ? old->installed : c->fig.scopes + 1; /* the next scope's clock */
-    for (int k = 0; old != NULL && k < 2; k++) {
-        lx_arena *a = old->arena[k];
-        if (arena_size[k] > 0 && a != NULL && a->size >= arena_size[k] &&
-            (a->first == a->size || arena_size[k] <= a->first ||
-             (k == LX_CYCLE && a->first == first))) { /* each new slot in one of its chunks */
-            p->arena[k] = old->arena[k]; /* serves again */
-            old->arena[k] = NULL;
+    lx_arena *a = c->arena;
+    lx_status status = LX_OK;
+    if (a == NULL) {
+        first = first == 0 || first > size ? size : first;
+        if (plans_arena_locked(c, size, first, c->cycle + 1, &status) != NULL) {
+            for (uint32_t bin = c->plan_bin; bin < c->split_bin; bin++) {
+                for (lx_block *b; (b = c->bins[bin].top) != NULL;) {
+                    unlink_free_locked(c, b);
+                    release_locked(c, b);
+                }
+            }
         }
     }
-    drop_plan_locked(c);
-    lx_status status = LX_OK;
-    if ((arena_size[0] > 0 && p->arena[0] == NULL) || (arena_size[1] > 0 && p->arena[1] == NULL)) {
-        release_split_wholes_locked(c, UINT64_MAX);
-    }
-    for (int k = 0; k < 2 && status == LX_OK; k++) {
-        if (arena_size[k] > 0 && p->arena[k] == NULL) {
-            p->arena[k] = new_arena_locked(c, arena_size[k], k == LX_CYCLE ? first : arena_size[k],
-                                           &status);
+    else if (plan_straddles(p, a->first) || size > a->size) {
+        if (a->live == 0) { /* one chunk for all the plans, in the idle one's stead */
+            size_t whole = size > a->size ? size : a->size;
+            uint64_t from_cycle = a->from_cycle;
+            c->arena = NULL;
+            drop_arena_locked(c, a);
+            if (plans_arena_locked(c, whole, whole, from_cycle, &status) == NULL) {
+                drop_plan_locked(c); /* the others' arena went */
+            }
+        }
+        else if (!plan_straddles(p, a->first)) {
+            release_split_wholes_locked(c, UINT64_MAX);
+            status = grow_arena_to_locked(c, a, size);
+        }
+        else {
+            status = LX_BUSY;
         }
     }
     if (status != LX_OK) {
-        drop_arena_locked(c, p->arena[LX_CYCLE]);
-        drop_arena_locked(c, p->arena[LX_KEPT]);
         pthread_mutex_unlock(&c->lock);
         free_plan(p);
         return status;
     }
-    if (first_plan) { /* the plan serves the recorded small requests: their bins idle */
-        for (uint32_t bin = c->plan_bin; bin < c->split_bin; bin++) {
-            for (lx_block *b; (b = c->bins[bin].top) != NULL;) {
-                unlink_free_locked(c, b);
-                release_locked(c, b);
-            }
-        }
-    }
+    remove_plan_locked(c, k);
     p->from_cycle = c->cycle + 1; /* the next to open: one open now was not planned for */
-    if (p->from_cycle & 1) { /* its first cycle takes the places planned for an even one */
-        for (size_t i = 0; i < p->nslots; i++) {
-            size_t even = p->slots[i].offset[0];
-            p->slots[i].offset[0] = p->slots[i].offset[1];
-            p->slots[i].offset[1] = even;
-        }
-    }
-    p->last_used = c->fig.scopes;
-    c->plan = p;
+    p->last_cycle = c->cycle + 1; /* the latest: made from the steps just seen */
+    c->plans[k] = p;
+    c->plans_since = c->fig.scopes + 1; /* the next scope's clock */
     c->fig.plans++;
     pthread_mutex_unlock(&c->lock);
     return LX_OK;

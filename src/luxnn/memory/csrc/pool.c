@@ -271,17 +271,14 @@ trim_pools_locked(lx_core *c, size_t max_cached)
     return released;
 }
 
-/* trim_pools_locked, then the plan if one of its arenas is idle (that one goes
- * upstream, one in use retires), until at most max_cached bytes stay cached.
- * Returns the bytes released. */
+/* trim_pools_locked, then the plans if their arena is idle (it goes upstream),
+ * until at most max_cached bytes stay cached. Returns the bytes released. */
 size_t
 trim_locked(lx_core *c, size_t max_cached)
 {
     size_t released = trim_pools_locked(c, max_cached);
-    if (c->fig.bytes_cached > max_cached && c->plan != NULL &&
-        ((c->plan->arena[LX_CYCLE] != NULL && c->plan->arena[LX_CYCLE]->live == 0) ||
-         (c->plan->arena[LX_KEPT] != NULL && c->plan->arena[LX_KEPT]->live == 0))) {
-        released += drop_plan_locked(c); /* an arena in use retires */
+    if (c->fig.bytes_cached > max_cached && c->arena != NULL && c->arena->live == 0) {
+        released += drop_plan_locked(c);
     }
     return released;
 }

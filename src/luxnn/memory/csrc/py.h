@@ -27,7 +27,7 @@ PyObject *filled(PyObject *seq, PyObject **items, size_t n);
 extern PyStructSequence_Desc record_desc;
 extern PyTypeObject RecordType;
 PyObject *Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored));
-PyObject *Core_install_plan(CoreObject *self, PyObject *args);
+PyObject *Core_install_plan(CoreObject *self, PyObject *args, PyObject *kwargs);
 
 /* py_cuda.c: a CUDA core's binding and blocks */
 extern PyTypeObject BlockType;

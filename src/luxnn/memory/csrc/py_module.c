@@ -335,9 +335,9 @@ static PyMethodDef Core_methods[] = {
      "Release the free blocks now and the live ones when they die."},
     {"scope_enter", (PyCFunction)Core_scope_enter, METH_NOARGS,
      "Open a scope; returns its watcher slot."},
-    {"install_plan", (PyCFunction)Core_install_plan, METH_VARARGS,
-     "install_plan(cycle_size, kept_size, sizes, even, odd, which) -> PLAN_INSTALLED, "
-     "PLAN_LATER or PLAN_NO_ROOM"},
+    {"install_plan", (PyCFunction)(void (*)(void))Core_install_plan, METH_VARARGS | METH_KEYWORDS,
+     "install_plan(place, arena_bytes, sizes, even, odd, *, call=None, lane=None, cut=0, "
+     "sequence=None) -> PLAN_INSTALLED, PLAN_LATER or PLAN_NO_ROOM"},
     {"scope_exit", (PyCFunction)Core_scope_exit, METH_O,
      "scope_exit(slot) -> (peak_live, peak_reserved) of the scope; evicts unused bins"},
     {"step_begin", (PyCFunction)Core_step_begin, METH_NOARGS,
@@ -345,13 +345,13 @@ static PyMethodDef Core_methods[] = {
     {"step_end", (PyCFunction)Core_step_end, METH_NOARGS,
      "The training step ends: its record waits for take_record"},
     {"set_warm_up", (PyCFunction)Core_set_warm_up, METH_O,
-     "set_warm_up(on): while on and no plan serves, a step's requests above the split "
-     "threshold go upstream at their size and back when they die"},
+     "set_warm_up(on): while on, a step's recorded requests that no plan serves (nor a "
+     "free run of the arena) go upstream at their size and back when they die"},
     {"drop_plan", (PyCFunction)Core_drop_plan, METH_NOARGS,
-     "drop_plan(): the step plan, if any, serves no more (its arenas go upstream when idle)"},
+     "drop_plan(): no step plan serves any more (their arena goes upstream when idle)"},
     {"take_record", (PyCFunction)Core_take_record, METH_NOARGS,
-     "take_record() -> None or the last step's Record (rows, misses, planned, split_peak, "
-     "large_peak, previous)"},
+     "take_record() -> None or the last step's Record (rows, misses, plan, installed, "
+     "split_peak, large_peak, previous, arena_bytes, arena_cut, arena_live)"},
     {"blocks", (PyCFunction)Core_blocks, METH_NOARGS,
      "[(ptr, size, live, segment_base, segment_size, orphan)] of every block owned"},
     {"audit", (PyCFunction)Core_audit, METH_NOARGS,
@@ -505,6 +505,7 @@ PyInit__core(void)
         PyModule_AddIntConstant(m, "PLAN_INSTALLED", LX_PLAN_INSTALLED) < 0 ||
         PyModule_AddIntConstant(m, "PLAN_LATER", LX_PLAN_LATER) < 0 ||
         PyModule_AddIntConstant(m, "PLAN_NO_ROOM", LX_PLAN_NO_ROOM) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_PLANS", LX_PLANS) < 0 ||
         PyModule_AddIntConstant(m, "HUGE_PAGE_MIN", (long)LX_HUGE_MIN) < 0 ||
         PyModule_AddObject(m, "SPLIT_ABOVE", PyLong_FromSize_t(LX_SPLIT_ABOVE)) < 0 ||
         PyModule_AddObject(m, "MAX_REQUEST", PyLong_FromSize_t(LX_MAX_REQUEST)) < 0 ||

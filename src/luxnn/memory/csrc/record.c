@@ -114,10 +114,11 @@ finish_record_locked(lx_core *c)
     c->finished = 1;
 }
 
-/* A cycle opens: a fresh record, every slot free to take, and while a plan
- * serves, no whole free segment of the split pool that served nothing since
- * the plan came stays (what the plan replaced; misses' segments are kept, and
- * evicted as usual). */
+/* A cycle opens: a fresh record, every slot free to take, every plan a
+ * candidate to serve it (the most recently used first, until its requests
+ * choose), and while plans serve, no whole free segment of the split pool that
+ * served nothing since the latest plan came stays (what the plans replaced;
+ * misses' segments are kept, and evicted as usual). */
 static void
 open_cycle_locked(lx_core *c)
 {
@@ -126,13 +127,19 @@ open_cycle_locked(lx_core *c)
     }
     c->finished = 0;
     c->cycle++;
-    if (c->plan != NULL) {
-        memset(c->plan->rank, 0, sizeof(c->plan->rank));
-        if (c->cycle > c->plan->from_cycle) {
-            grow_arenas_locked(c); /* a warm-up block outlived the first planned step */
+    memset(c->rank, 0, sizeof(c->rank));
+    c->matched = 0;
+    c->candidates = 0;
+    for (uint32_t k = 0; k < LX_PLANS; k++) {
+        c->candidates |= (uint32_t)(c->plans[k] != NULL) << k;
+    }
+    c->serving = latest_plan_locked(c, c->candidates);
+    if (c->arena != NULL) {
+        if (c->cycle > c->arena->from_cycle) {
+            grow_arena_locked(c); /* a warm-up block outlived the first planned step */
         }
         /* Blocks that outlived the last cycle may have died since it closed. */
-        release_split_wholes_locked(c, c->plan->installed);
+        release_split_wholes_locked(c, c->plans_since);
     }
     else if (c->warm_up) {
         /* The warm-up holds nothing: what the split pool served before it (an optimizer's
@@ -153,13 +160,13 @@ static void
 end_step_locked(lx_core *c)
 {
     c->stepping = 0;
-    if (c->plan != NULL && c->cycle >= c->plan->from_cycle && c->direct_live == 0) {
-        grow_arenas_locked(c); /* no block of the steps before it is alive outside */
+    if (c->arena != NULL && c->cycle >= c->arena->from_cycle && c->direct_live == 0) {
+        grow_arena_locked(c); /* no block of the steps before it is alive outside */
     }
     if (c->nrec > 0 || c->rec_lost) {
         c->pending = 1;
-        if (c->plan != NULL) {
-            release_split_wholes_locked(c, c->plan->installed);
+        if (c->arena != NULL) {
+            release_split_wholes_locked(c, c->plans_since);
         }
     }
 }
@@ -191,26 +198,29 @@ lx_step_end(lx_core *c)
 }
 
 /* The record of the last cycle, if it closed, no cycle is open and it holds a
- * request: n rows of (size, born, died) in *rows (malloc'd for the caller;
- * NULL with n 0 when the record is incomplete), its plan misses in *misses,
- * in *planned whether a plan is installed now (none: none was, or it was
- * dropped), in *split_peak the most bytes the split pool held during it, in
- * *large_peak the most bytes its blocks above the split threshold (and those
- * of earlier steps) held, and in *prev (malloc'd) the *nprev rows of the
- * record before it with their next deaths. Returns whether there was a record
- * to take. */
+ * request: n rows of (size, born, died, ...) in *rows (malloc'd for the caller;
+ * NULL with n 0 when the record is incomplete), what else the planner learns
+ * of it in *info, and in *prev (malloc'd) the *nprev rows of the record before
+ * it with their next deaths. Returns whether there was a record to take. */
 int
-lx_take_record(lx_core *c, int64_t **rows, size_t *n, uint64_t *misses, int *planned,
-               size_t *split_peak, size_t *large_peak, int64_t **prev, size_t *nprev)
+lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int64_t **prev,
+               size_t *nprev)
 {
     pthread_mutex_lock(&c->lock);
     int pending = c->pending && !c->stepping && (c->nrec > 0 || c->rec_lost);
     *rows = NULL;
     *n = 0;
-    *misses = c->cycle_misses;
-    *planned = c->plan != NULL;
-    *split_peak = c->split_peak;
-    *large_peak = c->large_peak;
+    *info = (lx_record_info){.misses = c->cycle_misses, .plan = -1,
+                             .split_peak = c->split_peak, .large_peak = c->large_peak};
+    for (uint32_t k = 0; k < LX_PLANS; k++) {
+        info->installed |= (uint32_t)(c->plans[k] != NULL) << k;
+        info->plan = c->plans[k] != NULL && c->plans[k] == c->serving ? (int)k : info->plan;
+    }
+    if (c->arena != NULL) {
+        info->arena_size = c->arena->size;
+        info->arena_first = c->arena->first;
+        info->arena_live = c->arena->live_bytes;
+    }
     *prev = NULL;
     *nprev = 0;
     const size_t columns = LX_REQUEST_COLUMNS;

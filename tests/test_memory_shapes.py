@@ -1,0 +1,165 @@
+"""Several shapes, several plans (luxnn.memory.plan, csrc/plan.c): a loop whose shapes vary
+(sequence lengths in buckets, a short last batch, an evaluation pass every few steps) keeps a
+plan per request-size signature, at most MAX_PLANS of them, in one arena; each step takes the
+plan its first requests follow. Counts of upstream allocations are checked with one kernel
+thread, where no interleaving of threads can change them."""
+
+import os
+
+import numpy as np
+import pytest
+
+import luxnn as lx
+from luxnn import memory
+from luxnn.bench import models as bench
+from luxnn.memory.plan import MAX_PLANS, SHAPES_BUDGET
+
+KiB, MiB = 1 << 10, 1 << 20
+AD = lx.AutoTape()
+# Under valgrind (scripts/memcheck.sh) a step is ~50x slower: fewer of them there.
+LM_STEPS = 24 if os.environ.get("LUXNN_MEMCHECK") else 48
+
+
+def _upstream_per_step(cache, steps):
+    """Run each of `steps` (callables); the upstream allocations of each, counted from its
+    beginning to the next one's (what its results' deaths cause counts)."""
+    marks = []
+    for step in steps:
+        marks.append(cache.stats().upstream_allocs)
+        step()
+    return np.diff([*marks, cache.stats().upstream_allocs]).tolist()
+
+
+def _bucketed_lm(verb, threads, steps=LM_STEPS):
+    threads(1)
+    lm = bench.LM(batch=8, vocab=500, dim=64, heads=2, buckets=(16, 32, 48, 64))
+    batches = [lm.data(n) for n in lm.buckets]
+    model = lm.luxnn_model()
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-3))
+    cache, loss = ts.allocator_cache, lx.losses.CrossEntropyLoss()
+    picks = np.random.default_rng(0).integers(0, len(batches), steps)
+    installs = []
+
+    def step(k):
+        def run():
+            nonlocal ts
+            _, _, _, ts = verb(AD, loss, batches[picks[k]], ts)
+            installs.append(cache.stats().plans)
+        return run
+
+    upstream = _upstream_per_step(cache, [step(k) for k in range(steps)])
+    return cache, upstream, installs
+
+
+@pytest.mark.parametrize("verb", [lx.single_train_step_, lx.single_train_step])
+def test_bucketed_lengths_keep_a_plan_each_and_stop_reaching_upstream(verb, threads):
+    # Lengths from 4 buckets, one drawn each step: a plan per bucket, made once its length
+    # repeats, shared arena; blocks kept across steps (single_train_step's new parameters
+    # and optimizer state, of the same sizes in every bucket) take the same places in
+    # every plan. Once each bucket has its plan, no step reaches upstream.
+    cache, upstream, installs = _bucketed_lm(verb, threads)
+    s, warm = cache.stats(), LM_STEPS // 2
+    assert cache._planner.plans == 4 and installs[-1] == installs[-warm] <= 3 * 4  # none made again and again
+    assert upstream[-warm:] == [0] * warm
+    if verb is lx.single_train_step_:  # (the other's results outlive a step: figures in benchmarks/promises.py)
+        assert installs[-1] == 4 and s.peak_reserved <= SHAPES_BUDGET * s.peak_live, s
+    cache._core.audit()
+
+
+def _mlp(batches, every_epoch, threads, epochs=8):
+    # MLP 256 -> 512 -> 10, Adam: for each epoch, a step per batch of `batches`, then
+    # `every_epoch(ts)` if given (an evaluation pass).
+    threads(1)
+    model = lx.Chain(lx.Dense(256, 512, activation="relu"), lx.Dense(512, 10))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-3))
+    rng = np.random.default_rng(1)
+    data = [(rng.standard_normal((n, 256)).astype(np.float32), rng.integers(0, 10, n)) for n in batches]
+    loss = lx.losses.CrossEntropyLoss()
+
+    def train(batch):
+        def run():
+            nonlocal ts
+            _, _, _, ts = lx.single_train_step_(AD, loss, batch, ts)
+        return run
+
+    steps = []
+    for _ in range(epochs):
+        steps += [train(batch) for batch in data]
+        if every_epoch is not None:
+            steps.append(lambda: every_epoch(ts))
+    return ts.allocator_cache, _upstream_per_step(ts.allocator_cache, steps)
+
+
+def test_a_short_last_batch_gets_its_own_plan(threads):
+    cache, upstream = _mlp([128, 128, 128, 40], None, threads)
+    s = cache.stats()
+    assert s.plans == 2 and cache._planner.plans == 2  # the full batches', the short one's
+    assert upstream[3 * 4:] == [0] * (5 * 4)  # from the third epoch on
+    assert s.peak_reserved <= SHAPES_BUDGET * s.peak_live, s
+    cache._core.audit()
+
+
+def test_an_evaluation_pass_every_epoch_gets_its_own_plan(threads):
+    rng = np.random.default_rng(2)
+    held_out = rng.standard_normal((300, 256)).astype(np.float32)
+
+    def evaluate(ts):  # a pass in test mode, marked as a step of the cache's
+        with memory.step(ts.allocator_cache):
+            logits, _ = ts.model(held_out, ts.parameters, lx.testmode(ts.states))
+            float(logits.argmax(axis=-1).mean())
+
+    cache, upstream = _mlp([128, 128, 128], evaluate, threads)
+    s = cache.stats()
+    assert s.plans == 2 and cache._planner.plans == 2  # training's, the evaluation's
+    assert upstream[3 * 4:] == [0] * (5 * 4)  # from the third epoch on
+    assert s.peak_reserved <= SHAPES_BUDGET * s.peak_live, s
+    cache._core.audit()
+
+
+def _bucket_step(cache, k, result=None):
+    # A step of bucket k: temporaries of its own sizes, and (given `result`) a result of one
+    # size whatever the bucket, which outlives the step (the next one reads it and makes its
+    # own).
+    with memory.step(cache):
+        scratch = np.full((k + 2) * 16 * KiB, float(k))  # (k + 2) x 128 KiB
+        total = np.repeat(scratch, 2)[: scratch.size] + 1.0
+        return None if result is None else result * 0.5 + float(total[0])
+
+
+def test_beyond_MAX_PLANS_signatures_the_least_recently_used_plan_goes():
+    cache = memory.AllocCache()
+    for k in list(range(MAX_PLANS)) * 3:  # each planned once it repeats, then served
+        _bucket_step(cache, k)
+    assert cache.stats().plans == MAX_PLANS and cache._planner.plans == MAX_PLANS
+    before = cache.stats()
+    for k in range(MAX_PLANS):
+        _bucket_step(cache, k)
+    s = cache.stats()
+    assert s.upstream_allocs == before.upstream_allocs and s.plan_misses == before.plan_misses  # each its own plan
+    assert s.plan_hits - before.plan_hits == 3 * MAX_PLANS
+    _bucket_step(cache, 0)  # bucket 1's plan is now the least recently used
+    for _ in range(3):
+        _bucket_step(cache, MAX_PLANS)  # a new bucket: its plan takes the least recently used one's place
+    assert cache.stats().plans == MAX_PLANS + 1 and cache._planner.plans == MAX_PLANS
+    hits = cache.stats().plan_hits
+    _bucket_step(cache, 2)
+    assert cache.stats().plan_hits == hits + 3  # bucket 2 kept its plan
+    _bucket_step(cache, 1)
+    assert cache.stats().plan_hits == hits + 3  # bucket 1 lost its own: none serves it
+    cache._core.audit()
+
+
+def test_steps_that_switch_plans_never_overlap_the_blocks_they_carry():
+    # Buckets in a fixed pseudo-random order, each step's result carried into the next
+    # (served by another plan, or none): every value stays intact, whatever plan serves.
+    cache = memory.AllocCache()
+    result, value = np.zeros(MiB // 8), 0.0
+    for k in np.random.default_rng(0).integers(0, 5, 60):
+        previous, before = result, value
+        result = _bucket_step(cache, int(k), result)
+        value = value * 0.5 + float(k + 1)
+        assert np.all(result == value) and np.all(previous == before)
+        cache._core.audit()
+    assert cache._planner.plans == 5
