@@ -43,14 +43,16 @@ which block dies when, so the split pool holds more than a step's peak live byte
 training loop repeats its step, so the cache plans it. The training verbs mark each step
 (`luxnn.memory.step`; plain `cached` scopes never begin or end one); a step records its
 requests above 16 KiB and those made in a lane of a threaded kernel, with their lifetimes,
-and once a step repeats the requests of the one before, every such block gets a place in
+and once a step repeats the requests of one before it, every such block gets a place in
 one arena where no block alive at the same time overlaps it (lane requests matched by
-kernel call, lane and rank, so no interleaving of threads misses). A step of other
-requests that repeats replaces the plan in its arena. The warm-up holds nothing: until
-the cache's first plan is made or refused (or 4 steps went by without one), a step's
-recorded requests go upstream at their size and back when they die, so the first two
-steps reserve what they use; the third is planned, and from then on the pools only serve
-what the plan misses.
+kernel call, lane and rank, so no interleaving of threads misses). Shapes that vary (a
+short last batch, lengths in buckets, an evaluation pass) get a plan each, up to
+`luxnn.memory.plan.MAX_PLANS` (the least recently used goes), all in one arena; a step's
+first requests pick its plan. The warm-up holds nothing: until the cache's first plan is
+made or refused, and for a few steps after each plan made, a step's recorded requests that
+no plan serves go upstream at their size and back when they die, so the first two steps
+reserve what they use; the third is planned, and from then on the pools only serve what
+the plans miss.
 ``AllocCache(plan=False)`` turns plans off.
 """
 
