@@ -97,6 +97,45 @@ def test_children_forked_while_a_thread_runs_scopes_train_and_exit(busy_cache):
     assert results == [0] * CHILDREN
 
 
+def _churn_small(cache, stop):
+    # Small blocks of mixed sizes, every other one kept a little longer: slabs split and
+    # coalesce, quick lists fill and flush, all the time.
+    rng = np.random.default_rng(0)
+    while not stop.is_set():
+        with memory.cached(cache):
+            kept = [np.empty(int(n), np.uint8) for n in rng.choice([8, 700, 3000, 9000, 40_000], 8)]
+            del kept[::2]
+
+
+def test_children_forked_while_a_thread_splits_slabs_use_them():
+    cache = memory.AllocCache()
+    stop = threading.Event()
+    thread = threading.Thread(target=_churn_small, args=(cache, stop), daemon=True)
+    thread.start()
+    results = []
+    try:
+        for _ in range(CHILDREN // 4):
+            time.sleep(0.002)
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    with memory.cached(cache):
+                        blocks = [np.full(n, 7, np.uint8) for n in (8, 700, 3000, 9000, 40_000, 65_536)]
+                        assert all((b == 7).all() for b in blocks)
+                    del blocks
+                    cache._core.audit()
+                    code = 0
+                finally:
+                    os._exit(code)
+            results.append(_wait(pid, time.monotonic() + CHILD_SECONDS))
+    finally:
+        stop.set()
+        thread.join()
+    cache._core.audit()
+    assert results == [0] * (CHILDREN // 4)
+
+
 def test_a_fork_pool_trains_while_a_thread_runs_scopes(busy_cache):
     context = multiprocessing.get_context("fork")
     with context.Pool(2) as pool:

@@ -1,5 +1,5 @@
-"""Random sequences of allocations, drops, resizes, nested scopes over two caches (the second
-under a limit), trims,
+"""Random sequences of allocations (small blocks fragmenting slabs among them), drops,
+resizes, nested scopes over two caches (the second under a limit), trims,
 frees and step plans (several at once, in any places, even ones whose places overlap), checked against a model of
 what the caches must hold, and against the core's own record of its blocks, segments and
 arenas (`Core.blocks`, `Core.audit`)."""
@@ -23,6 +23,7 @@ SPLIT = _core.SPLIT_ABOVE  # blocks above this come from splitting free segments
 # can serve several of, in between.
 SIZES = [1, 100, 513, 8192, 8193, SPLIT, SPLIT + 1, 70_000, 300_000, MiB, 4 * MiB - 1, 4 * MiB, 5 * MiB + 3]
 LARGE = [MiB, 4 * MiB, 5 * MiB + 3, 12 * MiB]
+SMALL = [1, 100, 700, 1500, 4000, 8193, 30_000, SPLIT]  # from slabs; up to 1 KiB through quick lists
 PLANNED = sorted({memory.bin_size(n) for n in (SPLIT + 1, 70_000, 300_000, MiB)})
 LANED = sorted({memory.bin_size(n) for n in (100, 8192, 70_000, MiB)})  # a kernel lane's: any size
 ARENA = 4 * MiB  # places at multiples of 256 KiB up to 1.75 MiB: every PLANNED size fits
@@ -85,6 +86,20 @@ class CacheMachine(RuleBasedStateMachine):
             del self.arrays[self.next_key - 1]
         for size in smaller:
             self.make(size)
+
+    @rule(sizes=st.lists(st.sampled_from(SMALL), min_size=3, max_size=12), then=st.sampled_from(SMALL))
+    def fragment_slabs(self, sizes, then):
+        # Small blocks side by side in a slab, every other one dies (quick blocks and free
+        # pieces between live ones), then another size comes: a piece that fits, the quick
+        # lists coalesced, or a new slab (where a cache routes them).
+        first = self.next_key
+        made = [self.make(size) for size in sizes]
+        for key, ok in zip(range(first, first + len(sizes)), made):
+            if ok and key % 2:
+                del self.arrays[key]
+        self.make(then)
+        if any(c.stats().inactive_split_bytes for c in self.caches):
+            event("free bytes between live blocks of a slab or segment")
 
     @rule(sizes=st.lists(st.sampled_from(LARGE[:-1]), min_size=2, max_size=3), then=st.sampled_from(LARGE))
     def consolidate(self, sizes, then):
@@ -264,6 +279,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert s.bytes_reserved == s.bytes_live + s.bytes_cached
             assert s.bytes_cached >= 0
             assert 0 <= s.inactive_split_bytes <= s.bytes_cached  # fragmentation is cached bytes
+            assert s.inactive_split_bytes == inactive_split(cache._core.blocks())
             assert s.peak_live >= s.bytes_live and s.peak_reserved >= s.bytes_reserved
             assert s.peak_reserved >= s.peak_live
             assert s.upstream_allocs >= s.upstream_frees
@@ -306,6 +322,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.arrays.clear()
         for cache in self.caches:
             assert cache.stats().bytes_live == 0
+
+
+def inactive_split(blocks) -> int:
+    """The free bytes of the slabs and segments that hold a live block, from `Core.blocks()`:
+    a segment's pieces tile it (an arena's free bytes have no rows, and are not a pool's)."""
+    groups: dict = {}
+    for _, size, live, base, segment_size, _ in blocks:
+        total, live_bytes, any_live = groups.get((base, segment_size), (0, 0, False))
+        groups[base, segment_size] = (total + size, live_bytes + (size if live else 0), any_live or live)
+    return sum(seg - live for (_, seg), (total, live, any_live) in groups.items() if total == seg and any_live)
 
 
 def whole(block) -> bool:

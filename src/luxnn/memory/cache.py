@@ -32,11 +32,18 @@ the best-fitting free piece of any larger free block (a segment: one upstream al
 and splits it; freed neighbours coalesce at once; when a request misses and the whole free
 segments add up to its size, they go back and one new segment takes their bytes and its
 own; and only whole free segments go back upstream (trim, limit, eviction, out of memory).
-Smaller requests keep exact bins: their fast path stays short, and small long-lived arrays
-never pin a large segment. The 64 KiB threshold is the smallest that keeps the gain on the
+Smaller requests have a pool of their own, so that small long-lived arrays never pin a
+large segment. The 64 KiB threshold is the smallest that keeps the gain on the
 suite's steps (PyTorch's 1 MiB gives most of it back). What splitting cannot remove: a
 segment never merges with another, so a large request made while the free bytes lie in
 pieces of segments still in use misses; step plans (below) take over from there.
+
+Small blocks (``csrc/pool.c``, "Small blocks"): blocks up to 64 KiB are cut from slabs
+(segments of 16 KiB growing to 2 MiB, a sixteenth of what the slabs already hold) and coalesce
+back, as PyTorch's small pool does, so the free bytes of one small size serve another. The
+smallest (up to 1 KiB) skip coalescing on the fast path: a dying one waits in its bin's quick
+list for the bin's next request, and the quick lists coalesce when a miss, `trim`, `free` or
+eviction needs their bytes.
 
 Step plans (``csrc/plan.c``, "Step plans"; `luxnn.memory.plan`). Online, no placement can know
 which block dies when, so the split pool holds more than a step's peak live bytes. A
@@ -113,9 +120,10 @@ class CacheStats:
     scopes: scopes entered; plan_hits: requests served at their place in a step plan (also
     counted in hits); plan_misses: requests above 64 KiB, made while a plan was installed,
     that it did not serve; plans: plans installed (`luxnn.memory.plan`);
-    inactive_split_bytes: the free bytes of the split pool's segments (blocks above 64 KiB)
-    that still hold a live block (PyTorch's name): bytes only a request that fits between
-    live blocks can use, the split pool's fragmentation (also counted in bytes_cached).
+    inactive_split_bytes: the free bytes of the pools' segments (the slabs of blocks up to
+    64 KiB and the split pool's segments above) that still hold a live block (PyTorch's
+    name): bytes only a request that fits between live blocks can use, the pools'
+    fragmentation (also counted in bytes_cached; a step plan's arena is not a pool).
     """
 
     hits: int

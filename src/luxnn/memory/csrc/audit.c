@@ -35,7 +35,8 @@ const char *
 audit_locked(lx_core *c)
 {
     size_t live = 0, cached = 0, owned = 0, records = 0, listed = 0, unlisted = 0, held = 0;
-    size_t free_records = 0, segments = 0, large = 0, inactive = 0;
+    size_t free_records = 0, large = 0, inactive = 0, quick = 0;
+    size_t pool_held[2] = {0, 0}; /* bytes of the slabs, of the split pool's segments */
     for (size_t i = 0; i < c->map.cap; i++) {
         lx_block *b = c->map.slots[i];
         if (b == NULL) {
@@ -63,15 +64,15 @@ audit_locked(lx_core *c)
             }
             continue;
         }
-        if (b->seg == NULL) { /* the exact-bin pool, or the warm-up: a whole upstream block */
-            if ((b->bin >= c->split_bin && !b->orphan) || b->size != bin_bytes(b->bin)) {
-                return "an exact-bin block's size is not its bin's, or its bin is split";
+        if (b->seg == NULL) { /* the warm-up's, or one free() released: a whole upstream block */
+            if (!b->orphan || b->size != bin_bytes(b->bin) || b->quick) {
+                return "a whole block is not an orphan, its size not its bin's, or quick";
             }
             if (b->left != NULL || b->right != NULL) {
-                return "an exact-bin block has neighbours";
+                return "a whole block has neighbours";
             }
-            if (b->orphan && !b->live) {
-                return "an exact-bin orphan is free but still held";
+            if (!b->live) {
+                return "a whole orphan is free but still held";
             }
             owned++;
             held += b->size;
@@ -84,10 +85,20 @@ audit_locked(lx_core *c)
             offset + b->size > seg->size || offset + b->size < offset) {
             return "a piece is not a 512-B multiple inside its segment";
         }
-        if (b->live ? (b->bin < c->split_bin || b->size != bin_bytes(b->bin))
-                    : b->bin != floor_bin(b->size)) {
-            return "a piece's bin is wrong (live: its request's; free: floor_bin of its size)";
+        int small = seg->pool == &c->small;
+        if (!small && seg->pool != &c->split) {
+            return "a segment belongs to no pool";
         }
+        if (b->live || b->quick ? (b->bin < c->split_bin) != small || b->size != bin_bytes(b->bin)
+                                : b->bin != floor_bin(b->size)) {
+            return "a piece's bin is wrong (live or quick: its request's, in its pool; free: "
+                   "floor_bin of its size)";
+        }
+        if (b->quick && (b->live || !small || b->bin >= c->quick_bin || seg->orphan)) {
+            return "a quick block is live, in the split pool, of a bin without a quick list, "
+                   "or in an orphan slab";
+        }
+        quick += b->quick ? b->size : 0;
         if ((b->left == NULL) != (offset == 0) ||
             (b->right == NULL) != (offset + b->size == seg->size)) {
             return "a piece at a segment's edge has a neighbour there, or one inside has none";
@@ -96,7 +107,7 @@ audit_locked(lx_core *c)
                                  (char *)b->right->ptr != (char *)b->ptr + b->size)) {
             return "a piece's right neighbour does not follow it";
         }
-        if (b->right != NULL && !b->live && !b->right->live) {
+        if (b->right != NULL && !b->live && !b->right->live && !b->quick && !b->right->quick) {
             return "two adjacent free pieces were not coalesced";
         }
         if (b->left != NULL) {
@@ -130,16 +141,17 @@ audit_locked(lx_core *c)
         }
         owned++;
         held += seg->size;
-        segments += seg->size;
+        pool_held[!small] += seg->size;
     }
+    lx_pool *pools[2] = {&c->small, &c->split};
     for (uint32_t i = 0; i < LX_NBINS; i++) {
-        for (int pool = 0; pool < 2; pool++) {
-            lx_bin *bin = pool ? &c->split[i] : &c->bins[i];
+        for (int list = 0; list < 3; list++) { /* quick, the small pool's, the split pool's */
+            lx_bin *bin = list == 0 ? &c->quick[i] : &pools[list - 1]->free[i];
             size_t n = 0;
             for (lx_block *b = bin->top, *prev = NULL; b != NULL; prev = b, b = b->next) {
                 if (b->live || b->bin != i || b->prev != prev || map_find(&c->map, b->ptr) != b ||
-                    (b->seg != NULL) != pool || (b->seg != NULL && b->seg->orphan) ||
-                    (b->seg == NULL && b->orphan)) {
+                    b->seg == NULL || b->seg->orphan || b->quick != (list == 0) ||
+                    (list > 0 && b->seg->pool != pools[list - 1])) {
                     return "a free list holds a live, foreign, orphan or unowned block";
                 }
                 n++;
@@ -147,22 +159,25 @@ audit_locked(lx_core *c)
             if (n != bin->nfree) {
                 return "a bin's count of free blocks is wrong";
             }
-            if (pool && (n != 0) != (int)((c->split_mask[i / 64] >> (i % 64)) & 1)) {
-                return "the split pool's bin mask disagrees with its lists";
+            if (list > 0 && (n != 0) != (int)((pools[list - 1]->mask[i / 64] >> (i % 64)) & 1)) {
+                return "a pool's bin mask disagrees with its lists";
             }
             listed += n;
         }
     }
-    size_t in_lru = 0, split_whole = 0;
+    size_t in_lru = 0, whole[2] = {0, 0};
     for (lx_block *b = c->lru.newer; b != &c->lru; b = b->newer) {
         if (b->live || b->newer->older != b) {
             return "the LRU ring holds a live block or is broken";
         }
         in_lru++;
-        split_whole += b->seg != NULL && whole_locked(b) ? b->size : 0;
+        whole[b->seg->pool == &c->split] += !b->quick && whole_locked(b) ? b->size : 0;
     }
-    if (split_whole != c->split_whole) {
-        return "the bytes of the split pool's whole free segments are miscounted";
+    if (whole[0] != c->small.whole || whole[1] != c->split.whole) {
+        return "the bytes of a pool's whole free segments are miscounted";
+    }
+    if (quick != c->quick_bytes) {
+        return "the bytes of the quick lists are miscounted";
     }
     for (size_t i = 0; i < c->map.cap; i++) {
         lx_block *b = c->map.slots[i];
@@ -214,8 +229,9 @@ audit_locked(lx_core *c)
     if (held != live + cached) {
         return "the blocks and segments held do not add up to bytes_live + bytes_cached";
     }
-    if (segments != c->split_held || c->split_peak < c->split_held) {
-        return "the split pool's bytes held (or their peak in the cycle) are miscounted";
+    if (pool_held[0] != c->small.held || pool_held[1] != c->split.held ||
+        c->split_peak < c->split.held) {
+        return "a pool's bytes held (or the split pool's peak in the cycle) are miscounted";
     }
     if (records != c->map.count) {
         return "the map's count of records is wrong";

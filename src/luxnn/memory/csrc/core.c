@@ -41,6 +41,9 @@ lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap
     while (c->plan_bin < c->split_bin && bin_bytes(c->plan_bin) <= LX_PLAN_ABOVE) {
         c->plan_bin++;
     }
+    while (c->quick_bin < c->split_bin && bin_bytes(c->quick_bin) <= LX_QUICK_MAX) {
+        c->quick_bin++;
+    }
     enlist_core(c);
     return c;
 }
@@ -110,21 +113,27 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         b = c->arena != NULL ? take_planned_locked(c, bin, size, call, lane, rank) : NULL;
     }
     /* Warm-up: what no plan serves goes upstream at its size (a miss, by design). (The
-     * small ones out of lanes keep their bins: a step without larger requests is not
+     * small ones out of lanes stay in their slabs: a step without larger requests is not
      * planned, and needs no warm-up.) */
     int direct = b == NULL && recorded && (split || call >= 0) && c->warm_up;
-    int seg = split && !direct; /* a miss makes a new segment of the split pool */
+    int seg = !direct; /* a miss makes a new segment: a slab, or one of the split pool */
     if (b != NULL || size == 0 || direct) {
         /* planned; above 128 TiB: a miss that fails below; the warm-up's */
     }
-    else if (!split) { /* the fast path: exact-bin reuse */
-        c->bins[bin].last_used = c->fig.scopes;
-        if ((b = c->bins[bin].top) != NULL) {
-            unlink_free_locked(c, b);
+    else if (!split) { /* small: its quick list (the fast path), else a slab's piece */
+        if (bin < c->quick_bin) {
+            b = take_quick_locked(c, bin);
+        }
+        if (b == NULL) {
+            b = take_piece_locked(c, &c->small, bin, size, &no_record);
+        }
+        if (b == NULL && !no_record && c->quick_bytes > 0) { /* the quick blocks, coalesced */
+            flush_quick_locked(c, 0, c->quick_bin);
+            b = take_piece_locked(c, &c->small, bin, size, &no_record);
         }
     }
     else {
-        b = take_piece_locked(c, bin, size, &no_record);
+        b = take_piece_locked(c, &c->split, bin, size, &no_record);
     }
     int kind = LX_EV_HIT;
     if (b != NULL) {
@@ -134,8 +143,9 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     else {
         c->fig.misses++;
         void *ptr = NULL;
-        lx_block *rest = NULL; /* a consolidated segment's bytes beyond the request */
+        lx_block *rest = NULL; /* a slab's or a consolidated segment's bytes beyond the block */
         size_t got = size;     /* bytes taken from upstream */
+        int filled = zeroed;   /* whether they come zero-filled */
         if (c->limit && (size == 0 || size > c->limit)) {
             *status = LX_OVER_LIMIT; /* no trim can make room for it */
         }
@@ -156,17 +166,28 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
                 }
             }
             tl_upstream_error = 0;
+            size_t slab = seg && !split ? slab_bytes_locked(c, size) : size;
             /* Consolidation (pool.c: Split pool): the split pool's whole free segments,
              * each smaller than the request, add up to it: they go back and the
              * new segment takes their bytes too (reserved grows by size, as on
              * any miss). Should that fail, the request alone is asked for. */
-            if (seg && c->split_whole >= size && c->split_whole <= LX_MAX_REQUEST - size &&
+            if (seg && split && c->split.whole >= size && c->split.whole <= LX_MAX_REQUEST - size &&
                 (rest = malloc(sizeof(lx_block))) != NULL) {
-                got = size + release_split_wholes_locked(c, UINT64_MAX);
+                got = size + release_wholes_locked(c, &c->split, UINT64_MAX);
                 ptr = c->up.alloc(c->up.ctx, got, zeroed);
+            }
+            /* A slab (pool.c: Small blocks), where the limit leaves room for it: its
+             * bytes beyond the block are a free piece, not asked to be zero-filled. */
+            else if (slab > size &&
+                     (!c->limit || c->fig.bytes_live + c->fig.bytes_cached + slab <= c->limit) &&
+                     (rest = malloc(sizeof(lx_block))) != NULL) {
+                got = slab;
+                filled = 0;
+                ptr = c->up.alloc(c->up.ctx, got, 0);
             }
             if (ptr == NULL) {
                 got = size;
+                filled = zeroed;
                 ptr = c->up.alloc(c->up.ctx, size, zeroed);
             }
             if (ptr == NULL && c->fig.bytes_cached > 0) { /* out of memory: trim, retry */
@@ -189,11 +210,13 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         c->direct_live += direct;
         if (seg) { /* a new segment, this block its first piece */
             lx_head *head = (lx_head *)b;
-            head->seg = (lx_segment){.base = ptr, .size = got, .last_used = c->fig.scopes};
+            lx_pool *pool = split ? &c->split : &c->small;
+            head->seg = (lx_segment){.base = ptr, .size = got, .last_used = c->fig.scopes,
+                                     .pool = pool};
             note_piece_locked(c, &head->seg, size, +1);
             b->seg = &head->seg;
-            c->split_held += got;
-            c->split_peak = c->split_held > c->split_peak ? c->split_held : c->split_peak;
+            pool->held += got;
+            c->split_peak = c->split.held > c->split_peak ? c->split.held : c->split_peak;
         }
         map_put(&c->map, b);
         if (got > size) {
@@ -209,7 +232,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
             free(rest);
         }
         c->fig.upstream_allocs++;
-        *zero_filled = zeroed;
+        *zero_filled = filled;
         kind = LX_EV_UPSTREAM;
     }
     b->live = 1;
@@ -252,20 +275,19 @@ lx_free(lx_core *c, void *ptr)
         if (b->arena != NULL) {
             put_planned_locked(c, b);
         }
+        else if (b->seg != NULL && b->bin < c->quick_bin && !b->seg->orphan) {
+            put_quick_locked(c, b); /* the fast path */
+        }
         else if (b->seg != NULL) {
             return_piece_locked(c, b);
         }
-        else if (b->orphan) {
+        else { /* a whole block: the warm-up's, or one that free() released */
             int direct = b->direct; /* the warm-up's: outside every arena */
             release_locked(c, b);
             c->direct_live -= direct;
             if (direct && c->direct_live == 0 && c->arena != NULL && c->cycle >= c->arena->from_cycle) {
                 grow_arena_locked(c); /* the first planned step's last outsider died */
             }
-        }
-        else {
-            link_free_locked(c, b);
-            record_locked(c, LX_EV_RETURN);
         }
     }
     pthread_mutex_unlock(&c->lock);
@@ -298,7 +320,7 @@ void
 lx_release_all(lx_core *c)
 {
     pthread_mutex_lock(&c->lock);
-    trim_locked(c, 0);
+    trim_locked(c, 0); /* the quick lists flushed too */
     drop_plan_locked(c); /* one with live blocks: retired, released when they die */
     /* What is still listed is a free piece of a segment with a live piece. */
     while (c->lru.newer != &c->lru) {
@@ -310,7 +332,7 @@ lx_release_all(lx_core *c)
             b->seg->orphan = 1;
         }
         else if (b != NULL && b->arena == NULL) {
-            b->orphan = 1; /* every exact-bin block left is live */
+            b->orphan = 1; /* every whole block left (the warm-up's) is live */
         }
     }
     pthread_mutex_unlock(&c->lock);
@@ -353,10 +375,10 @@ lx_scope_enter(lx_core *c)
     return (long)slot;
 }
 
-/* Close a scope: report its peaks, and release the free blocks of every
- * exact-bin size bin not asked for during the last evict_after scopes, every
- * whole free segment that served no request during them, and likewise a
- * plan. -1 if slot is not open. */
+/* Close a scope: report its peaks, coalesce the quick list of every bin not
+ * asked for during the last evict_after scopes, release every whole free
+ * segment (a slab, or the split pool's) that served no request during them,
+ * and likewise a plan. -1 if slot is not open. */
 int
 lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
 {
@@ -372,17 +394,15 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
         c->watch_hi--;
     }
     uint64_t now = c->fig.scopes;
-    for (uint32_t i = 0; c->evict_after && i < c->split_bin; i++) {
-        lx_bin *bin = &c->bins[i];
-        while (bin->top != NULL && now - bin->last_used >= c->evict_after) {
-            lx_block *b = bin->top;
-            unlink_free_locked(c, b);
-            release_locked(c, b);
+    for (uint32_t i = 0; c->evict_after && i < c->quick_bin; i++) {
+        if (c->quick[i].top != NULL && now - c->quick[i].last_used >= c->evict_after) {
+            flush_quick_locked(c, i, i + 1);
         }
     }
-    for (lx_block *b = c->lru.newer; c->evict_after && c->split_whole > 0 && b != &c->lru;) {
+    for (lx_block *b = c->lru.newer;
+         c->evict_after && c->small.whole + c->split.whole > 0 && b != &c->lru;) {
         lx_block *newer = b->newer;
-        if (b->seg != NULL && whole_locked(b) && now - b->seg->last_used >= c->evict_after) {
+        if (!b->quick && whole_locked(b) && now - b->seg->last_used >= c->evict_after) {
             unlink_free_locked(c, b);
             release_locked(c, b);
         }

@@ -13,7 +13,8 @@
  *   bins.h            size bins: which byte sizes share a free list ("Size bins")
  *   core.h            the core's types and lock contract; the functions across files
  *   map.c             ownership map: pointer -> block record ("Ownership map")
- *   pool.c            the exact-bin pool and the split pool ("Split pool")
+ *   pool.c            the small pool's slabs and quick lists ("Small blocks"), the
+ *                     split pool ("Split pool")
  *   plan.c            step plans: a request at its planned place, installing a
  *                     plan ("Step plans")
  *   arena.c           a plan's arena: chunks, granule bitmap, blocks, retirement
@@ -60,7 +61,8 @@
 /* ---- Thresholds -----------------------------------------------------------
  *
  * Requests whose block is larger than LX_SPLIT_ABOVE go to the split pool
- * (pool.c: Split pool), smaller ones to the exact-bin pool. */
+ * (pool.c: Split pool), smaller ones to the small pool's slabs (pool.c: Small
+ * blocks), whose blocks up to LX_QUICK_MAX wait in quick lists when they die. */
 #ifndef LX_SPLIT_ABOVE
 #define LX_SPLIT_ABOVE ((size_t)64 << 10)
 #endif
@@ -71,35 +73,41 @@
 #ifndef LX_PLAN_ABOVE
 #define LX_PLAN_ABOVE ((size_t)16 << 10)
 #endif
+#define LX_QUICK_MAX ((size_t)1 << 10)     /* small blocks freed to a quick list */
+#define LX_SLAB_MIN ((size_t)16 << 10)     /* the small pool's first slab */
+#define LX_SLAB_MAX ((size_t)2 << 20)      /* and its largest (PyTorch's small segments) */
 
 /* ---- Blocks, segments and the ownership map ------------------------------ */
 
 struct lx_segment;
 
-/* A block of the core: a whole upstream allocation (exact-bin pool: seg and
- * arena are NULL), a piece of a segment of the split pool (pool.c: Split pool), or a
- * live block at a plan's place in an arena (plan.c: Step plans; never free: its
- * record goes when it dies). */
+/* A block of the core: a piece of a segment of a pool (a slab of the small
+ * pool or a segment of the split pool: pool.c), a live block at a plan's place in
+ * an arena (plan.c: Step plans; never free: its record goes when it dies), or a
+ * whole upstream allocation of the warm-up's (seg and arena NULL; an orphan). */
 typedef struct lx_block {
     void *ptr;
     size_t size;                   /* bytes: the request's bin size while live */
     struct lx_block *prev, *next;  /* neighbours in the bin's free list (free blocks) */
     struct lx_block *older, *newer; /* neighbours in the core's LRU ring (free blocks) */
     struct lx_block *left, *right; /* split pool: the pieces before and after (NULL: none) */
-    struct lx_segment *seg;        /* split pool: the segment; NULL: the exact-bin pool */
+    struct lx_segment *seg;        /* its pool's segment; NULL: a plan's or the warm-up's */
     struct lx_arena *arena;        /* a plan's block (plan.c): its arena; seg is NULL */
     size_t rec;                    /* 1 + its index in the open cycle's record; 0: none */
     size_t carry;                  /* 1 + its index in the last cycle's record, which it
                                       outlived, while the next one runs; 0: none */
-    uint32_t bin;   /* exact-bin pool and live pieces: the request's bin; free
-                       pieces: floor_bin(size) */
+    uint32_t bin;   /* live and quick blocks: the request's bin; free pieces:
+                       floor_bin(size) */
     uint8_t live;   /* 1: in use by an array; 0: free */
-    uint8_t orphan; /* exact-bin pool: live block released by free(): goes upstream
-                       when it dies (pieces: seg->orphan) */
+    uint8_t quick;  /* a free small block in its bin's quick list, not coalesced yet */
+    uint8_t orphan; /* a whole block (seg NULL): goes upstream when it dies (pieces:
+                       seg->orphan) */
     uint8_t direct; /* the warm-up's (plan.c: Warm-up): upstream at its size, back when it dies */
 } lx_block;
 
-/* A segment of the split pool. Its leftmost piece (at base) lives exactly as
+struct lx_pool;
+
+/* A segment of a pool: one upstream allocation. Its leftmost piece (at base) lives exactly as
  * long as the segment (merges keep the left record, splits add records to the
  * right), so both share one allocation, an lx_head: freeing that piece's
  * record frees the segment's. */
@@ -109,6 +117,7 @@ typedef struct lx_segment {
     size_t live;        /* pieces in use by arrays */
     size_t live_bytes;  /* their bytes */
     uint64_t last_used; /* scope clock when a piece of it last served a request */
+    struct lx_pool *pool; /* the pool it belongs to */
     uint8_t orphan;     /* released by free(): free pieces unlisted, upstream when no
                            piece is live */
 } lx_segment;
@@ -256,15 +265,24 @@ typedef struct {
     uint64_t plan_hits;       /* requests served at their planned place (also hits) */
     uint64_t plan_misses;     /* split-pool requests of cycles with a plan it did not serve */
     uint64_t plans;           /* plans installed */
-    size_t inactive_split;    /* free bytes of the split pool's segments that hold a live
-                                 piece (PyTorch's inactive_split_bytes) */
+    size_t inactive_split;    /* free bytes of the pools' segments (slabs and the split
+                                 pool's) that hold a live piece (PyTorch's
+                                 inactive_split_bytes); not a plan's arena */
 } lx_figures;
 
 typedef struct {
     lx_block *top;      /* most recently freed block of the bin; linked by next */
     size_t nfree;
-    uint64_t last_used; /* scope clock at the bin's last allocation request */
+    uint64_t last_used; /* quick lists: scope clock at the bin's last allocation request */
 } lx_bin;
+
+/* A pool of segments split into pieces that coalesce when they are free (pool.c). */
+typedef struct lx_pool {
+    lx_bin free[LX_NBINS];         /* free pieces by floor_bin (no last_used) */
+    uint64_t mask[LX_MASK_WORDS];  /* bit i: free[i] holds a piece */
+    size_t whole;                  /* bytes of its whole free segments */
+    size_t held;                   /* bytes of its segments */
+} lx_pool;
 
 /* The peaks of one open scope (slots are reused; in_use marks the open ones). */
 typedef struct {
@@ -311,14 +329,14 @@ typedef struct lx_core {
     size_t limit;               /* 0: none */
     uint64_t evict_after;       /* 0: never */
     lx_figures fig;
-    lx_bin bins[LX_NBINS];      /* the exact-bin pool's free lists, bins below split_bin */
-    lx_bin split[LX_NBINS];     /* the split pool's free pieces by floor_bin (no last_used) */
-    uint64_t split_mask[LX_MASK_WORDS]; /* bit i: split[i] holds a free piece */
+    lx_bin quick[LX_NBINS];     /* the quick lists: free small blocks of bins below quick_bin */
+    size_t quick_bytes;         /* their bytes */
+    lx_pool small;              /* slabs: blocks of bins below split_bin */
+    lx_pool split;              /* segments: blocks of split_bin and above */
+    uint32_t quick_bin;         /* the first bin without a quick list; constant */
     uint32_t split_bin;         /* the first bin served by the split pool; constant */
     uint32_t plan_bin;          /* the first bin that steps record and plans; constant */
-    size_t split_whole;         /* bytes of the split pool's whole free segments */
-    size_t split_held;          /* bytes of the split pool's segments */
-    size_t split_peak;          /* the highest split_held since the cycle opened */
+    size_t split_peak;          /* the highest split.held since the cycle opened */
     lx_block lru;               /* ring sentinel: lru.newer is the oldest free block */
     lx_map map;
     lx_watcher *watchers;
@@ -420,6 +438,18 @@ arena_serves(const lx_arena *a, size_t at, size_t size)
     return at + size <= arena_held(a) && (at >= a->first || at + size <= a->first);
 }
 
+void record_event_locked(lx_core *c, int kind); /* figures.c */
+
+/* An event of `kind` into the timeline, if it records (inline: every alloc and free
+ * calls it, and it records only when the cache was made with a timeline). */
+static inline void
+record_locked(lx_core *c, int kind)
+{
+    if (c->events != NULL) {
+        record_event_locked(c, kind);
+    }
+}
+
 /* ---- Across files -----------------------------------------------------------
  * Functions named lx_* take the core's lock; *_locked ones expect it held. */
 
@@ -440,16 +470,20 @@ void map_put(lx_map *m, lx_block *b);
 int map_reserve(lx_map *m, size_t n);
 void map_remove(lx_map *m, const lx_block *b);
 
-/* pool.c: the exact-bin pool and the split pool */
+/* pool.c: the small pool (slabs, quick lists) and the split pool */
 void unlink_free_locked(lx_core *c, lx_block *b);
 void link_free_locked(lx_core *c, lx_block *b);
 void release_locked(lx_core *c, lx_block *b);
 void note_piece_locked(lx_core *c, lx_segment *seg, size_t size, int change);
-lx_block *take_piece_locked(lx_core *c, uint32_t bin, size_t size, int *no_record);
+lx_block *take_piece_locked(lx_core *c, lx_pool *pool, uint32_t bin, size_t size, int *no_record);
+lx_block *take_quick_locked(lx_core *c, uint32_t bin);
+void put_quick_locked(lx_core *c, lx_block *b);
 void return_piece_locked(lx_core *c, lx_block *b);
+void flush_quick_locked(lx_core *c, uint32_t from, uint32_t to);
+size_t slab_bytes_locked(const lx_core *c, size_t size);
 size_t trim_pools_locked(lx_core *c, size_t max_cached);
 size_t trim_locked(lx_core *c, size_t max_cached);
-size_t release_split_wholes_locked(lx_core *c, uint64_t since);
+size_t release_wholes_locked(lx_core *c, lx_pool *pool, uint64_t since);
 
 /* plan.c: step plans, served */
 void free_plan(lx_plan *p);
@@ -483,8 +517,7 @@ void lx_step_end(lx_core *c);
 int lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int64_t **prev,
                    size_t *nprev);
 
-/* figures.c: peaks, events, spans */
-void record_locked(lx_core *c, int kind);
+/* figures.c: peaks, events, spans (record_locked is above) */
 void open_span_locked(lx_core *c);
 void close_span_locked(lx_core *c);
 void note_peaks_locked(lx_core *c);

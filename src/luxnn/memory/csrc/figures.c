@@ -16,12 +16,10 @@ now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* The event of `kind` into the ring (record_locked, in core.h, calls it while recording). */
 void
-record_locked(lx_core *c, int kind)
+record_event_locked(lx_core *c, int kind)
 {
-    if (c->events == NULL) {
-        return;
-    }
     lx_event *e = &c->events[c->events_total % c->event_cap];
     e->t_ns = now_ns();
     e->bytes_live = (int64_t)c->fig.bytes_live;

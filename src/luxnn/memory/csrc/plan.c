@@ -61,7 +61,7 @@
  * - Warm-up (set_warm_up, luxnn/memory/plan.py: WarmUp): while it is on, a
  *   step's recorded requests that no plan serves (before any plan, a step no
  *   plan follows or the misses of one) go upstream at their size, as
- *   exact-bin blocks marked orphan and direct, and back when they die (those
+ *   whole blocks marked orphan and direct, and back when they die (those
  *   of a step no plan follows try a free run of the arena first): the steps a
  *   plan is made from reserve what they use, nothing more, and a miss is not
  *   left where the next step's plan places its own; what the split pool served
@@ -81,8 +81,8 @@
  *   k-th slot, else the (k+1)-th or (k-1)-th (a request from another thread),
  *   if not taken in this cycle and all its bytes are free now. Otherwise it is
  *   a plan miss and goes (after the warm-up) to a free run of the arena that
- *   fits, else to the split pool or its exact bin, as every request of a cycle
- *   without a plan does.
+ *   fits, else to the split pool or a slab, as every request of a cycle without
+ *   a plan does.
  * - Safety does not rest on the plan: a bitmap of each arena's 512-B
  *   granules marks the bytes of its live blocks, and a slot serves only when
  *   all of its bytes are free. A cycle unlike the recorded ones (other
@@ -301,7 +301,7 @@ plan_straddles(const lx_plan *p, size_t cut)
 static lx_arena *
 plans_arena_locked(lx_core *c, size_t size, size_t first, uint64_t from_cycle, lx_status *status)
 {
-    release_split_wholes_locked(c, UINT64_MAX);
+    release_wholes_locked(c, &c->split, UINT64_MAX);
     lx_arena *a = new_arena_locked(c, size, first, status);
     if (a != NULL) {
         a->from_cycle = from_cycle;
@@ -312,13 +312,13 @@ plans_arena_locked(lx_core *c, size_t size, size_t first, uint64_t from_cycle, l
 }
 
 /*
- * Install plan p (section 1c), built by the caller (slots, first, count,
+ * Install plan p (Step plans, above), built by the caller (slots, first, count,
  * sequence), in place k (the plan there serves no more), its slots within
  * `size` bytes of the plans' arena. With no arena yet, one comes from upstream,
  * in two chunks: `first` bytes now (0, or as much as size: one chunk), the rest
  * once the plan's first cycle is over; its even cycles are those of the parity
  * of the next cycle to open, so that the first needs the first chunk only (and
- * the small bins that the plans now serve go back). An arena that is too small,
+ * the whole free slabs go back: the plans now serve the recorded small requests). An arena that is too small,
  * or cut where a slot lies across, is replaced by one chunk large enough for
  * both if no block lives in it; else, if no slot lies across its cut, its second
  * chunk grows (grow_arena_to_locked). The plan serves from the next cycle to
@@ -337,12 +337,8 @@ lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first)
     if (a == NULL) {
         first = first == 0 || first > size ? size : first;
         if (plans_arena_locked(c, size, first, c->cycle + 1, &status) != NULL) {
-            for (uint32_t bin = c->plan_bin; bin < c->split_bin; bin++) {
-                for (lx_block *b; (b = c->bins[bin].top) != NULL;) {
-                    unlink_free_locked(c, b);
-                    release_locked(c, b);
-                }
-            }
+            flush_quick_locked(c, 0, c->quick_bin);
+            release_wholes_locked(c, &c->small, UINT64_MAX);
         }
     }
     else if (plan_straddles(p, a->first) || size > a->size) {
@@ -356,7 +352,7 @@ lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first)
             }
         }
         else if (!plan_straddles(p, a->first)) {
-            release_split_wholes_locked(c, UINT64_MAX);
+            release_wholes_locked(c, &c->split, UINT64_MAX);
             status = grow_arena_to_locked(c, a, size);
         }
         else {

@@ -206,8 +206,9 @@ Core_drop_plan(CoreObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 /* blocks() -> [(ptr, size, live, segment base, segment size, orphan)] for
- * every block the core owns, in no order: an exact-bin block is a segment of
- * its own, a plan's block is in its arena (orphan: a retired one; an arena's
+ * every block the core owns, in no order: a piece is in its slab or segment
+ * (a quick block is a free piece), a whole block is a segment of its own, a
+ * plan's block is in its arena (orphan: a retired one; an arena's
  * free bytes have no row). For the tests; the list is built after the lock is
  * let go. */
 static PyObject *
@@ -382,7 +383,8 @@ static PyTypeObject CoreType = {
               "split_above=SPLIT_ABOVE): the bookkeeping of one AllocCache (0 means none / "
               "never / not recording); upstream 'cuda' serves device memory once "
               "bind_cuda() is called; requests whose block is larger than split_above "
-              "bytes are served by splitting free segments (above MAX_REQUEST: never).",
+              "bytes are served by the split pool (above MAX_REQUEST: never), the others "
+              "by slabs.",
     .tp_new = Core_new,
     .tp_dealloc = (destructor)Core_dealloc,
     .tp_methods = Core_methods,
@@ -508,6 +510,9 @@ PyInit__core(void)
         PyModule_AddIntConstant(m, "MAX_PLANS", LX_PLANS) < 0 ||
         PyModule_AddIntConstant(m, "HUGE_PAGE_MIN", (long)LX_HUGE_MIN) < 0 ||
         PyModule_AddObject(m, "SPLIT_ABOVE", PyLong_FromSize_t(LX_SPLIT_ABOVE)) < 0 ||
+        PyModule_AddObject(m, "QUICK_MAX", PyLong_FromSize_t(LX_QUICK_MAX)) < 0 ||
+        PyModule_AddObject(m, "SLAB_MIN", PyLong_FromSize_t(LX_SLAB_MIN)) < 0 ||
+        PyModule_AddObject(m, "SLAB_MAX", PyLong_FromSize_t(LX_SLAB_MAX)) < 0 ||
         PyModule_AddObject(m, "MAX_REQUEST", PyLong_FromSize_t(LX_MAX_REQUEST)) < 0 ||
         PyModule_AddObject(m, "EVENT_KINDS",
                            Py_BuildValue("(sssssss)", "hit", "upstream", "return",

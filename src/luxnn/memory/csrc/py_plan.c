@@ -70,7 +70,7 @@ int64_at(const Py_buffer *b, size_t i)
 }
 
 /* install_plan(place, arena_bytes, sizes, even, odd, *, call=None, lane=None,
- * cut=0, sequence=None): section 1c. sizes, even, odd, call and lane are
+ * cut=0, sequence=None): plan.c, Step plans. sizes, even, odd, call and lane are
  * buffers of native int64 of one length, a slot each (without call and lane, no
  * slot is a lane's): the slots out of lanes (call and lane -1) first, sizes
  * ascending; then the lanes' (call, lane >= 0), by call and lane, each lane's in

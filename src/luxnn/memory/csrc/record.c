@@ -139,16 +139,16 @@ open_cycle_locked(lx_core *c)
             grow_arena_locked(c); /* a warm-up block outlived the first planned step */
         }
         /* Blocks that outlived the last cycle may have died since it closed. */
-        release_split_wholes_locked(c, c->plans_since);
+        release_wholes_locked(c, &c->split, c->plans_since);
     }
     else if (c->warm_up) {
         /* The warm-up holds nothing: what the split pool served before it (an optimizer's
          * first state, made outside a step) goes back once it died. */
-        release_split_wholes_locked(c, UINT64_MAX);
+        release_wholes_locked(c, &c->split, UINT64_MAX);
     }
     c->cycle_misses = 0;
     c->large_peak = c->large_live;
-    c->split_peak = c->split_held;
+    c->split_peak = c->split.held;
     c->nrec = 0;
     c->tick = 0;
     c->rec_lost = 0;
@@ -166,7 +166,7 @@ end_step_locked(lx_core *c)
     if (c->nrec > 0 || c->rec_lost) {
         c->pending = 1;
         if (c->arena != NULL) {
-            release_split_wholes_locked(c, c->plans_since);
+            release_wholes_locked(c, &c->split, c->plans_since);
         }
     }
 }
