@@ -19,10 +19,10 @@ lengths but waste more on a fixed step; varying lengths are better served by buc
 eviction. (The sweep behind the choice, ``benchmarks/allocator.py --sweep``, is in
 BENCHMARKS.md, "Design measurements of the allocator".)
 
-Eviction: a size bin not asked for during `evict_after` scopes has its free blocks released
-at the next scope exit (above 64 KiB: a whole free segment that served no request during
-`evict_after` scopes), so one-off sizes (a short last batch, varying sequence lengths) do
-not grow memory without bound. A step enters one to three scopes (the verbs', a user's own),
+Eviction: a whole free segment (a slab, or above 64 KiB a segment of the split pool) that
+served no request during `evict_after` scopes is released at the next scope exit (a quick
+list not asked for during them first coalesces into its slab), so one-off sizes (a short
+last batch, varying sequence lengths) do not grow memory without bound. A step enters one to three scopes (the verbs', a user's own),
 and a bin used once per step must survive the others: the default, 16, leaves room for
 nested scopes while bounding a loop of varying lengths.
 
