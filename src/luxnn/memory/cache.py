@@ -168,6 +168,9 @@ class ScopeStats:
 # An open scope of a cache, as `AllocCache.open_scope` opened it: the core's figures at its
 # entry and the core's record of its peaks (a plain tuple: a scope's cost stays the core's).
 OpenScope = tuple[Any, int]
+# A closed one, as `AllocCache.close_scope` closed it: the figures at entry and at exit, and
+# the peaks while it was open.
+ClosedScope = tuple[Any, Any, tuple[int, int]]
 
 
 # The core's figures that a scope counts from its entry to its exit.
@@ -286,11 +289,18 @@ class AllocCache:
         """Count a scope of the cache from now on (`cached` does, its front end installed)."""
         return self._core.stats(), self._core.scope_enter()
 
-    def close_scope(self, opened: OpenScope) -> ScopeStats:
-        """Close the scope that `open_scope` opened: its figures from then to now."""
+    def close_scope(self, opened: OpenScope) -> ClosedScope:
+        """Close the scope that `open_scope` opened; `scope_stats` makes its figures, from
+        then to now, out of what this returns (only when read: the training verbs' scopes,
+        one a step, never are)."""
         before, slot = opened
-        peak_live, peak_reserved = self._core.scope_exit(slot)
-        after = self._core.stats()
+        peaks = self._core.scope_exit(slot)
+        return before, self._core.stats(), peaks
+
+    @staticmethod
+    def scope_stats(closed: ClosedScope) -> ScopeStats:
+        """The `ScopeStats` of a scope that `close_scope` closed."""
+        before, after, (peak_live, peak_reserved) = closed
         change = {name: getattr(after, name) - getattr(before, name) for name in _SCOPE_COUNTED}
         return ScopeStats(
             **change, bytes_live_change=after.bytes_live - before.bytes_live,

@@ -65,12 +65,19 @@ class Scope(_Switch):
         if cache is not None and not isinstance(cache, AllocCache):
             raise TypeError(f"cached() takes an AllocCache or None, got {cache!r}")
         self.cache = cache
-        self.stats: ScopeStats | None = None
+        self._closed: ScopeStats | tuple | None = None  # the figures, once closed
         self._begins, self._ends = begins, ends
         self._open: tuple | None = None  # what exit undoes, while open
 
     def _fresh(self) -> Scope:
         return Scope(self.cache, begins=self._begins, ends=self._ends)
+
+    @property
+    def stats(self) -> ScopeStats | None:
+        """The scope's `ScopeStats` once it closed (None before, and for ``cached(None)``)."""
+        if isinstance(self._closed, tuple):  # made when first read
+            self._closed = self.cache.scope_stats(self._closed)
+        return self._closed
 
     def __enter__(self) -> Scope:
         if self._open is not None:
@@ -99,7 +106,7 @@ class Scope(_Switch):
         cache.front_end.restore(installed)
         if self._ends:
             cache.end_step()
-        self.stats = cache.close_scope(scope)
+        self._closed = cache.close_scope(scope)
         error = None if exc is None else cache.front_end.refusal(exc, installed)
         if error is not None:
             raise error from exc
