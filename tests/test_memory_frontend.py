@@ -147,6 +147,21 @@ def test_a_scope_the_core_cannot_open_leaves_the_allocator_as_it_was(monkeypatch
     assert _core.get_handler() is before
 
 
+def test_a_step_whose_front_end_cannot_install_begins_no_step(monkeypatch):
+    cache = memory.AllocCache()
+    begun = []
+
+    def unbound():
+        raise RuntimeError("no device for this cache")
+
+    monkeypatch.setattr(cache.front_end, "install", unbound)
+    monkeypatch.setattr(cache, "begin_step", begun.append)
+    with pytest.raises(RuntimeError, match="no device"):
+        with memory.step(cache):
+            pass
+    assert begun == []
+
+
 def test_uncached_restores_every_library_when_its_body_raises():
     cache = memory.AllocCache()
     with memory.cached(cache):

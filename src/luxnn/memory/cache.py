@@ -66,8 +66,9 @@ the plans miss.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 
@@ -309,8 +310,20 @@ class AllocCache:
             peak_live=peak_live, peak_reserved=peak_reserved,
         )  # fmt: skip
 
-    def begin_step(self) -> None:
-        """A training step of the cache's begins (`luxnn.memory.step` does this)."""
+    def begin_step(self, outside: Callable[[], ContextManager[Any]]) -> None:
+        """A training step of the cache's begins (`luxnn.memory.step` does this). First the
+        planner plans from the step that ended last, if no step began since, its own arrays
+        allocated in ``outside()`` (`luxnn.memory.uncached`). Plans only save memory: should
+        planning fail, the cache goes on without them, and says so once."""
+        planner = self._planner
+        if planner is not None:
+            try:
+                planner.before_step(outside)
+            except Exception as err:  # noqa: BLE001 - any failure: no plans, said once
+                if self._planner is planner:  # another thread's step may have said it
+                    self._planner = None
+                    self._core.drop_plan()
+                    warnings.warn(f"AllocCache stops planning steps after an error: {err!r}", RuntimeWarning, stacklevel=3)
         self._core.step_begin()
 
     def end_step(self) -> None:

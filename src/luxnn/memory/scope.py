@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from typing import Any, Callable, TypeVar
 
 from . import frontend
@@ -86,13 +85,12 @@ class Scope(_Switch):
         if cache is None:
             self._open = ()
             return self
-        if self._begins:
-            _plan(cache)
-            cache.begin_step()
-        installed = cache.front_end.install()
+        installed = cache.front_end.install()  # may raise (a CuPy cache's device): nothing changed yet
         try:
+            if self._begins:
+                cache.begin_step(uncached)
             self._open = (installed, cache.open_scope())
-        except BaseException:  # the core out of memory for a scope: nothing left changed
+        except BaseException:  # the core out of memory for a scope: the front end put back
             cache.front_end.restore(installed)
             raise
         return self
@@ -110,22 +108,6 @@ class Scope(_Switch):
         error = None if exc is None else cache.front_end.refusal(exc, installed)
         if error is not None:
             raise error from exc
-
-
-def _plan(cache: AllocCache) -> None:
-    # Before a step begins: the cache's planner plans from the step that ended last, if no
-    # step began since (luxnn.memory.plan). Plans only save memory: should planning fail,
-    # the cache goes on without them.
-    planner = cache._planner
-    if planner is None:
-        return
-    try:
-        planner.before_step(uncached)
-    except Exception as err:  # noqa: BLE001 - any failure: no plans, said once
-        if cache._planner is planner:
-            cache._planner = None
-            cache._core.drop_plan()
-            warnings.warn(f"AllocCache stops planning steps after an error: {err!r}", RuntimeWarning, stacklevel=3)
 
 
 def cached(cache: AllocCache | None) -> Scope:
