@@ -410,6 +410,24 @@ def test_a_retired_arena_gives_back_at_once_the_chunk_no_block_lives_in():
     core.audit()
 
 
+def test_a_retired_arena_that_keeps_only_its_second_chunk_still_serves_its_blocks_there():
+    cache = memory.AllocCache(plan=False)  # plans installed by hand below
+    core = cache._core
+    assert core.install_plan(0, 4 * MiB, *_slots([MiB], [2 * MiB]), cut=2 * MiB) == PlanStatus.INSTALLED
+    with memory.step(cache):
+        np.empty(MiB, np.uint8)  # its place is in the second chunk, which comes at the step's end
+    with memory.step(cache):
+        kept = np.full(MiB, 7, np.uint8)  # at its place in the second chunk; outlives the step
+    cache.free()  # the arena retires: the first chunk goes now, the second waits for `kept`
+    s = cache.stats()
+    assert s.bytes_live == MiB and s.bytes_cached == MiB and s.bytes_reserved == 2 * MiB, s
+    core.audit()  # (once, the audit took a block of the second chunk alone for one outside it)
+    assert kept[0] == 7
+    del kept
+    assert cache.stats().bytes_reserved == 0
+    core.audit()
+
+
 def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_before_the_split_pool():
     cache = memory.AllocCache(plan=False)  # plans installed by hand below
     core = cache._core

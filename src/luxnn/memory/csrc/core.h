@@ -431,11 +431,13 @@ arena_at(const lx_arena *a, size_t at)
     return at < a->first ? a->base + at : a->base2 + (at - a->first);
 }
 
-/* Whether bytes [at, at + size) of arena a lie in one chunk that it holds. */
+/* Whether bytes [at, at + size) of arena a lie in one chunk that it holds (a retired
+ * arena may hold its second chunk alone). */
 static inline int
 arena_serves(const lx_arena *a, size_t at, size_t size)
 {
-    return at + size <= arena_held(a) && (at >= a->first || at + size <= a->first);
+    return at >= a->first ? a->base2 != NULL && at + size <= a->size
+                          : a->base != NULL && at + size <= a->first;
 }
 
 void record_event_locked(lx_core *c, int kind); /* figures.c */
