@@ -428,7 +428,9 @@ def test_a_retired_arena_that_keeps_only_its_second_chunk_still_serves_its_block
     core.audit()
 
 
-def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_before_the_split_pool():
+def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_above_the_plan_from_the_top_before_the_split_pool():
+    # Above the plan's slots, from the arena's top down: where no later slot of the plan
+    # serving (nor, if smaller, of the plan of a larger shape) lies.
     cache = memory.AllocCache(plan=False)  # plans installed by hand below
     core = cache._core
     assert core.install_plan(0, 3 * MiB, *_slots([MiB], [0])) == PlanStatus.INSTALLED  # one slot, at 0
@@ -437,7 +439,7 @@ def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_before_the_spli
         first, second = np.ones(MiB, np.uint8), np.full(MiB, 2, np.uint8)  # the second: a miss
         third = np.full(MiB, 3, np.uint8)
         ((base, size),) = {(b[3], b[4]) for b in core.blocks() if b[2] and b[1] == MiB}  # the arena
-        assert size == 3 * MiB and [a.ctypes.data - base for a in (first, second, third)] == [0, MiB, 2 * MiB]
+        assert size == 3 * MiB and [a.ctypes.data - base for a in (first, second, third)] == [0, 2 * MiB, MiB]
         fourth = np.full(MiB, 4, np.uint8)  # no room left: the split pool
     s = cache.stats()
     assert s.plan_hits - before.plan_hits == 1 and s.plan_misses - before.plan_misses == 3

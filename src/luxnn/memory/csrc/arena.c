@@ -144,6 +144,23 @@ free_run(const lx_arena *a, size_t size, size_t *at)
     return 0;
 }
 
+/* The highest offset, at least `from`, of a run of free granules of arena a that
+ * holds `size` bytes in one of its chunks. */
+int
+free_run_above(const lx_arena *a, size_t size, size_t from, size_t *at)
+{
+    size_t need = size >> LX_QUANTUM_LOG2, run = 0;
+    size_t wall = a->first >> LX_QUANTUM_LOG2, low = (from + ((size_t)1 << LX_QUANTUM_LOG2) - 1) >> LX_QUANTUM_LOG2;
+    for (size_t g = arena_held(a) >> LX_QUANTUM_LOG2; g-- > low && need > 0;) {
+        run = (a->busy[g / 64] >> (g % 64)) & 1 ? 0 : g + 1 == wall ? 1 : run + 1;
+        if (run == need) {
+            *at = g << LX_QUANTUM_LOG2;
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* Whether arena a serves no plan any more (it stays until its last block dies). */
 int
 retired_locked(const lx_core *c, const lx_arena *a)

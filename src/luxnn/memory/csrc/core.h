@@ -209,6 +209,7 @@ typedef struct {
     uint32_t nsequence;
     uint64_t last_cycle;       /* the last cycle it served a request in, or was installed */
     uint64_t from_cycle;       /* the first cycle it serves */
+    size_t span;               /* the end of its highest slot: its misses go above (plan.c) */
     uint32_t first[LX_NBINS];  /* each bin's first slot (if it has any) */
     uint32_t count[LX_NBINS];  /* each bin's slots */
 } lx_plan;
@@ -502,6 +503,7 @@ size_t arena_offset(const lx_arena *a, const void *ptr);
 size_t drop_arena_locked(lx_core *c, lx_arena *a);
 lx_block *arena_block_locked(lx_core *c, lx_arena *a, size_t at, size_t size, uint32_t bin);
 int free_run(const lx_arena *a, size_t size, size_t *at);
+int free_run_above(const lx_arena *a, size_t size, size_t from, size_t *at);
 int retired_locked(const lx_core *c, const lx_arena *a);
 int in_an_arena_locked(const lx_core *c, const void *ptr);
 void put_planned_locked(lx_core *c, lx_block *b);

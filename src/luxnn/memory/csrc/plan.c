@@ -62,7 +62,8 @@
  *   step's recorded requests that no plan serves (before any plan, a step no
  *   plan follows or the misses of one) go upstream at their size, as
  *   whole blocks marked orphan and direct, and back when they die (those
- *   of a step no plan follows try a free run of the arena first): the steps a
+ *   of a step no plan follows try a free run of the arena first, a plan's
+ *   misses one above the plan's slots): the steps a
  *   plan is made from reserve what they use, nothing more, and a miss is not
  *   left where the next step's plan places its own; what the split pool served
  *   before a warm-up step (an optimizer's first state) goes back when the step
@@ -80,9 +81,16 @@
  *   any other, the k-th such request of a bin in a cycle, takes the bin's
  *   k-th slot, else the (k+1)-th or (k-1)-th (a request from another thread),
  *   if not taken in this cycle and all its bytes are free now. Otherwise it is
- *   a plan miss and goes (after the warm-up) to a free run of the arena that
- *   fits, else to the split pool or a slab, as every request of a cycle without
- *   a plan does.
+ *   a plan miss and goes to a free run of the arena above the plan's slots
+ *   (its span), the highest: plans pack from the arena's start, so there it
+ *   takes no place of a later request of the plan, nor, from the top, of a
+ *   plan of a larger shape before the smaller ones'. (A miss placed at the
+ *   first gap pushed that slot's own request out, and so on, and the blocks
+ *   it carried into the next step pushed out that step's: in a loop of
+ *   bucketed lengths, a bucket's first planned step after another's sent
+ *   most of its requests upstream, beside the whole arena.) Else (after the
+ *   warm-up) any free run of the arena that fits, else the split pool or a
+ *   slab, as every request of a cycle without a plan does.
  * - Safety does not rest on the plan: a bitmap of each arena's 512-B
  *   granules marks the bytes of its live blocks, and a slot serves only when
  *   all of its bytes are free. A cycle unlike the recorded ones (other
@@ -264,9 +272,14 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
             return b;
         }
     }
+    size_t at;
     if (p != NULL) {
         c->fig.plan_misses++;
         c->cycle_misses++;
+        /* Above the plan's slots, the highest (Matching, above). */
+        if (free_run_above(a, size, p->span, &at)) {
+            return arena_block_locked(c, a, at, size, bin);
+        }
         if (c->warm_up) {
             return NULL; /* upstream at its size: not where the next step's plan places its own */
         }
@@ -275,7 +288,6 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
      * that fits, before the pools (threads' temporaries of one size swap places from
      * step to step; a step of other shapes fits between the blocks that live there);
      * the bitmap keeps it clear of every live block. */
-    size_t at;
     return free_run(a, size, &at) ? arena_block_locked(c, a, at, size, bin) : NULL;
 }
 
@@ -365,6 +377,13 @@ lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first)
         return status;
     }
     remove_plan_locked(c, k);
+    p->span = 0;
+    for (size_t i = 0; i < p->nslots; i++) {
+        for (int j = 0; j < 2; j++) {
+            size_t end = p->slots[i].offset[j] + bin_bytes(p->slots[i].bin);
+            p->span = end > p->span ? end : p->span;
+        }
+    }
     p->from_cycle = c->cycle + 1; /* the next to open: one open now was not planned for */
     p->last_cycle = c->cycle + 1; /* the latest: made from the steps just seen */
     c->plans[k] = p;
