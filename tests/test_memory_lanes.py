@@ -33,9 +33,11 @@ def test_a_kernels_requests_carry_their_call_and_lane_and_die_in_it(threads):
     x, out = np.ones((ROWS, 128)), np.empty((ROWS, 128))
     with memory.step(cache):
         result = _kernel_step(x, out)
-    record = _table(cache._core.take_record().rows, NEXT_DIED)
-    laned, large = record[CALL] >= 0, record[SIZE] >= 64 * 1024
+    taken = cache._core.take_record()
+    record = _table(taken.rows, NEXT_DIED)
+    laned, large = record[CALL] >= 0, record[SIZE] > 64 * 1024
     assert (laned & large).sum() == ROWS // 32  # one large temporary per block (and NumPy's small ones)
+    assert taken.plannable == (laned | large).sum() > (laned & large).sum()  # a plan's: lanes' small ones too
     assert set(record[CALL][laned]) == {0} and set(record[LANE][laned]) == {0, 1}  # two shares
     assert (record[LANE_DIED][laned] > record[LANE_BORN][laned]).all()  # each died in its lane
     for lane in (0, 1):  # a share's blocks one after another on its lane's clock

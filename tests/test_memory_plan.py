@@ -305,6 +305,28 @@ def test_scopes_without_large_requests_between_steps_change_nothing():
     assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits == 10 and result[0] == 12
 
 
+def test_a_step_of_small_requests_only_is_recorded_and_never_read_by_the_planner(monkeypatch):
+    from luxnn.memory import plan
+
+    def read(*args):
+        raise AssertionError("the planner read a step's table")
+
+    cache = memory.AllocCache()
+    monkeypatch.setattr(plan, "_table", read)
+    for _ in range(8):
+        with memory.step(cache):
+            x = np.ones(4096)  # 32 KiB: recorded (above the plan threshold), and small
+            y = x * 2.0
+    record = cache._core.take_record()
+    assert len(record.rows) == 2 * 7 * 8 and record.plannable == 0
+    assert cache.stats().plans == 0 and y[0] == 2.0
+    monkeypatch.undo()
+    with memory.step(cache):
+        x = np.ones(MiB // 8)  # 1 MiB: planned
+        y = x * 2.0
+    assert cache._core.take_record().plannable == 2
+
+
 def test_a_planner_that_fails_warns_once_and_the_cache_goes_on_without_plans(monkeypatch):
     from luxnn.memory import plan
 
@@ -530,6 +552,7 @@ ROOMY = 1 << 40  # the split pool's peak: more than any plan here
 class Record(NamedTuple):
     rows: bytes
     misses: int
+    plannable: int
     plan: int
     installed: int
     split_peak: int
@@ -549,8 +572,9 @@ class Steps:
 
     def __call__(self, rows, misses=0, plan=-1, split_peak=ROOMY):
         core = self.core
-        self.planner.step_ended(Record(rows, misses, plan, core.places, split_peak, 0, self.before, core.arena, core.arena, core.live))
         r = np.frombuffer(rows, np.int64).reshape(-1, 7)
+        plannable = int(((r[:, 0] > _core.SPLIT_ABOVE) | (r[:, 3] >= 0)).sum())
+        self.planner.step_ended(Record(rows, misses, plannable, plan, core.places, split_peak, 0, self.before, core.arena, core.arena, core.live))
         self.before = np.column_stack([r, np.full(len(r), -1)]).astype(np.int64).tobytes()
 
 

@@ -366,13 +366,14 @@ class Planner:
     def before_step(self, outside: Callable[[], ContextManager[Any]]) -> None:
         """Before a step begins: take the record of the step that ended last, if any, and
         plan from it. Its arrays are made inside ``outside()`` (the `uncached` scope: none of
-        them comes from a cache). A step its plan served whole holds nothing new, and costs
-        no more than taking its record."""
+        them comes from a cache). A step with no request a plan is made for (only small
+        ones, out of lanes), or one its plan served whole, holds nothing new, and costs no
+        more than taking its record."""
         with self._lock:  # records are taken and read in one order
             record = self._core.take_record()
             if record is None:
                 return
-            if self._served_whole(record):
+            if not record.plannable or self._served_whole(record):
                 self._warm_up.step_ended(None)
                 return
             with outside():
@@ -398,14 +399,14 @@ class Planner:
     def step_ended(self, record: Any) -> None:
         """Take an ended step's record (the core's ``take_record``, a `_core.Record`): its
         native int64 rows of (size, born, died, call, lane, lane_born, lane_died)
-        (`layout`), its plan misses, the place of the plan that served it (or -1), the
+        (`layout`), its plan misses, how many of its requests a plan is made for, the place of the plan that served it (or -1), the
         places that hold plans now (bits), the split pool's and the large blocks' peaks,
         the step before's rows with their next_died (its blocks' deaths in this step;
         empty if not known), and the core's arena (bytes and cut)."""
-        table, before = _table(record.rows, NEXT_DIED), _table(record.previous, NEXT_DIED + 1)
         with self._lock:
             self._forget_dropped(record)
-            status = self._decide(table, before, record)
+            # A step of small requests only, out of lanes (the slabs serve them well): no plan.
+            status = self._decide(record) if record.plannable else None
             self._warm_up.step_ended(status)
 
     def _forget_dropped(self, record: Any) -> None:
@@ -421,10 +422,9 @@ class Planner:
             if self._refused[key] <= 0:
                 del self._refused[key]
 
-    def _decide(self, record: np.ndarray, before: np.ndarray, info: Any) -> PlanStatus | None:
+    def _decide(self, info: Any) -> PlanStatus | None:
         # step_ended's decision, with the lock held: the status of a plan tried, if any.
-        if not ((record[SIZE] > _core.SPLIT_ABOVE) | (record[CALL] >= 0)).any():
-            return None  # only small requests, which the small pool serves well: no plan
+        record, before = _table(info.rows, NEXT_DIED), _table(info.previous, NEXT_DIED + 1)
         without_plan = self._held_without_plan(info)
         status = None
         if len(before.T) and _signature(before) not in self._plans:

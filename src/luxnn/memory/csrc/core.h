@@ -240,6 +240,8 @@ typedef struct {
 /* What the planner learns of a cycle with its record (luxnn.memory.plan). */
 typedef struct {
     uint64_t misses;     /* the requests its plan missed */
+    uint64_t plannable;  /* its requests a plan is made for: above the split
+                            threshold, or a kernel's lanes' (0: it is not planned) */
     int plan;            /* the place of the plan that served it, or -1: none */
     uint32_t installed;  /* bit k: a plan is in place k now */
     size_t split_peak;   /* the most bytes the split pool held during it */
@@ -354,6 +356,7 @@ typedef struct lx_core {
     size_t depth;               /* scopes open */
     uint64_t cycle;             /* cycles opened */
     uint64_t cycle_misses;      /* plan misses of the open (or last) cycle */
+    uint64_t cycle_plannable;   /* its recorded requests a plan is made for */
     lx_plan *plans[LX_PLANS];   /* NULL: none in that place */
     lx_arena *arena;            /* the plans' arena; NULL: none (then no plan either) */
     uint64_t plans_since;       /* scope clock of the first scope the latest plan could

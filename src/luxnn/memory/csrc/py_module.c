@@ -351,7 +351,7 @@ static PyMethodDef Core_methods[] = {
     {"drop_plan", (PyCFunction)Core_drop_plan, METH_NOARGS,
      "drop_plan(): no step plan serves any more (their arena goes upstream when idle)"},
     {"take_record", (PyCFunction)Core_take_record, METH_NOARGS,
-     "take_record() -> None or the last step's Record (rows, misses, plan, installed, "
+     "take_record() -> None or the last step's Record (rows, misses, plannable, plan, installed, "
      "split_peak, large_peak, previous, arena_bytes, arena_cut, arena_live)"},
     {"blocks", (PyCFunction)Core_blocks, METH_NOARGS,
      "[(ptr, size, live, segment_base, segment_size, orphan)] of every block owned"},

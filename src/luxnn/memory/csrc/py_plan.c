@@ -13,6 +13,8 @@ static PyStructSequence_Field record_fields[] = {
              "rows, one per request (call, lane: -1 out of a kernel's lanes; lane_died: -1 "
              "unless it died in its lane)"},
     {"misses", "the step's recorded requests that the plan serving it missed"},
+    {"plannable", "the step's recorded requests that a plan is made for: those above the split "
+                  "threshold and those of a kernel's lanes (0: the step is not planned)"},
     {"plan", "the place of the plan that served the step (install_plan's), or -1: none"},
     {"installed", "the places that hold a plan now, as bits (bit k: place k)"},
     {"split_peak", "the most bytes the split pool held during the step"},
@@ -27,7 +29,7 @@ static PyStructSequence_Field record_fields[] = {
 };
 PyStructSequence_Desc record_desc = {
     "luxnn.memory._core.Record", "A step's record for the planner (luxnn.memory.plan).",
-    record_fields, 10,
+    record_fields, 11,
 };
 PyTypeObject RecordType;
 
@@ -47,7 +49,8 @@ Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored))
     PyObject *items[] = {
         PyBytes_FromStringAndSize(rows != NULL ? (const char *)rows : "",
                                   (Py_ssize_t)(LX_REQUEST_COLUMNS * n * sizeof(int64_t))),
-        PyLong_FromUnsignedLongLong(info.misses), PyLong_FromLong(info.plan),
+        PyLong_FromUnsignedLongLong(info.misses), PyLong_FromUnsignedLongLong(info.plannable),
+        PyLong_FromLong(info.plan),
         PyLong_FromUnsignedLong(info.installed), PyLong_FromSize_t(info.split_peak),
         PyLong_FromSize_t(info.large_peak),
         PyBytes_FromStringAndSize(prev != NULL ? (const char *)prev : "",

@@ -45,6 +45,7 @@ note_birth_locked(lx_core *c, lx_block *b)
     }
     int64_t call, lane;
     lane_of_locked(c, &call, &lane);
+    c->cycle_plannable += b->bin >= c->split_bin || call >= 0;
     c->rec[c->nrec] = (lx_request){(int64_t)b->size, c->tick++, -1, call, lane,
                                    call >= 0 ? tl_lane.tick++ : -1, -1, b};
     b->rec = ++c->nrec;
@@ -147,6 +148,7 @@ open_cycle_locked(lx_core *c)
         release_wholes_locked(c, &c->split, UINT64_MAX);
     }
     c->cycle_misses = 0;
+    c->cycle_plannable = 0;
     c->large_peak = c->large_live;
     c->split_peak = c->split.held;
     c->nrec = 0;
@@ -210,8 +212,9 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int6
     int pending = c->pending && !c->stepping && (c->nrec > 0 || c->rec_lost);
     *rows = NULL;
     *n = 0;
-    *info = (lx_record_info){.misses = c->cycle_misses, .plan = -1,
-                             .split_peak = c->split_peak, .large_peak = c->large_peak};
+    *info = (lx_record_info){.misses = c->cycle_misses, .plannable = c->cycle_plannable,
+                             .plan = -1, .split_peak = c->split_peak,
+                             .large_peak = c->large_peak};
     for (uint32_t k = 0; k < LX_PLANS; k++) {
         info->installed |= (uint32_t)(c->plans[k] != NULL) << k;
         info->plan = c->plans[k] != NULL && c->plans[k] == c->serving ? (int)k : info->plan;
