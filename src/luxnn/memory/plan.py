@@ -373,7 +373,10 @@ class Planner:
             record = self._core.take_record()
             if record is None:
                 return
-            if not record.plannable or self._served_whole(record):
+            if not record.plannable:
+                self._warm_up.end()
+                return
+            if self._served_whole(record):
                 self._warm_up.step_ended(None)
                 return
             with outside():
@@ -405,9 +408,10 @@ class Planner:
         empty if not known), and the core's arena (bytes and cut)."""
         with self._lock:
             self._forget_dropped(record)
-            # A step of small requests only, out of lanes (the slabs serve them well): no plan.
-            status = self._decide(record) if record.plannable else None
-            self._warm_up.step_ended(status)
+            if record.plannable:
+                self._warm_up.step_ended(self._decide(record))
+            else:
+                self._warm_up.end()
 
     def _forget_dropped(self, record: Any) -> None:
         # The plans the core no longer holds (free, trim, eviction, the limit), and with
@@ -612,10 +616,12 @@ def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 class WarmUp:
     """The warm-up: while a cache learns its steps (from its first step, and again after
     each plan installed, until `steps` steps with recorded requests have gone by without
-    one, or a plan is refused), the core serves the recorded requests that no plan serves
-    (a step of a signature not planned yet) upstream at their size and gives them back
-    when they die (``set_warm_up``), so the steps a plan is made from hold no more than
-    they use; after it, the split pool serves what no plan does."""
+    one, a plan is refused, or a step has no request a plan is made for), the core serves
+    the recorded requests that no plan serves (a step of a signature not planned yet)
+    upstream at their size and gives them back when they die (``set_warm_up``), so the
+    steps a plan is made from hold no more than they use; after it, the pools serve what
+    no plan does. A loop of small requests only, which no plan is made for, is so served
+    by its slabs from its second step."""
 
     def __init__(self, core: Any, steps: int) -> None:
         self._core, self._steps, self._left = core, steps, steps
@@ -632,6 +638,12 @@ class WarmUp:
             self._left = max(self._left - 1, 0)
         if (self._left > 0) != was:
             self._core.set_warm_up(self._left > 0)
+
+    def end(self) -> None:
+        """A step had no request a plan is made for: no plan is coming to end the warm-up."""
+        if self._left > 0:
+            self._left = 0
+            self._core.set_warm_up(False)
 
 
 # Fork copies only the forking thread: a planner's lock held by another thread would stay

@@ -112,10 +112,9 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         int64_t rank = call >= 0 ? lane_rank : c->rank[bin]++;
         b = c->arena != NULL ? take_planned_locked(c, bin, size, call, lane, rank) : NULL;
     }
-    /* Warm-up: what no plan serves goes upstream at its size (a miss, by design). (The
-     * small ones out of lanes stay in their slabs: a step without larger requests is not
-     * planned, and needs no warm-up.) */
-    int direct = b == NULL && recorded && (split || call >= 0) && c->warm_up;
+    /* Warm-up: what no plan serves goes upstream at its size (a miss, by design); the
+     * small ones out of lanes too once a step had larger requests (plan.c: Warm-up). */
+    int direct = b == NULL && recorded && c->warm_up && (split || call >= 0 || c->warm_small);
     int seg = !direct; /* a miss makes a new segment: a slab, or one of the split pool */
     if (b != NULL || size == 0 || direct) {
         /* planned; above 128 TiB: a miss that fails below; the warm-up's */

@@ -381,6 +381,8 @@ typedef struct lx_core {
     int warm_up;                /* a step's recorded requests that neither a plan nor a
                                    free run of the arena serves go upstream at their
                                    size, and back when they die */
+    int warm_small;             /* and its small ones too: the step before had requests
+                                   a plan is made for (plan.c: Warm-up) */
     size_t direct_live;         /* the warm-up's blocks alive (plan.c: Warm-up) */
     size_t large_live;          /* bytes of live blocks above the split threshold */
     size_t large_peak;          /* the highest large_live since the cycle opened */

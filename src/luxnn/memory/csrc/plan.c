@@ -67,7 +67,14 @@
  *   plan is made from reserve what they use, nothing more, and a miss is not
  *   left where the next step's plan places its own; what the split pool served
  *   before a warm-up step (an optimizer's first state) goes back when the step
- *   begins, if it died.
+ *   begins, if it died. Small recorded requests out of lanes are planned too,
+ *   but only in a step with larger ones or lanes' (Record.plannable): the first
+ *   step cannot know, so its small ones take slabs; from the second on, while
+ *   the step before had requests a plan is made for (warm_small), they go
+ *   upstream too, and the slabs left whole and free go back as the step
+ *   begins, so that no slab holds a gradient's bytes over the next step's
+ *   peak. A step with nothing to plan ends the warm-up (WarmUp.end): a loop
+ *   of small requests only is served by its slabs from its second step.
  * - Lanes: a request made inside a share of a threaded kernel
  *   (luxnn.parallel.for_blocks) carries its lane, set per thread (tl_lane,
  *   record.c): the kernel call (numbered from the step's beginning), the share,

@@ -144,9 +144,14 @@ open_cycle_locked(lx_core *c)
     }
     else if (c->warm_up) {
         /* The warm-up holds nothing: what the split pool served before it (an optimizer's
-         * first state, made outside a step) goes back once it died. */
+         * first state, made outside a step) goes back once it died, and so do the slabs
+         * once a step had requests a plan is made for (plan.c: Warm-up). */
         release_wholes_locked(c, &c->split, UINT64_MAX);
+        if (c->cycle_plannable > 0) {
+            release_wholes_locked(c, &c->small, UINT64_MAX);
+        }
     }
+    c->warm_small = c->cycle_plannable > 0;
     c->cycle_misses = 0;
     c->cycle_plannable = 0;
     c->large_peak = c->large_live;
