@@ -402,10 +402,11 @@ class Planner:
     def step_ended(self, record: Any) -> None:
         """Take an ended step's record (the core's ``take_record``, a `_core.Record`): its
         native int64 rows of (size, born, died, call, lane, lane_born, lane_died)
-        (`layout`), its plan misses, how many of its requests a plan is made for, the place of the plan that served it (or -1), the
-        places that hold plans now (bits), the split pool's and the large blocks' peaks,
-        the step before's rows with their next_died (its blocks' deaths in this step;
-        empty if not known), and the core's arena (bytes and cut)."""
+        (`layout`), its plan misses, how many of its requests a plan is made for, the
+        place of the plan that served it (or -1), the places that hold plans now (bits),
+        the split pool's and the large blocks' peaks, the step before's rows with their
+        next_died (its blocks' deaths in this step; empty if not known), and the core's
+        arena (bytes and cut)."""
         with self._lock:
             self._forget_dropped(record)
             if record.plannable:
@@ -640,7 +641,8 @@ class WarmUp:
             self._core.set_warm_up(self._left > 0)
 
     def end(self) -> None:
-        """A step had no request a plan is made for: no plan is coming to end the warm-up."""
+        """A step had no request a plan is made for: the warm-up, which waits for its plan,
+        ends (its requests stay in the slabs, as after the warm-up)."""
         if self._left > 0:
             self._left = 0
             self._core.set_warm_up(False)

@@ -14,7 +14,8 @@ static PyStructSequence_Field record_fields[] = {
              "unless it died in its lane)"},
     {"misses", "the step's recorded requests that the plan serving it missed"},
     {"plannable", "the step's recorded requests that a plan is made for: those above the split "
-                  "threshold and those of a kernel's lanes (0: the step is not planned)"},
+                  "threshold and those of a kernel's lanes (0: the step is not planned, as "
+                  "when its rows are empty)"},
     {"plan", "the place of the plan that served the step (install_plan's), or -1: none"},
     {"installed", "the places that hold a plan now, as bits (bit k: place k)"},
     {"split_peak", "the most bytes the split pool held during the step"},

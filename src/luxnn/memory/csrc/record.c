@@ -247,6 +247,7 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int6
             memcpy(*rows + columns * i, &c->rec[i], columns * sizeof(int64_t));
         }
         *n = *rows != NULL ? c->nrec : 0;
+        info->plannable = *n > 0 ? info->plannable : 0; /* an incomplete record: no plan */
     }
     pthread_mutex_unlock(&c->lock);
     return pending;
