@@ -470,6 +470,25 @@ def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_above_the_plan_
     core.audit()
 
 
+def test_a_block_carried_in_on_a_slot_costs_that_slots_request_only_not_the_later_ones_of_its_bin():
+    # A block another step left on a slot's bytes (a result carried in from a step of other
+    # shapes) makes that slot's request miss; the bin's later requests keep their own slots
+    # (a neighbour's slot is for a request that came in another order), so the last of them,
+    # a step's results, stay where every plan expects them in the next step.
+    cache = memory.AllocCache(plan=False)  # plans installed by hand below
+    core = cache._core
+    assert core.install_plan(0, 4 * MiB, *_slots([MiB] * 3, [0, MiB, 2 * MiB])) == PlanStatus.INSTALLED
+    with memory.step(cache):
+        carried = np.full(MiB, 7, np.uint8)  # slot 0, alive into the next step
+    with memory.step(cache):
+        blocks = [np.full(MiB, k, np.uint8) for k in range(3)]
+        (base,) = {b[3] for b in core.blocks() if b[0] == carried.ctypes.data}
+        assert [a.ctypes.data - base for a in blocks] == [3 * MiB, MiB, 2 * MiB]  # the miss above the plan
+    record = core.take_record()
+    assert record.misses == 1 and int(carried[0]) == 7 and [int(a[0]) for a in blocks] == [0, 1, 2]
+    core.audit()
+
+
 def test_a_step_takes_the_plan_its_first_requests_follow_and_the_latest_on_a_tie():
     cache = memory.AllocCache(plan=False)  # plans installed by hand below
     core = cache._core

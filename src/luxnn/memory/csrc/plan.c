@@ -86,8 +86,15 @@
  *   side for the call's whole span (luxnn/memory/plan.py).
  * - Matching: a request of a lane takes the slot of its (call, lane, rank);
  *   any other, the k-th such request of a bin in a cycle, takes the bin's
- *   k-th slot, else the (k+1)-th or (k-1)-th (a request from another thread),
- *   if not taken in this cycle and all its bytes are free now. Otherwise it is
+ *   k-th slot if all its bytes are free now; where a request of this cycle
+ *   took the k-th slot (a request from another thread came first), the
+ *   (k+1)-th or (k-1)-th, if not taken in this cycle and free. A k-th slot
+ *   not taken whose bytes are held (a block carried in from a step of other
+ *   shapes, or kept longer) is a miss, and the neighbours keep their slots:
+ *   taken, it pushed each later request of the bin into the next one's slot,
+ *   and the last, often a result the step keeps, out of every plan's places
+ *   (above the plan serving, in a larger plan's slots, where the next step of
+ *   that plan then missed its largest block). Otherwise it is
  *   a plan miss and goes to a free run of the arena above the plan's slots
  *   (its span), the highest: plans pack from the arena's start, so there it
  *   takes no place of a later request of the plan, nor, from the top, of a
@@ -267,6 +274,9 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
             }
             if (!arena_serves(a, at, size) ||
                 !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+                if (k == 0) {
+                    break; /* its own slot held, not taken: a miss, the neighbours keep theirs */
+                }
                 continue;
             }
             lx_block *b = arena_block_locked(c, a, at, size, bin);
