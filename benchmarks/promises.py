@@ -94,6 +94,13 @@ def varying() -> dict:
     def with_eval(batch, held_out):
         return lambda step: ("eval", held_out) if step % EVAL_EVERY == 0 else ("train", batch)
 
+    # Loops the allocator was not tuned on: a transformer block's lengths and an MLP's batch
+    # sizes drawn at random, out of place.
+    blocks = [bench.Transformer(batch=8, length=n, dim=128, heads=4) for n in (32, 64, 96, 128)]
+    block_batches = [b.data() for b in blocks]
+    block_pick = np.random.default_rng(2).integers(0, len(blocks), VARYING_STEPS + 1)
+    sizes = np.random.default_rng(3).choice([64, 128, 192, 256], VARYING_STEPS + 1)
+
     cnn, resnet = bench.CNN(), bench.ResNet()
     full, short = cnn.data(), bench.CNN(batch=20).data()
     mlp = lx.Chain(lx.Dense(256, 1024, activation="relu"), lx.Dense(1024, 1024, activation="relu"), lx.Dense(1024, 10))
@@ -105,6 +112,10 @@ def varying() -> dict:
         "cnn-short-last-batch": (cnn.luxnn_model(), adam, ce, epochs(full, full, full, short), lx.single_train_step_),
         "mlp-short-last-batch": (mlp, adam, ce, epochs(*[(x[k:k + 256], y[k:k + 256]) for k in (0, 256)], (x[512:], y[512:])), lx.single_train_step_),
         "resnet-eval-every-5": (resnet.luxnn_model(), adam, ce, with_eval(resnet.data(), resnet.data()[0][:8]), lx.single_train_step_),
+        "transformer-lengths-out-of-place": (
+            blocks[0].luxnn_model(), adam, lx.losses.MSELoss(), lambda step: ("train", block_batches[block_pick[step]]), lx.single_train_step,
+        ),
+        "mlp-batches-out-of-place": (mlp, adam, ce, lambda step: ("train", (x[: sizes[step]], y[: sizes[step]])), lx.single_train_step),
     }
 
 
