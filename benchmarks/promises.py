@@ -51,6 +51,11 @@ def models() -> dict:
     cnn, resnet, lm, lstm = bench.CNN(), bench.ResNet(), bench.LM(), bench.LSTM()
     block = bench.Transformer(batch=16, length=128, dim=256)
     big = bench.LargeActivations()
+    dropout_mlp = lx.Chain(*[lx.Chain(lx.Dense(128, 128, activation="gelu"), lx.Dropout(0.1)) for _ in range(6)], lx.Dense(128, 10))
+    small_cnn = lx.Chain(
+        lx.Conv((3, 3), 1, 16, activation="relu"), lx.MaxPool((2, 2)), lx.Conv((3, 3), 16, 32, activation="relu"),
+        lx.MaxPool((2, 2)), lx.Flatten(), lx.Dense(5 * 5 * 32, 10),
+    )  # fmt: skip
     return {
         "cnn": (cnn.luxnn_model(), adam, ce, cnn.data(), False),
         "cnn-split": (cnn.luxnn_model(), adam, ce, cnn.data(), True),
@@ -63,6 +68,11 @@ def models() -> dict:
         "large-activations": (bench.luxnn_mlp(big.sizes), lx.optim.sgd(0.01), lx.losses.MSELoss(), big.data(), False),
         "lm": (lm.luxnn_model(), adam, ce, lm.data(lm.length), False),
         "lstm": (lstm.luxnn_model(), adam, ce, lstm.data(), False),
+        # Three more that nothing was tuned on: 64 KiB gradients (small blocks) made late
+        # in the step, a small convolutional net, a GRU over a sequence.
+        "mlp-dropout": (dropout_mlp, lx.optim.adamw(1e-3), ce, images((256, 128)), False),
+        "cnn-small": (small_cnn, adam, ce, images((32, 28, 28, 1)), False),
+        "gru": (lx.Chain(lx.Recurrence(lx.GRUCell(8, 32)), lx.Dense(32, 3)), adam, ce, images((16, 20, 8), classes=3), False),
     }
 
 
