@@ -31,9 +31,10 @@ STEADY_FROM = 11  # the steady figures: peaks over steps STEADY_FROM..STEPS
 
 
 def models() -> dict:
-    """name -> (model, optimizer, loss, data, split): `split` runs ``compute_gradients``
-    then ``apply_gradients_`` instead of ``single_train_step_``; `data` is a batch (for
-    shapes that vary: `varying`)."""
+    """name -> (model, optimizer, loss, data, verbs): `verbs` "in place" runs
+    ``single_train_step_``, "split" ``compute_gradients`` then ``apply_gradients_``, "out of
+    place" ``single_train_step`` (each step's results, new parameters and moments, outlive
+    it); `data` is a batch (for shapes that vary: `varying`)."""
     import numpy as np
 
     import luxnn as lx
@@ -56,23 +57,29 @@ def models() -> dict:
         lx.Conv((3, 3), 1, 16, activation="relu"), lx.MaxPool((2, 2)), lx.Conv((3, 3), 16, 32, activation="relu"),
         lx.MaxPool((2, 2)), lx.Flatten(), lx.Dense(5 * 5 * 32, 10),
     )  # fmt: skip
+    gru = lx.Chain(lx.Recurrence(lx.GRUCell(8, 32)), lx.Dense(32, 3))
     return {
-        "cnn": (cnn.luxnn_model(), adam, ce, cnn.data(), False),
-        "cnn-split": (cnn.luxnn_model(), adam, ce, cnn.data(), True),
-        "resnet": (resnet.luxnn_model(), adam, ce, resnet.data(), False),
-        "transformer": (block.luxnn_model(), adam, lx.losses.MSELoss(), block.data(), False),
-        "mlp-adam": (mlp(256, 1024, 1024, 10), adam, ce, images((512, 256)), False),
-        "mlp-adam-split": (mlp(256, 1024, 1024, 10), adam, ce, images((512, 256)), True),
-        "mlp-momentum": (mlp(784, 3000, 10), lx.optim.sgd(0.01, momentum=0.9), ce, images((1000, 784)), False),
-        "mlp-suite": (bench.luxnn_mlp((784, 256, 10)), lx.optim.sgd(0.01), ce, images((128, 784)), False),
-        "large-activations": (bench.luxnn_mlp(big.sizes), lx.optim.sgd(0.01), lx.losses.MSELoss(), big.data(), False),
-        "lm": (lm.luxnn_model(), adam, ce, lm.data(lm.length), False),
-        "lstm": (lstm.luxnn_model(), adam, ce, lstm.data(), False),
+        "cnn": (cnn.luxnn_model(), adam, ce, cnn.data(), "in place"),
+        "cnn-split": (cnn.luxnn_model(), adam, ce, cnn.data(), "split"),
+        "resnet": (resnet.luxnn_model(), adam, ce, resnet.data(), "in place"),
+        "transformer": (block.luxnn_model(), adam, lx.losses.MSELoss(), block.data(), "in place"),
+        "mlp-adam": (mlp(256, 1024, 1024, 10), adam, ce, images((512, 256)), "in place"),
+        "mlp-adam-split": (mlp(256, 1024, 1024, 10), adam, ce, images((512, 256)), "split"),
+        "mlp-momentum": (mlp(784, 3000, 10), lx.optim.sgd(0.01, momentum=0.9), ce, images((1000, 784)), "in place"),
+        "mlp-suite": (bench.luxnn_mlp((784, 256, 10)), lx.optim.sgd(0.01), ce, images((128, 784)), "in place"),
+        "large-activations": (bench.luxnn_mlp(big.sizes), lx.optim.sgd(0.01), lx.losses.MSELoss(), big.data(), "in place"),
+        "lm": (lm.luxnn_model(), adam, ce, lm.data(lm.length), "in place"),
+        "lstm": (lstm.luxnn_model(), adam, ce, lstm.data(), "in place"),
         # Three more that nothing was tuned on: 64 KiB gradients (small blocks) made late
         # in the step, a small convolutional net, a GRU over a sequence.
-        "mlp-dropout": (dropout_mlp, lx.optim.adamw(1e-3), ce, images((256, 128)), False),
-        "cnn-small": (small_cnn, adam, ce, images((32, 28, 28, 1)), False),
-        "gru": (lx.Chain(lx.Recurrence(lx.GRUCell(8, 32)), lx.Dense(32, 3)), adam, ce, images((16, 20, 8), classes=3), False),
+        "mlp-dropout": (dropout_mlp, lx.optim.adamw(1e-3), ce, images((256, 128)), "in place"),
+        "cnn-small": (small_cnn, adam, ce, images((32, 28, 28, 1)), "in place"),
+        "gru": (gru, adam, ce, images((16, 20, 8), classes=3), "in place"),
+        # Out of place: two generations of parameters and moments alive at each step's end.
+        "mlp-adam-out-of-place": (mlp(256, 1024, 1024, 10), adam, ce, images((512, 256)), "out of place"),
+        "mlp-dropout-out-of-place": (dropout_mlp, lx.optim.adamw(1e-3), ce, images((256, 128)), "out of place"),
+        "cnn-small-out-of-place": (small_cnn, adam, ce, images((32, 28, 28, 1)), "out of place"),
+        "gru-out-of-place": (gru, adam, ce, images((16, 20, 8), classes=3), "out of place"),
     }
 
 
@@ -174,7 +181,7 @@ def one_run(name: str) -> dict:
     import luxnn as lx
     from luxnn import parallel
 
-    model, optimizer, loss, data, split = models()[name]
+    model, optimizer, loss, data, verbs = models()[name]
     ps, st = lx.setup(np.random.default_rng(0), model)
     ts = lx.TrainState(model, ps, st, optimizer)
     cache, ad = ts.allocator_cache, lx.AutoTape()
@@ -186,12 +193,13 @@ def one_run(name: str) -> dict:
             all_time = (figures.peak_live, figures.peak_reserved)
             cache.reset_peaks()
         marks.append(cache.stats().upstream_allocs)
-        if split:
+        if verbs == "split":
             grads, _, _, ts = lx.compute_gradients(ad, loss, batch, ts)
             ts = lx.apply_gradients_(ts, grads)
             del grads
         else:
-            _, _, _, ts = lx.single_train_step_(ad, loss, batch, ts)
+            verb = lx.single_train_step_ if verbs == "in place" else lx.single_train_step
+            _, _, _, ts = verb(ad, loss, batch, ts)
     steady = cache.stats()
     # A step's count runs to the next step's beginning: what its results' deaths cause counts.
     upstream = np.diff([*marks, steady.upstream_allocs]).tolist()
