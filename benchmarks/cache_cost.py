@@ -19,7 +19,7 @@ import numpy as np
 
 import luxnn as lx
 from luxnn.bench.machine import blas, blas_summary
-from luxnn.bench.models import luxnn_train_step
+from luxnn.bench.models import MLP, luxnn_mlp, luxnn_train_step
 from luxnn.bench.runner import interleaved_rounds
 
 
@@ -30,9 +30,10 @@ def _data(batch: int, features: int, classes: int) -> tuple[np.ndarray, np.ndarr
 
 def models() -> dict:
     """name -> (a layer maker, an optimizer maker, data)."""
+    suite = MLP()
     return {
-        "mlp": (lambda: lx.Chain(lx.Dense(784, 256, activation="relu"), lx.Dense(256, 10)), lambda: lx.optim.sgd(0.01), _data(128, 784, 10)),
-        "small": (lambda: lx.Chain(lx.Dense(64, 64, activation="relu"), lx.Dense(64, 10)), lambda: lx.optim.sgd(0.01), _data(128, 64, 10)),
+        "mlp": (lambda: luxnn_mlp(suite.sizes), lambda: lx.optim.sgd(suite.lr), suite.data()),
+        "small": (lambda: luxnn_mlp((64, 64, 10)), lambda: lx.optim.sgd(0.01), _data(128, 64, 10)),
         "dropout": (
             lambda: lx.Chain(*[lx.Chain(lx.Dense(128, 128, activation="gelu"), lx.Dropout(0.1)) for _ in range(6)], lx.Dense(128, 10)),
             lambda: lx.optim.adamw(1e-3), _data(256, 128, 10),
