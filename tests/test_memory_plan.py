@@ -516,6 +516,38 @@ def test_a_step_takes_the_plan_its_first_requests_follow_and_the_latest_on_a_tie
     core.audit()
 
 
+def test_a_step_no_plan_follows_takes_a_stand_ins_slots_of_its_sizes_and_ranks():
+    # Its requests of a size a plan has slots for take them, by rank, where free (the
+    # blocks a step keeps have the same sizes whatever its shapes): a hit, not a plan's.
+    # Of two plans, the one with fewer slots of the size; none the planner does not name.
+    cache = memory.AllocCache(plan=False)  # plans installed by hand below
+    core = cache._core
+    assert core.install_plan(0, 4 * MiB, *_slots([512 * KiB] * 2, [2 * MiB, 3 * MiB]), sequence=np.array([512 * KiB] * 2)) == PlanStatus.INSTALLED
+    assert core.install_plan(1, 4 * MiB, *_slots([512 * KiB], [MiB]), sequence=np.array([256 * KiB])) == PlanStatus.INSTALLED
+
+    def where():
+        # The offsets in the arena of a step's second and third blocks, of 512 KiB, after
+        # one of 768 KiB that no plan follows; and the step's record.
+        with memory.step(cache):
+            first, *blocks = [np.empty(n, np.uint8) for n in (768 * KiB, 512 * KiB, 512 * KiB)]
+            (base,) = {b[3] for b in core.blocks() if b[0] == first.ctypes.data}
+        return [b.ctypes.data - base for b in blocks], core.take_record()
+
+    hits = core.stats().plan_hits
+    at, record = where()
+    assert at == [MiB, 1536 * KiB] and record.plan == -1 and record.misses == 0  # place 1's slot, then a free run
+    assert core.stats().plan_hits == hits
+    core.set_stand_ins(0b01)
+    at, record = where()
+    assert at == [2 * MiB, 3 * MiB] and record.plan == -1  # place 0's two slots
+    core.set_stand_ins(0)
+    at, _ = where()
+    assert at == [768 * KiB, 1280 * KiB]  # free runs from the arena's start
+    with pytest.raises(ValueError, match="below MAX_PLANS"):
+        core.set_stand_ins(1 << _core.MAX_PLANS)
+    core.audit()
+
+
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
@@ -552,6 +584,9 @@ class FakeCore:
     def __init__(self, *statuses):
         self.statuses, self.installed, self.warm_up = list(statuses), [], []
         self.places, self.arena, self.live = 0, 0, 0  # bits; bytes; bytes live in the arena
+
+    def set_stand_ins(self, bits):
+        self.stand_ins = bits
 
     def install_plan(self, place, arena_bytes, sizes, even, odd, *, call, lane, cut, sequence):
         self.installed.append(dict(place=place, arena=arena_bytes, sizes=sizes.tolist(), even=even.tolist(), odd=odd.tolist(), cut=cut))

@@ -118,6 +118,36 @@ def test_an_evaluation_pass_every_epoch_gets_its_own_plan(threads):
     cache._core.audit()
 
 
+@pytest.mark.parametrize("batches", [[64] * 4 + [192, 64, 64], [128] * 3 + [64, 128, 128]])
+def test_a_step_of_shapes_not_planned_yet_leaves_its_results_where_the_next_plan_expects_them(batches, threads):
+    # Out of place, a step's new parameters and moments (of the same sizes whatever the
+    # batch) outlive it. A step of a batch size no plan follows takes, for them, the places
+    # the plans keep for them, not the bytes of the next planned step's temporaries: that
+    # step (the plan's warm-up, which sends its misses upstream) makes no upstream
+    # allocation.
+    threads(1)
+    model = lx.Chain(lx.Dense(256, 1024, activation="relu"), lx.Dense(1024, 1024, activation="relu"), lx.Dense(1024, 10))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-3))
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((max(batches), 256)).astype(np.float32), rng.integers(0, 10, max(batches))
+    loss = lx.losses.CrossEntropyLoss()
+
+    def train(n):
+        def run():
+            nonlocal ts
+            _, _, _, ts = lx.single_train_step(AD, loss, (x[:n], y[:n]), ts)
+        return run
+
+    upstream = _upstream_per_step(ts.allocator_cache, [train(n) for n in batches])
+    unplanned = next(k for k, n in enumerate(batches) if n != batches[0])
+    assert ts.allocator_cache.stats().plans == 1  # the first batch size's, before the other
+    assert upstream[unplanned + 1:] == [0] * (len(batches) - unplanned - 1), upstream
+    s = ts.allocator_cache.stats()
+    assert s.peak_reserved <= SHAPES_BUDGET * s.peak_live, s
+    ts.allocator_cache._core.audit()
+
+
 def _bucket_step(cache, k, result=None):
     # A step of bucket k: temporaries of its own sizes, and (given `result`) a result of one
     # size whatever the bucket, which outlives the step (the next one reads it and makes its

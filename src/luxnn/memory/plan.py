@@ -17,8 +17,11 @@ the same requests (a signature) into a plan, packed over the circular two-step s
 its own clock, which no interleaving of the threads changes. A loop whose shapes vary (a
 short last batch, lengths in buckets, an evaluation pass) gets a plan per signature, up to
 `MAX_PLANS`, all in one arena; the core picks the plan for a step by its first requests,
-and blocks that outlive their step keep the same places in every plan. The first plan's
-first step needs only the arena's first chunk, beside the warm-up's results it replaces.
+and blocks that outlive their step keep the same places in every plan (a step no plan
+follows, of shapes not planned yet, takes for its requests the places of their size and
+rank in a plan, where free: its results then sit where the next step's plan expects
+them). The first plan's first step needs only the arena's first chunk, beside the
+warm-up's results it replaces.
 A plan that misses is widened where a later step's lifetimes reach beyond it. The core
 serves a request at its planned place only when every byte there is free, so a plan (or
 the choice of one) can cost misses but never an overlap.
@@ -297,10 +300,13 @@ recently used one goes."""
 @dataclasses.dataclass
 class _Plan:
     """A plan the planner keeps: the lifetimes it was made from (`layout`'s table), its
-    place in the core, and a widening of it the arena had no room for (not tried again)."""
+    place in the core, whether its blocks kept across steps are at the places every plan
+    keeps them (then it may stand in for a step no plan follows, ``set_stand_ins``), and
+    a widening of it the arena had no room for (not tried again)."""
 
     table: np.ndarray
     place: int
+    stand_in: bool
     unfit: np.ndarray | None = None
 
 
@@ -322,7 +328,9 @@ class Planner:
       plans").
     - Blocks that outlive their step (new parameters and optimizer state, of the same sizes
       whatever the shapes) take the same places in every plan: a step served by one plan
-      carries them into a step served by another, which then finds its places free. A plan
+      carries them into a step served by another, which then finds its places free; so
+      does a step of shapes not planned yet, whose requests the core serves at the places
+      of their size and rank in a plan (one whose kept blocks are at those places). A plan
       that cannot keep the places other plans have at little cost places its kept blocks
       apart from the arena's start (`layout`'s ``kept_first``), and the others are laid out
       again at those, one a step.
@@ -494,13 +502,15 @@ class Planner:
         if status == PlanStatus.INSTALLED:
             for other in [k for k, p in self._plans.items() if p.place == place]:
                 del self._plans[other]  # the least recently used, replaced
-            self._plans[key] = _Plan(table, place)
             self._arena = self._arena_after(table[SIZE], plan, wall)
             if not pinned and arena_bytes and _kept_keys(table):
                 # Its kept blocks apart from the arena's start: the places the others keep.
                 self._kept.clear()
-                self._repin = [other for other in self._plans if other != key]
-            self._keep_places(table, plan)
+                self._repin = list(self._plans)
+                for other in self._plans.values():
+                    other.stand_in = False
+            self._plans[key] = _Plan(table, place, self._keep_places(table, plan))
+            self._core.set_stand_ins(sum(1 << p.place for p in self._plans.values() if p.stand_in))
         elif status == PlanStatus.LATER and tries > 0:
             self._pending = (key, table, tries)
         elif kept is not None:
@@ -556,9 +566,14 @@ class Planner:
             even[i], odd[i] = self._kept.get(key, (-1, -1))
         return even, odd
 
-    def _keep_places(self, table: np.ndarray, plan: Layout) -> None:
+    def _keep_places(self, table: np.ndarray, plan: Layout) -> bool:
+        # The places of `plan`'s kept blocks kept where none is yet; whether all of them
+        # are at the places kept.
+        agrees = True
         for i, key in _kept_keys(table):
-            self._kept.setdefault(key, (int(plan.even[i]), int(plan.odd[i])))
+            places = (int(plan.even[i]), int(plan.odd[i]))
+            agrees &= self._kept.setdefault(key, places) == places
+        return agrees
 
 
 def _signature(table: np.ndarray) -> bytes:

@@ -199,6 +199,9 @@ audit_locked(lx_core *c)
         if (p == NULL && (c->candidates >> k) & 1) {
             return "a place with no plan is a candidate to serve the cycle";
         }
+        if (p == NULL && (c->stand_ins >> k) & 1) {
+            return "a place with no plan may stand in for a cycle";
+        }
     }
     if (!serving_kept) {
         return "the plan serving the cycle is not one of the plans";

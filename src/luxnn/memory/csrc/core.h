@@ -363,6 +363,8 @@ typedef struct lx_core {
                                    serve: the split pool's segments unused since then are
                                    what the plans replaced */
     lx_plan *serving;           /* the plan chosen for the open (or last) cycle; NULL: none */
+    uint32_t stand_ins;         /* bit k: plans[k] may stand in for a cycle no plan follows
+                                   (its kept blocks are where every plan keeps them; plan.c) */
     uint32_t candidates;        /* bit k: plans[k] matches the open cycle's requests so far */
     uint32_t matched;           /* the open cycle's recorded requests out of lanes so far */
     uint32_t rank[LX_NBINS];    /* the open cycle's recorded requests of each bin out of
@@ -501,6 +503,7 @@ void choose_plan_locked(lx_core *c, size_t size, int64_t call);
 lx_block *take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t lane,
                               int64_t rank);
 lx_status lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first);
+void lx_set_stand_ins(lx_core *c, uint32_t bits);
 
 /* arena.c: a plan's arena */
 int granules_free(const lx_arena *a, size_t from, size_t to);

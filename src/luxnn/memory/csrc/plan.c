@@ -52,9 +52,11 @@
  *   as candidates the plans that follow it, and the plan serving the cycle is
  *   a candidate, else the most recently used one (a plan with no sequence
  *   follows every step). No plan follows the cycle's first such request: none
- *   serves the cycle (its requests take free runs of the arena, else go where
- *   a cycle's without plans go); none follows a later one: the plan serving
- *   goes on. A wrong choice costs misses, never an overlap. Slots have places
+ *   serves the cycle (its requests take the slots of their bin and rank in a
+ *   stand-in plan, where those are free, so that the blocks it keeps, of sizes
+ *   that do not vary with the shapes, sit where every plan keeps them; else
+ *   free runs of the arena, else where a cycle's without plans go); none
+ *   follows a later one: the plan serving goes on. A wrong choice costs misses, never an overlap. Slots have places
  *   in the arena's even and odd cycles, the parity of its first cycle, so that
  *   blocks one plan's cycle carries into another's sit where that one expects
  *   them (the planner gives kept blocks the same places in every plan).
@@ -138,6 +140,7 @@ remove_plan_locked(lx_core *c, uint32_t k)
         c->serving = NULL;
     }
     c->candidates &= ~((uint32_t)1 << k);
+    c->stand_ins &= ~((uint32_t)1 << k);
     free_plan(c->plans[k]);
     c->plans[k] = NULL;
 }
@@ -229,9 +232,88 @@ choose_plan_locked(lx_core *c, size_t size, int64_t call)
     }
 }
 
-/* A recorded request of `size` bytes (bin `bin`) at its planned place: the
- * slot of its lane and rank there (call >= 0), else of rank `rank` among the
- * bin's requests out of lanes, in the plan serving the cycle; else (a plan
+/* The slot of plan p for a recorded request of `size` bytes (bin `bin`), if all
+ * of its bytes are free: that of its lane and rank there (call >= 0), else of
+ * rank `rank` among the bin's requests out of lanes, or (`neighbours`) the
+ * (rank+1)-th's or the (rank-1)-th's (another thread may have made a request of
+ * the size first). NULL: none (its own slot held and not taken: a miss, the
+ * neighbours keep theirs), or no memory for the block's bookkeeping. */
+static lx_block *
+take_slot_locked(lx_core *c, lx_plan *p, uint32_t bin, size_t size, int64_t call, int64_t lane,
+                 int64_t rank, int neighbours)
+{
+    lx_arena *a = c->arena;
+    uint32_t first, count;
+    if (call >= 0) {
+        const lx_lane_slots *l = lane_slots(p, call, lane);
+        first = l != NULL ? l->first : 0;
+        count = l != NULL ? l->count : 0;
+    }
+    else {
+        first = p->first[bin];
+        count = p->count[bin];
+    }
+    int tries = call < 0 && neighbours ? 3 : 1;
+    uint32_t own = rank < (int64_t)count ? (uint32_t)rank : count;
+    uint32_t ranks[3] = {own, own + 1, own - 1};
+    int parity = (int)((c->cycle ^ a->from_cycle) & 1);
+    for (int k = 0; k < tries && own < count; k++) {
+        if (ranks[k] >= count) { /* also own - 1 for rank 0 */
+            continue;
+        }
+        lx_slot *s = &p->slots[first + ranks[k]];
+        if (s->taken == c->cycle || s->bin != bin) {
+            continue;
+        }
+        /* Its place of this cycle's parity, else the other (a block that outlives its
+         * cycle: a cycle with no request between steps shifts the parity). */
+        size_t at = s->offset[parity];
+        if (!arena_serves(a, at, size) ||
+            !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+            at = s->offset[!parity];
+        }
+        if (!arena_serves(a, at, size) ||
+            !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+            if (k == 0) {
+                break; /* its own slot held, not taken: a miss, the neighbours keep theirs */
+            }
+            continue;
+        }
+        lx_block *b = arena_block_locked(c, a, at, size, bin);
+        if (b != NULL) {
+            s->taken = c->cycle;
+        }
+        return b;
+    }
+    return NULL;
+}
+
+/* In a cycle no plan follows, the plan whose slots a request out of lanes of bin
+ * `bin` takes by rank: of the stand-ins (lx_set_stand_ins), the one with the
+ * fewest slots of the bin (the most recently used of those), whose slots of the
+ * bin are the least likely to be a shape's; NULL: none has one. */
+static lx_plan *
+stand_in_locked(const lx_core *c, uint32_t bin)
+{
+    lx_plan *best = NULL;
+    for (uint32_t k = 0; k < LX_PLANS; k++) {
+        lx_plan *q = c->plans[k];
+        if (q != NULL && (c->stand_ins >> k) & 1 && q->count[bin] > 0 && c->cycle >= q->from_cycle &&
+            (best == NULL || q->count[bin] < best->count[bin] ||
+             (q->count[bin] == best->count[bin] && q->last_cycle > best->last_cycle))) {
+            best = q;
+        }
+    }
+    return best;
+}
+
+/* A recorded request of `size` bytes (bin `bin`) at its planned place: its slot in
+ * the plan serving the cycle (take_slot_locked); in a cycle no plan follows, a
+ * request out of lanes takes the slot of its bin and rank in a stand-in plan
+ * (stand_in_locked): the blocks a step keeps (new parameters and optimizer state)
+ * have the same sizes whatever the shapes, and every plan keeps them at the same
+ * places, so a step of shapes not planned yet leaves its results where the next
+ * step's plan expects them, not in the bytes of its temporaries. Else (a plan
  * miss, or a request of a cycle no plan serves) a free run of the arena; NULL:
  * served elsewhere. */
 lx_block *
@@ -241,53 +323,17 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
     lx_plan *p = c->serving;
     lx_arena *a = c->arena;
     if (p != NULL && c->cycle >= p->from_cycle) {
-        uint32_t first, count;
-        int tries; /* the slot of its rank, then (out of lanes) its neighbours' */
-        if (call >= 0) {
-            const lx_lane_slots *l = lane_slots(p, call, lane);
-            first = l != NULL ? l->first : 0;
-            count = l != NULL ? l->count : 0;
-            tries = 1;
-        }
-        else {
-            first = p->first[bin];
-            count = p->count[bin];
-            tries = 3; /* a neighbour's: another thread may have made a request of the size */
-        }
-        uint32_t own = rank < (int64_t)count ? (uint32_t)rank : count;
-        uint32_t ranks[3] = {own, own + 1, own - 1};
-        int parity = (int)((c->cycle ^ a->from_cycle) & 1);
-        for (int k = 0; k < tries && own < count; k++) {
-            if (ranks[k] >= count) { /* also own - 1 for rank 0 */
-                continue;
-            }
-            lx_slot *s = &p->slots[first + ranks[k]];
-            if (s->taken == c->cycle || s->bin != bin) {
-                continue;
-            }
-            /* Its place of this cycle's parity, else the other (a block that outlives its
-             * cycle: a cycle with no request between steps shifts the parity). */
-            size_t at = s->offset[parity];
-            if (!arena_serves(a, at, size) ||
-                !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
-                at = s->offset[!parity];
-            }
-            if (!arena_serves(a, at, size) ||
-                !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
-                if (k == 0) {
-                    break; /* its own slot held, not taken: a miss, the neighbours keep theirs */
-                }
-                continue;
-            }
-            lx_block *b = arena_block_locked(c, a, at, size, bin);
-            if (b == NULL) {
-                return NULL;
-            }
-            s->taken = c->cycle;
+        lx_block *b = take_slot_locked(c, p, bin, size, call, lane, rank, 1);
+        if (b != NULL) {
             p->last_cycle = c->cycle;
             c->fig.plan_hits++;
             return b;
         }
+    }
+    lx_plan *q = p == NULL && call < 0 ? stand_in_locked(c, bin) : NULL;
+    lx_block *b = q != NULL ? take_slot_locked(c, q, bin, size, call, lane, rank, 0) : NULL;
+    if (b != NULL) {
+        return b; /* a hit, not at a place planned for it */
     }
     size_t at;
     if (p != NULL) {
@@ -305,7 +351,23 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
      * that fits, before the pools (threads' temporaries of one size swap places from
      * step to step; a step of other shapes fits between the blocks that live there);
      * the bitmap keeps it clear of every live block. */
-    return free_run(a, size, &at) ? arena_block_locked(c, a, at, size, bin) : NULL;
+    int found = free_run(a, size, &at);
+    return found ? arena_block_locked(c, a, at, size, bin) : NULL;
+}
+
+/* The plans that may stand in for a cycle no plan follows: those of places
+ * `bits` (bit k: place k) that hold a plan; a plan installed is one until this
+ * says otherwise. The planner names those whose blocks kept across steps are
+ * where every plan keeps them (luxnn/memory/plan.py). */
+void
+lx_set_stand_ins(lx_core *c, uint32_t bits)
+{
+    pthread_mutex_lock(&c->lock);
+    c->stand_ins = 0;
+    for (uint32_t k = 0; k < LX_PLANS; k++) {
+        c->stand_ins |= (uint32_t)(c->plans[k] != NULL && (bits >> k) & 1) << k;
+    }
+    pthread_mutex_unlock(&c->lock);
 }
 
 /* Whether a slot of plan p lies across offset `cut`. */
@@ -404,6 +466,7 @@ lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first)
     p->from_cycle = c->cycle + 1; /* the next to open: one open now was not planned for */
     p->last_cycle = c->cycle + 1; /* the latest: made from the steps just seen */
     c->plans[k] = p;
+    c->stand_ins |= (uint32_t)1 << k;
     c->plans_since = c->fig.scopes + 1; /* the next scope's clock */
     c->fig.plans++;
     pthread_mutex_unlock(&c->lock);

@@ -197,6 +197,21 @@ Core_set_warm_up(CoreObject *self, PyObject *arg)
 }
 
 static PyObject *
+Core_set_stand_ins(CoreObject *self, PyObject *arg)
+{
+    unsigned long bits = PyLong_AsUnsignedLong(arg);
+    if (bits == (unsigned long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (bits >> LX_PLANS) {
+        return PyErr_Format(PyExc_ValueError, "set_stand_ins: bits of places below MAX_PLANS (%d) "
+                            "expected, got %lu", LX_PLANS, bits);
+    }
+    lx_set_stand_ins(self->core, (uint32_t)bits);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 Core_drop_plan(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
     pthread_mutex_lock(&self->core->lock);
@@ -348,6 +363,10 @@ static PyMethodDef Core_methods[] = {
     {"set_warm_up", (PyCFunction)Core_set_warm_up, METH_O,
      "set_warm_up(on): while on, a step's recorded requests that no plan serves (nor a "
      "free run of the arena) go upstream at their size and back when they die"},
+    {"set_stand_ins", (PyCFunction)Core_set_stand_ins, METH_O,
+     "set_stand_ins(bits): the places (bit k: place k) of the plans whose slots a step no plan "
+     "follows may take (those whose blocks kept across steps are where every plan keeps "
+     "them); a plan installed is one until this says otherwise"},
     {"drop_plan", (PyCFunction)Core_drop_plan, METH_NOARGS,
      "drop_plan(): no step plan serves any more (their arena goes upstream when idle)"},
     {"take_record", (PyCFunction)Core_take_record, METH_NOARGS,
