@@ -193,3 +193,30 @@ def test_steps_that_switch_plans_never_overlap_the_blocks_they_carry():
         assert np.all(result == value) and np.all(previous == before)
         cache._core.audit()
     assert cache._planner.plans == 5
+
+
+def test_blocks_carried_into_steps_of_other_lengths_are_planned_to_live_to_the_end_of_the_next_step():
+    # Steps of three buckets in turn, each with its own count of temporaries (its own
+    # clock), each carrying a result into the next one, where it dies at the end. A plan
+    # made from a step whose successor was of another bucket takes that death, on the
+    # other's clock, as one at the end of its own next step, not in its middle (where its
+    # later temporaries would then be placed on the carried block's bytes).
+    def step(k, result):
+        with memory.step(cache):
+            total = 0.0
+            for j in range(k + 1):  # k + 1 temporaries of (k + 2) x 128 KiB, one after another
+                scratch = np.full((k + 2) * 16 * KiB, float(j))
+                total += float(scratch[-1])
+                del scratch
+            return result * 0.5 + total
+
+    cache = memory.AllocCache()
+    result, misses = np.zeros(MiB // 8), []
+    for k in [0, 1, 3] * 8:
+        before = cache.stats().plan_misses
+        result = step(k, result)
+        misses.append(cache.stats().plan_misses - before)
+    s = cache.stats()
+    assert cache._planner.plans == 3 and misses[12:] == [0] * 12, misses
+    assert s.peak_reserved <= SHAPES_BUDGET * s.peak_live, s
+    cache._core.audit()

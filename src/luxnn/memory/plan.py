@@ -441,7 +441,7 @@ class Planner:
         without_plan = self._held_without_plan(info)
         status = None
         if len(before.T) and _signature(before) not in self._plans:
-            self._remember(_signature(before), before)  # now with its deaths in this step
+            self._remember(_signature(before), _on_own_clock(before, record))  # now with its deaths in this step
         if self._pending is not None:
             key, table, tries = self._pending
             self._pending = None
@@ -612,6 +612,27 @@ def _lifetimes(record: np.ndarray, before: np.ndarray | None) -> np.ndarray:
     if before is not None:
         next_died = np.where(before[DIED] < 0, before[NEXT_DIED], -1)
     return np.vstack([record, next_died])
+
+
+def _on_own_clock(table: np.ndarray, successor: np.ndarray) -> np.ndarray:
+    """`table` with the deaths of its blocks that outlive it (`NEXT_DIED`, measured in the
+    step after it, `successor`'s table) on the clock of a step of its own requests, which
+    the circular schedule of its plan assumes: a step of other requests has another
+    clock. There, a death after the successor's last request is one at the step's end
+    (no request after it could take its bytes); any other is not known: -1, outliving the
+    next step too (`layout`).
+
+    >>> t = np.array([[64, 64], [0, 1], [2, -1], *[[-1, -1]] * 4, [-1, 7]])  # 2 ticks' births
+    >>> s = np.array([[32] * 3, [0, 1, 2], [3, 4, 5], *[[-1] * 3] * 4])      # its last birth: 2
+    >>> _on_own_clock(t, s)[NEXT_DIED].tolist()  # died at 7, after tick 2: at the end, 2
+    [-1, 2]
+    """
+    if _signature(table) == _signature(successor):
+        return table
+    out, kept = table.copy(), table[DIED] < 0
+    at_end = table[NEXT_DIED] > successor[BORN].max(initial=-1)
+    out[NEXT_DIED] = np.where(kept, np.where(at_end, table[BORN].max() + 1, -1), table[NEXT_DIED])
+    return out
 
 
 def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
