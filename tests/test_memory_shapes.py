@@ -4,6 +4,7 @@ plan per request-size signature, at most MAX_PLANS of them, in one arena; each s
 plan its first requests follow. Counts of upstream allocations are checked with one kernel
 thread, where no interleaving of threads can change them."""
 
+import functools
 import os
 
 import numpy as np
@@ -118,6 +119,24 @@ def test_an_evaluation_pass_every_epoch_gets_its_own_plan(threads):
     cache._core.audit()
 
 
+class _OutOfPlaceMLP:
+    """MLP 256 -> 1024 -> 1024 -> 10, Adam, trained by ``single_train_step`` (a step's new
+    parameters and moments outlive it) on the first n of `rows` rows, with one kernel
+    thread."""
+
+    def __init__(self, rows, threads):
+        threads(1)
+        model = lx.Chain(lx.Dense(256, 1024, activation="relu"), lx.Dense(1024, 1024, activation="relu"), lx.Dense(1024, 10))
+        ps, st = lx.setup(np.random.default_rng(0), model)
+        self.ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-3))
+        self.cache = self.ts.allocator_cache
+        rng = np.random.default_rng(1)
+        self.x, self.y = rng.standard_normal((rows, 256)).astype(np.float32), rng.integers(0, 10, rows)
+
+    def train(self, n):
+        _, _, _, self.ts = lx.single_train_step(AD, lx.losses.CrossEntropyLoss(), (self.x[:n], self.y[:n]), self.ts)
+
+
 @pytest.mark.parametrize("batches", [[64] * 4 + [192, 64, 64], [128] * 3 + [64, 128, 128]])
 def test_a_step_of_shapes_not_planned_yet_leaves_its_results_where_the_next_plan_expects_them(batches, threads):
     # Out of place, a step's new parameters and moments (of the same sizes whatever the
@@ -125,27 +144,43 @@ def test_a_step_of_shapes_not_planned_yet_leaves_its_results_where_the_next_plan
     # the plans keep for them, not the bytes of the next planned step's temporaries: that
     # step (the plan's warm-up, which sends its misses upstream) makes no upstream
     # allocation.
-    threads(1)
-    model = lx.Chain(lx.Dense(256, 1024, activation="relu"), lx.Dense(1024, 1024, activation="relu"), lx.Dense(1024, 10))
-    ps, st = lx.setup(np.random.default_rng(0), model)
-    ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-3))
-    rng = np.random.default_rng(1)
-    x, y = rng.standard_normal((max(batches), 256)).astype(np.float32), rng.integers(0, 10, max(batches))
-    loss = lx.losses.CrossEntropyLoss()
-
-    def train(n):
-        def run():
-            nonlocal ts
-            _, _, _, ts = lx.single_train_step(AD, loss, (x[:n], y[:n]), ts)
-        return run
-
-    upstream = _upstream_per_step(ts.allocator_cache, [train(n) for n in batches])
+    mlp = _OutOfPlaceMLP(max(batches), threads)
+    upstream = _upstream_per_step(mlp.cache, [functools.partial(mlp.train, n) for n in batches])
     unplanned = next(k for k, n in enumerate(batches) if n != batches[0])
-    assert ts.allocator_cache.stats().plans == 1  # the first batch size's, before the other
+    assert mlp.cache.stats().plans == 1  # the first batch size's, before the other
     assert upstream[unplanned + 1:] == [0] * (len(batches) - unplanned - 1), upstream
-    s = ts.allocator_cache.stats()
+    s = mlp.cache.stats()
     assert s.peak_reserved <= SHAPES_BUDGET * s.peak_live, s
-    ts.allocator_cache._core.audit()
+    mlp.cache._core.audit()
+
+
+def _small_step(ts):
+    with memory.step(ts.allocator_cache):  # a step of the cache's with no recorded request
+        np.ones(100).sum()
+
+
+def _evaluation(ts):
+    with memory.step(ts.allocator_cache):  # a pass in test mode, planned, keeping nothing
+        logits, _ = ts.model(np.ones((512, 256), np.float32), ts.parameters, lx.testmode(ts.states))
+        float(logits.sum())
+
+
+@pytest.mark.parametrize("between", [_small_step, _evaluation])
+def test_steps_between_training_steps_leave_its_results_places_to_the_next_one(between, threads):
+    # Out of place, a step's results sit at their slots' places of the step's parity and
+    # the next step's take the others. A step in between that keeps nothing (small arrays
+    # only, an evaluation pass) makes no next step take the places its own blocks hold.
+    mlp = _OutOfPlaceMLP(64, threads)
+    steps = ([functools.partial(mlp.train, 64)] * 3 + [lambda: between(mlp.ts)]) * 6
+    misses = []
+    for step in steps:
+        before = mlp.cache.stats().plan_misses
+        step()
+        misses.append(mlp.cache.stats().plan_misses - before)
+    assert misses[8:] == [0] * (len(steps) - 8), misses  # from the third round on
+    s = mlp.cache.stats()
+    assert s.peak_reserved <= SHAPES_BUDGET * s.peak_live, s
+    mlp.cache._core.audit()
 
 
 def _bucket_step(cache, k, result=None):

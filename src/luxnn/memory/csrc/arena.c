@@ -193,6 +193,9 @@ put_planned_locked(lx_core *c, lx_block *b)
     mark_granules(a, at >> LX_QUANTUM_LOG2, (at + b->size) >> LX_QUANTUM_LOG2, 0);
     a->live--;
     a->live_bytes -= b->size;
+    if (b->phase != 0) {
+        a->phase_live[b->phase - 1]--;
+    }
     map_remove(&c->map, b);
     free(b);
     if (a->live == 0 && retired_locked(c, a)) {

@@ -9,12 +9,16 @@
 static const char *
 audit_arena_locked(lx_core *c, const lx_arena *a, int retired)
 {
-    size_t blocks = 0, bytes = 0, busy = 0;
+    size_t blocks = 0, bytes = 0, busy = 0, phases[3] = {0, 0, 0};
     for (size_t i = 0; i < c->map.cap; i++) {
         lx_block *b = c->map.slots[i];
         if (b != NULL && b->arena == a) {
             blocks++;
             bytes += b->size;
+            if (b->phase > 2) {
+                return "an arena's block has a parity other than even or odd";
+            }
+            phases[b->phase]++;
         }
     }
     for (size_t w = 0; w < ((a->size >> LX_QUANTUM_LOG2) + 63) / 64; w++) {
@@ -22,6 +26,9 @@ audit_arena_locked(lx_core *c, const lx_arena *a, int retired)
     }
     if (blocks != a->live || bytes != a->live_bytes || busy != bytes >> LX_QUANTUM_LOG2) {
         return "an arena's count of live blocks, bytes or busy granules is wrong";
+    }
+    if (phases[1] != a->phase_live[0] || phases[2] != a->phase_live[1]) {
+        return "an arena's count of live blocks at even and odd places is wrong";
     }
     if (retired && blocks == 0) {
         return "a retired arena with no live block is still held";

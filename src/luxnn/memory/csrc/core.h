@@ -103,6 +103,7 @@ typedef struct lx_block {
     uint8_t orphan; /* a whole block (seg NULL): goes upstream when it dies (pieces:
                        seg->orphan) */
     uint8_t direct; /* the warm-up's (plan.c: Warm-up): upstream at its size, back when it dies */
+    uint8_t phase;  /* a plan's block at a slot's place: 1 + the parity of that place; else 0 */
 } lx_block;
 
 struct lx_pool;
@@ -161,9 +162,10 @@ typedef struct lx_arena {
     size_t first;             /* bytes of the first chunk (size: it is the only one) */
     size_t live;              /* blocks alive in it */
     size_t live_bytes;
+    size_t phase_live[2];     /* its live blocks at a slot's even / odd place */
     uint64_t *busy;           /* bit i: granule i (512 B) belongs to a live block */
-    uint64_t from_cycle;      /* the first cycle its plans serve: its even cycles are
-                                 those of this cycle's parity */
+    uint64_t from_cycle;      /* the first cycle its plans serve, an even one (lx_core's
+                                 parity) */
     uint64_t last_used;       /* scope clock when it last served a request */
     struct lx_arena *next;    /* the next retired arena */
 } lx_arena;
@@ -363,6 +365,10 @@ typedef struct lx_core {
                                    serve: the split pool's segments unused since then are
                                    what the plans replaced */
     lx_plan *serving;           /* the plan chosen for the open (or last) cycle; NULL: none */
+    int parity;                 /* the open cycle's places in the plans' arena: 0 (even)
+                                   in its from_cycle, then the other than that of most
+                                   blocks alive at a slot's place as the cycle opens
+                                   (record.c) */
     uint32_t stand_ins;         /* bit k: plans[k] may stand in for a cycle no plan follows
                                    (its kept blocks are where every plan keeps them; plan.c) */
     uint32_t candidates;        /* bit k: plans[k] matches the open cycle's requests so far */

@@ -56,10 +56,17 @@
  *   stand-in plan, where those are free, so that the blocks it keeps, of sizes
  *   that do not vary with the shapes, sit where every plan keeps them; else
  *   free runs of the arena, else where a cycle's without plans go); none
- *   follows a later one: the plan serving goes on. A wrong choice costs misses, never an overlap. Slots have places
- *   in the arena's even and odd cycles, the parity of its first cycle, so that
+ *   follows a later one: the plan serving goes on. A wrong choice costs
+ *   misses, never an overlap.
+ * - Parity: slots have places in the arena's even and odd cycles, so that
  *   blocks one plan's cycle carries into another's sit where that one expects
- *   them (the planner gives kept blocks the same places in every plan).
+ *   them (the planner gives kept blocks the same places in every plan). The
+ *   arena's first cycle is even; each later one takes the other parity than
+ *   the places most of the arena's live blocks hold as it opens (record.c), so
+ *   that a cycle carrying nothing in between (small arrays only, an evaluation
+ *   pass) shifts nothing. A slot whose place is held misses: its other place
+ *   is where the next cycle's temporaries expect its block gone (taking it
+ *   left a block out of phase, and each next one of its slot, for good).
  * - Warm-up (set_warm_up, luxnn/memory/plan.py: WarmUp): while it is on, a
  *   step's recorded requests that no plan serves (before any plan, a step no
  *   plan follows or the misses of one) go upstream at their size, as
@@ -256,7 +263,7 @@ take_slot_locked(lx_core *c, lx_plan *p, uint32_t bin, size_t size, int64_t call
     int tries = call < 0 && neighbours ? 3 : 1;
     uint32_t own = rank < (int64_t)count ? (uint32_t)rank : count;
     uint32_t ranks[3] = {own, own + 1, own - 1};
-    int parity = (int)((c->cycle ^ a->from_cycle) & 1);
+    int parity = c->parity;
     for (int k = 0; k < tries && own < count; k++) {
         if (ranks[k] >= count) { /* also own - 1 for rank 0 */
             continue;
@@ -265,13 +272,7 @@ take_slot_locked(lx_core *c, lx_plan *p, uint32_t bin, size_t size, int64_t call
         if (s->taken == c->cycle || s->bin != bin) {
             continue;
         }
-        /* Its place of this cycle's parity, else the other (a block that outlives its
-         * cycle: a cycle with no request between steps shifts the parity). */
         size_t at = s->offset[parity];
-        if (!arena_serves(a, at, size) ||
-            !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
-            at = s->offset[!parity];
-        }
         if (!arena_serves(a, at, size) ||
             !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
             if (k == 0) {
@@ -282,6 +283,8 @@ take_slot_locked(lx_core *c, lx_plan *p, uint32_t bin, size_t size, int64_t call
         lx_block *b = arena_block_locked(c, a, at, size, bin);
         if (b != NULL) {
             s->taken = c->cycle;
+            b->phase = (uint8_t)(1 + parity);
+            a->phase_live[parity]++;
         }
         return b;
     }
@@ -386,8 +389,8 @@ plan_straddles(const lx_plan *p, size_t cut)
 }
 
 /* A new arena for the plans: `size` bytes, of which the first `first` now (the
- * rest once its first cycle is over), its even cycles those of the parity of
- * cycle `from_cycle` (the split pool's whole free segments first go back: the
+ * rest once its first cycle is over), its first cycle, an even one, cycle
+ * `from_cycle` (the split pool's whole free segments first go back: the
  * plans replace them). NULL with the reason in *status. */
 static lx_arena *
 plans_arena_locked(lx_core *c, size_t size, size_t first, uint64_t from_cycle, lx_status *status)
@@ -407,8 +410,8 @@ plans_arena_locked(lx_core *c, size_t size, size_t first, uint64_t from_cycle, l
  * sequence), in place k (the plan there serves no more), its slots within
  * `size` bytes of the plans' arena. With no arena yet, one comes from upstream,
  * in two chunks: `first` bytes now (0, or as much as size: one chunk), the rest
- * once the plan's first cycle is over; its even cycles are those of the parity
- * of the next cycle to open, so that the first needs the first chunk only (and
+ * once the plan's first cycle is over; its first cycle, an even one, is the
+ * next to open, so that the first needs the first chunk only (and
  * the whole free slabs go back: the plans now serve the recorded small requests). An arena that is too small,
  * or cut where a slot lies across, is replaced by one chunk large enough for
  * both if no block lives in it; else, if no slot lies across its cut, its second

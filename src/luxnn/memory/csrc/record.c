@@ -128,6 +128,18 @@ open_cycle_locked(lx_core *c)
     }
     c->finished = 0;
     c->cycle++;
+    /* Parity: a block that outlives its step sits at its slot's place of the step's
+     * parity, and the next step's block of the slot takes the other place, as the plans'
+     * temporaries expect. So the cycle's parity is the other than that of the places most
+     * blocks alive now hold (those carried in), however many cycles went by since they
+     * were made: a step of small arrays only, an evaluation pass, a step that kept its
+     * results (another parity for each would leave the next training step's results on
+     * its own blocks' places, and each next one's). Where as many of each are alive (none,
+     * as after a step whose results missed their places), it flips. */
+    if (c->arena != NULL) {
+        const size_t *held = c->arena->phase_live;
+        c->parity = c->cycle == c->arena->from_cycle ? 0 : held[0] != held[1] ? held[0] > held[1] : !c->parity;
+    }
     memset(c->rank, 0, sizeof(c->rank));
     c->matched = 0;
     c->candidates = 0;
