@@ -209,12 +209,12 @@ def test_steps_of_two_scopes_in_turn_are_planned_only_within_the_budget(batch, t
     cache._core.audit()
 
 
-def _planned_steps(cache, ts, data, steps):
+def _planned_steps(cache, ts, data, steps, verb=lx.single_train_step_):
     """Train `steps` steps; returns the upstream allocations of each."""
     upstream = []
     for _ in range(steps):
         before = cache.stats().upstream_allocs
-        _, _, _, ts = lx.single_train_step_(AD, lx.losses.CrossEntropyLoss(), data, ts)
+        _, _, _, ts = verb(AD, lx.losses.CrossEntropyLoss(), data, ts)
         upstream.append(cache.stats().upstream_allocs - before)
     return upstream
 
@@ -275,24 +275,26 @@ def test_the_warm_up_holds_no_more_than_it_uses(threads):
     cache._core.audit()
 
 
-def _train(model, optimizer, data, steps):
+def _train(model, optimizer, data, steps, verb=lx.single_train_step_):
     ps, st = lx.setup(np.random.default_rng(0), model)
     cache = lx.memory.AllocCache()
-    ts = lx.TrainState(model, ps, st, optimizer, allocator_cache=cache)
-    return cache, _planned_steps(cache, ts, data, steps)
+    # The first state is not kept here: out of place, it dies with the first step.
+    return cache, _planned_steps(cache, lx.TrainState(model, ps, st, optimizer, allocator_cache=cache), data, steps, verb)
 
 
-def test_the_warm_up_holds_no_small_block_of_a_plans_over_the_next_steps_peak(threads):
+@pytest.mark.parametrize("verb", [lx.single_train_step_, lx.single_train_step])
+def test_the_warm_up_holds_no_small_block_of_a_plans_over_the_next_steps_peak(verb, threads):
     threads(1)
     # Six Dense 128 -> 128 with dropout, batch 256, AdamW: each weight's gradient is 64 KiB,
     # a small block, made late in the step. Served by slabs in the warm-up, the first
     # step's gradients left 1.5 MB of free slabs held over the second step's peak of
     # activations: 1.31x. Once a step had larger requests, the warm-up gives back the free
-    # slabs as the next begins and sends its small recorded requests upstream too.
+    # slabs as the next begins and sends its small recorded requests upstream too; and the
+    # first plan's arena comes only once they went (out of place, held beside them: 1.29x).
     model = lx.Chain(*[lx.Chain(lx.Dense(128, 128, activation="gelu"), lx.Dropout(0.1)) for _ in range(6)], lx.Dense(128, 10))
     rng = np.random.default_rng(1)
     data = rng.standard_normal((256, 128)).astype(np.float32), rng.integers(0, 10, 256)
-    cache, upstream = _train(model, lx.optim.adamw(1e-3), data, 12)
+    cache, upstream = _train(model, lx.optim.adamw(1e-3), data, 12, verb)
     s = cache.stats()
     assert s.plans == 1 and upstream[3:] == [0] * 9
     assert s.peak_reserved <= 1.1 * s.peak_live, s

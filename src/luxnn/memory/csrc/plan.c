@@ -411,8 +411,9 @@ plans_arena_locked(lx_core *c, size_t size, size_t first, uint64_t from_cycle, l
  * `size` bytes of the plans' arena. With no arena yet, one comes from upstream,
  * in two chunks: `first` bytes now (0, or as much as size: one chunk), the rest
  * once the plan's first cycle is over; its first cycle, an even one, is the
- * next to open, so that the first needs the first chunk only (and
- * the whole free slabs go back: the plans now serve the recorded small requests). An arena that is too small,
+ * next to open, so that the first needs the first chunk only (and the whole
+ * free slabs go back before it: the plans now serve the recorded small
+ * requests). An arena that is too small,
  * or cut where a slot lies across, is replaced by one chunk large enough for
  * both if no block lives in it; else, if no slot lies across its cut, its second
  * chunk grows (grow_arena_to_locked). The plan serves from the next cycle to
@@ -430,10 +431,11 @@ lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first)
     lx_status status = LX_OK;
     if (a == NULL) {
         first = first == 0 || first > size ? size : first;
-        if (plans_arena_locked(c, size, first, c->cycle + 1, &status) != NULL) {
-            flush_quick_locked(c, 0, c->quick_bin);
-            release_wholes_locked(c, &c->small, UINT64_MAX);
-        }
+        /* The whole free slabs go first (the plans now serve the recorded small requests),
+         * so that the arena is never held beside them. */
+        flush_quick_locked(c, 0, c->quick_bin);
+        release_wholes_locked(c, &c->small, UINT64_MAX);
+        plans_arena_locked(c, size, first, c->cycle + 1, &status);
     }
     else if (plan_straddles(p, a->first) || size > a->size) {
         if (a->live == 0) { /* one chunk for all the plans, in the idle one's stead */
