@@ -622,9 +622,9 @@ def _on_own_clock(table: np.ndarray, successor: np.ndarray) -> np.ndarray:
     (no request after it could take its bytes); any other is not known: -1, outliving the
     next step too (`layout`).
 
-    >>> t = np.array([[64, 64], [0, 1], [2, -1], *[[-1, -1]] * 4, [-1, 7]])  # 2 ticks' births
-    >>> s = np.array([[32] * 3, [0, 1, 2], [3, 4, 5], *[[-1] * 3] * 4])      # its last birth: 2
-    >>> _on_own_clock(t, s)[NEXT_DIED].tolist()  # died at 7, after tick 2: at the end, 2
+    >>> t = np.array([[64, 64], [0, 1], [2, -1], *[[-1, -1]] * 4, [-1, 7]])  # a temporary, a result
+    >>> s = np.array([[32] * 3, [0, 1, 2], [3, 4, 5], *[[-1] * 3] * 4])  # other sizes, births 0-2
+    >>> _on_own_clock(t, s)[NEXT_DIED].tolist()  # the result died at 7, after them: at t's end
     [-1, 2]
     """
     if _signature(table) == _signature(successor):
