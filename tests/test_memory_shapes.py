@@ -183,6 +183,26 @@ def test_steps_between_training_steps_leave_its_results_places_to_the_next_one(b
     mlp.cache._core.audit()
 
 
+def test_an_evaluation_output_held_over_the_training_steps_is_planned_around_not_planned_again_and_again(threads):
+    # Out of place, with an evaluation pass every fourth step whose output (20 KiB, a
+    # recorded request) the loop holds until the next one. The evaluation's plan, whose
+    # step makes none of the training step's results, keeps clear of their places rather
+    # than claim the arena's start for its output (which had the training plan laid out
+    # again, and then the evaluation's, every step, 17 plans in 24 steps).
+    mlp = _OutOfPlaceMLP(64, threads)
+    held = []
+
+    def evaluate():
+        with memory.step(mlp.cache):
+            held[:] = [mlp.ts.model(np.ones((512, 256), np.float32), mlp.ts.parameters, lx.testmode(mlp.ts.states))[0]]
+
+    _upstream_per_step(mlp.cache, ([functools.partial(mlp.train, 64)] * 3 + [evaluate]) * 6)
+    s = mlp.cache.stats()
+    assert s.plans <= 3, s  # training's, the evaluation's, one widened
+    assert s.peak_reserved <= SHAPES_BUDGET * s.peak_live, s
+    mlp.cache._core.audit()
+
+
 def _bucket_step(cache, k, result=None):
     # A step of bucket k: temporaries of its own sizes, and (given `result`) a result of one
     # size whatever the bucket, which outlives the step (the next one reads it and makes its

@@ -540,23 +540,38 @@ class Planner:
         # A plan, the cut its places keep clear of, and whether it keeps the places other
         # plans have for the blocks kept across steps. A first plan's first step holds its
         # first chunk alone, where that costs little in the steady state. A plan into the
-        # arena keeps those places where that costs little (it fits the arena, or spans at
-        # most STEADY_BUDGET times as much as the alternative), else places its kept blocks
-        # apart from the arena's start, for the others to keep; and it keeps the arena's
-        # cut while a block lives there (else the core makes it one chunk, as large as
-        # needed).
+        # arena keeps those places, and keeps clear of those of blocks its step does not
+        # make (another plan's step keeps them, an evaluation pass's output the loop holds
+        # on), where that costs little (it fits the arena, or spans at most STEADY_BUDGET
+        # times as much as the alternative), else places its kept blocks apart from the
+        # arena's start, for the others to keep; and it keeps the arena's cut while a
+        # block lives there (else the core makes it one chunk, as large as needed).
         arena_bytes, cut, live = self._arena
         if arena_bytes:
             wall = cut if live else None
             apart, pins = layout(table, wall=wall, kept_first=bool(_kept_keys(table))), self._pins(table)
-            if (pins[0] >= 0).any():  # kept places where they cost little
-                pinned = layout(table, wall=wall, fixed=pins)
+            others, even, odd = self._kept_elsewhere(table)
+            if (pins[0] >= 0).any() or others.shape[1]:  # kept places where they cost little
+                n = others.shape[1]
+                around = layout(np.hstack([others, table]), wall=wall, fixed=(np.concatenate([even, pins[0]]), np.concatenate([odd, pins[1]])))
+                pinned = around._replace(even=around.even[n:], odd=around.odd[n:])
                 if pinned.arena_bytes <= max(arena_bytes, STEADY_BUDGET * apart.arena_bytes):
                     return pinned, wall or 0, True
             return apart, wall or 0, False
         whole, first = layout(table), layout(table, first_step=True)
         plan = first if first.arena_bytes <= max(whole.arena_bytes, STEADY_BUDGET * whole.peak) else whole
         return plan, plan.first_bytes, False
+
+    def _kept_elsewhere(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # The blocks kept across steps that `table`'s step does not make, at the places
+        # kept for them: columns of a table (`layout`), alive all round, and their places
+        # in even and in odd steps.
+        mine = {key for _, key in _kept_keys(table)}
+        others = [(size, places) for (size, rank), places in self._kept.items() if (size, rank) not in mine]
+        columns = np.full((NEXT_DIED + 1, len(others)), -1, dtype=np.int64)
+        columns[SIZE], columns[BORN] = [size for size, _ in others], 0
+        even, odd = (np.array([places[k] for _, places in others], dtype=np.int64) for k in (0, 1))
+        return columns, even, odd
 
     def _pins(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # The places in the arena of the blocks of `table` that outlive their step, where a
