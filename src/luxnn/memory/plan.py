@@ -563,11 +563,12 @@ class Planner:
         return plan, plan.first_bytes, False
 
     def _kept_elsewhere(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        # The blocks kept across steps that `table`'s step does not make, at the places
-        # kept for them: columns of a table (`layout`), alive all round, and their places
-        # in even and in odd steps.
+        # The blocks kept across steps that `table`'s step does not make and another plan's
+        # does, at the places kept for them: columns of a table (`layout`), alive all
+        # round, and their places in even and in odd steps.
         mine = {key for _, key in _kept_keys(table)}
-        others = [(size, places) for (size, rank), places in self._kept.items() if (size, rank) not in mine]
+        theirs = {key for kept in self._plans.values() for _, key in _kept_keys(kept.table)} - mine
+        others = [(size, places) for (size, rank), places in self._kept.items() if (size, rank) in theirs]
         columns = np.full((NEXT_DIED + 1, len(others)), -1, dtype=np.int64)
         columns[SIZE], columns[BORN] = [size for size, _ in others], 0
         even, odd = (np.array([places[k] for _, places in others], dtype=np.int64) for k in (0, 1))
