@@ -19,7 +19,7 @@ import numpy as np
 
 import luxnn as lx
 from luxnn.bench.machine import blas, blas_summary
-from luxnn.bench.models import MLP, luxnn_mlp, luxnn_train_step
+from luxnn.bench.models import MLP, dropout_mlp, luxnn_mlp, luxnn_train_step
 from luxnn.bench.runner import interleaved_rounds
 
 
@@ -34,10 +34,7 @@ def models() -> dict:
     return {
         "mlp": (lambda: luxnn_mlp(suite.sizes), lambda: lx.optim.sgd(suite.lr), suite.data()),
         "small": (lambda: luxnn_mlp((64, 64, 10)), lambda: lx.optim.sgd(0.01), _data(128, 64, 10)),
-        "dropout": (
-            lambda: lx.Chain(*[lx.Chain(lx.Dense(128, 128, activation="gelu"), lx.Dropout(0.1)) for _ in range(6)], lx.Dense(128, 10)),
-            lambda: lx.optim.adamw(1e-3), _data(256, 128, 10),
-        ),
+        "dropout": (dropout_mlp, lambda: lx.optim.adamw(1e-3), _data(256, 128, 10)),
         "one-example": (lambda: lx.Chain(lx.Dense(16, 32, activation="tanh"), lx.Dense(32, 4)), lambda: lx.optim.adam(1e-3), _data(1, 16, 4)),
     }  # fmt: skip
 

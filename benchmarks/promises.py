@@ -52,7 +52,7 @@ def models() -> dict:
     cnn, resnet, lm, lstm = bench.CNN(), bench.ResNet(), bench.LM(), bench.LSTM()
     block = bench.Transformer(batch=16, length=128, dim=256)
     big = bench.LargeActivations()
-    dropout_mlp = lx.Chain(*[lx.Chain(lx.Dense(128, 128, activation="gelu"), lx.Dropout(0.1)) for _ in range(6)], lx.Dense(128, 10))
+    dropout_mlp = bench.dropout_mlp()
     small_cnn = lx.Chain(
         lx.Conv((3, 3), 1, 16, activation="relu"), lx.MaxPool((2, 2)), lx.Conv((3, 3), 16, 32, activation="relu"),
         lx.MaxPool((2, 2)), lx.Flatten(), lx.Dense(5 * 5 * 32, 10),

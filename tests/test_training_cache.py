@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import luxnn as lx
+from luxnn.bench import models as bench
 
 AD = lx.AutoTape()
 
@@ -291,7 +292,7 @@ def test_the_warm_up_holds_no_small_block_of_a_plans_over_the_next_steps_peak(ve
     # activations: 1.31x. Once a step had larger requests, the warm-up gives back the free
     # slabs as the next begins and sends its small recorded requests upstream too; and the
     # first plan's arena comes only once they went (out of place, held beside them: 1.29x).
-    model = lx.Chain(*[lx.Chain(lx.Dense(128, 128, activation="gelu"), lx.Dropout(0.1)) for _ in range(6)], lx.Dense(128, 10))
+    model = bench.dropout_mlp()
     rng = np.random.default_rng(1)
     data = rng.standard_normal((256, 128)).astype(np.float32), rng.integers(0, 10, 256)
     cache, upstream = _train(model, lx.optim.adamw(1e-3), data, 12, verb)

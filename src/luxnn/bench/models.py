@@ -99,6 +99,13 @@ def luxnn_mlp(sizes: tuple[int, int, int]) -> lx.Layer:
     return lx.Chain(lx.Dense(d_in, hidden, activation="relu"), lx.Dense(hidden, d_out))
 
 
+def dropout_mlp() -> lx.Layer:
+    """Six Dense 128 -> 128 (gelu), each followed by dropout 0.1, then Dense 128 -> 10: a
+    model whose gradients are 64 KiB small blocks, made late in the step (issue 13's
+    allocator figures, `benchmarks/promises.py`)."""
+    return lx.Chain(*[lx.Chain(lx.Dense(128, 128, activation="gelu"), lx.Dropout(0.1)) for _ in range(6)], lx.Dense(128, 10))
+
+
 def torch_mlp(sizes: tuple[int, int, int]) -> Any:
     """The same MLP in PyTorch."""
     import torch
