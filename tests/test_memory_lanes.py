@@ -64,7 +64,6 @@ def test_a_planned_threaded_kernel_takes_its_lanes_places_in_every_step(threads)
             planned = cache.stats()
     s = cache.stats()
     assert planned.plans == 1 and s.plans == 1  # one plan, never widened
-    # (Small blocks are no plan's: how many a kernel's threads hold at once is theirs to say.)
     assert s.plan_misses == planned.plan_misses
     per_step = planned.plan_hits // 2  # steps 3 and 4 were planned, every request of theirs
     assert per_step >= 2 + ROWS // 32 and s.plan_hits - planned.plan_hits == 8 * per_step
@@ -80,7 +79,7 @@ def test_a_lane_left_set_by_an_earlier_step_counts_as_none():
     finally:
         _core.leave_lane(before)
     record = _table(cache._core.take_record().rows, NEXT_DIED)
-    assert record[CALL].tolist() == [-1] and record[LANE].tolist() == [-1] and y[0] == 1.0
+    assert MiB in record[SIZE] and (record[CALL] == -1).all() and (record[LANE] == -1).all() and y[0] == 1.0
 
 
 @pytest.mark.parametrize("call, lane", [(0, 0), (1, -1)])

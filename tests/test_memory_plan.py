@@ -135,6 +135,14 @@ def test_layout_never_lets_blocks_that_may_be_alive_together_share_a_byte(blocks
     _check_layout(table, wall=int(size.sum()) // 2 // 512 * 512)
 
 
+def _full(n, value):
+    # np.full(n, value, np.uint8) without its small requests (the value's array), for which a
+    # plan installed by hand has no slot.
+    a = np.empty(n, np.uint8)
+    a.fill(value)
+    return a
+
+
 def _step(x, keep=None):
     # A fixed-shape step with large temporaries of several sizes, alive at different times.
     h = np.tanh(x @ x.T)  # 256x256 float64: 512 KiB
@@ -158,7 +166,7 @@ def test_a_fixed_shape_loop_is_planned_and_holds_its_working_set():
         with memory.step(cache):
             assert _step(x) == expected
     s = cache.stats()
-    assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits - before.plan_hits == 10 * 4
+    assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits - before.plan_hits >= 10 * 4  # and small ones
     assert s.upstream_allocs == before.upstream_allocs
     assert s.peak_reserved <= 1.1 * s.peak_live, s
     cache._core.audit()
@@ -175,7 +183,7 @@ def test_results_that_outlive_each_step_alternate_between_two_places():
         value = value * 0.5 + step
         assert np.all(result == value) and np.all(previous == (value - step) * 2)
     s = cache.stats()
-    assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits == 10  # planned from steps 0 and 1
+    assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits >= 10  # planned from steps 0 and 1
     live = [b for b in cache._core.blocks() if b[2] and b[1] == MiB]
     # `previous` and `result`: the even step's place in the arena's first chunk, the odd's
     # in its second, taken once the first planned step's outsider (the warm-up's) died
@@ -302,7 +310,7 @@ def test_scopes_without_large_requests_between_steps_change_nothing():
         with memory.cached(cache):
             np.ones(10) * 2  # a scope with small requests only
     s = cache.stats()
-    assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits == 10 and result[0] == 12
+    assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits >= 10 and result[0] == 12
 
 
 def test_a_step_of_small_requests_only_is_recorded_and_never_read_by_the_planner(monkeypatch):
@@ -315,10 +323,11 @@ def test_a_step_of_small_requests_only_is_recorded_and_never_read_by_the_planner
     monkeypatch.setattr(plan, "_table", read)
     for _ in range(8):
         with memory.step(cache):
-            x = np.ones(4096)  # 32 KiB: recorded (above the plan threshold), and small
+            x = np.ones(4096)  # 32 KiB: above MATCH_ABOVE, and small (a slab's)
             y = x * 2.0
     record = cache._core.take_record()
-    assert len(record.rows) == 2 * 7 * 8 and record.plannable == 0
+    sizes = np.frombuffer(record.rows, np.int64).reshape(-1, 7)[:, 0]
+    assert (sizes == 32 * KiB).sum() == 2 and record.plannable == 0
     assert cache.stats().plans == 0 and y[0] == 2.0
     monkeypatch.undo()
     with memory.step(cache):
@@ -458,11 +467,11 @@ def test_a_request_the_plan_misses_takes_free_bytes_of_its_arena_above_the_plan_
     assert core.install_plan(0, 3 * MiB, *_slots([MiB], [0])) == PlanStatus.INSTALLED  # one slot, at 0
     before = cache.stats()
     with memory.step(cache):
-        first, second = np.ones(MiB, np.uint8), np.full(MiB, 2, np.uint8)  # the second: a miss
-        third = np.full(MiB, 3, np.uint8)
+        first, second = _full(MiB, 1), _full(MiB, 2)  # the second: a miss
+        third = _full(MiB, 3)
         ((base, size),) = {(b[3], b[4]) for b in core.blocks() if b[2] and b[1] == MiB}  # the arena
         assert size == 3 * MiB and [a.ctypes.data - base for a in (first, second, third)] == [0, 2 * MiB, MiB]
-        fourth = np.full(MiB, 4, np.uint8)  # no room left: the split pool
+        fourth = _full(MiB, 4)  # no room left: the split pool
     s = cache.stats()
     assert s.plan_hits - before.plan_hits == 1 and s.plan_misses - before.plan_misses == 3
     assert MiB <= s.bytes_reserved - before.bytes_reserved <= MiB + _core.SLAB_MIN  # the fourth (and a slab)
@@ -479,9 +488,9 @@ def test_a_block_carried_in_on_a_slot_costs_that_slots_request_only_not_the_late
     core = cache._core
     assert core.install_plan(0, 4 * MiB, *_slots([MiB] * 3, [0, MiB, 2 * MiB])) == PlanStatus.INSTALLED
     with memory.step(cache):
-        carried = np.full(MiB, 7, np.uint8)  # slot 0, alive into the next step
+        carried = _full(MiB, 7)  # slot 0, alive into the next step
     with memory.step(cache):
-        blocks = [np.full(MiB, k, np.uint8) for k in range(3)]
+        blocks = [_full(MiB, k) for k in range(3)]
         (base,) = {b[3] for b in core.blocks() if b[0] == carried.ctypes.data}
         assert [a.ctypes.data - base for a in blocks] == [3 * MiB, MiB, 2 * MiB]  # the miss above the plan
     record = core.take_record()

@@ -4,24 +4,25 @@ A training loop repeats one step: the same requests, with the same lifetimes. On
 placement cannot know which block dies when, so it holds more than the step uses at its
 peak; a plan made from earlier steps can place every block where it fits between the
 blocks alive at the same time. (What that saves, row by row: BENCHMARKS.md.) What a plan
-cannot remove: the small-block pool's requests of 16 KiB and less, and blocks kept for two
-steps or more.
+cannot remove: blocks kept for two steps or more, and what the pools serve between steps.
 
 The core records each training step, as the verbs mark it (`luxnn.memory.step`): every
-request above 16 KiB, and every request made in a lane of a threaded kernel
-(`luxnn.parallel.for_blocks`), with a clock at its allocation and at its death (-1: still
-alive when the next step began, and then its death on the next step's clock), and for a
-lane's, the kernel call, the lane and the lane's own clock. `Planner` turns two steps with
-the same requests (a signature) into a plan, packed over the circular two-step schedule
-(`layout`), where a kernel call's lanes sit side by side for the call's span, each packed by
-its own clock, which no interleaving of the threads changes. A loop whose shapes vary (a
-short last batch, lengths in buckets, an evaluation pass) gets a plan per signature, up to
-`MAX_PLANS`, all in one arena; the core picks the plan for a step by its first requests,
-and blocks that outlive their step keep the same places in every plan (a step no plan
-follows, of shapes not planned yet, takes for its requests the places of their size and
-rank in a plan, where free: its results then sit where the next step's plan expects
-them). The first plan's first step needs only the arena's first chunk, beside the
-warm-up's results it replaces.
+request, the smallest too (a bias made anew each step, out of place, left in a slab, kept
+the slab's other bytes idle over the step's peak), with a clock at its allocation and at
+its death (-1: still alive when the next step began, and then its death on the next step's
+clock), and for one made in a lane of a threaded kernel (`luxnn.parallel.for_blocks`), the
+kernel call, the lane and the lane's own clock. `Planner` turns two steps with the same
+requests (a signature) into a plan, packed over the circular two-step schedule (`layout`),
+where a kernel call's lanes sit side by side for the call's span, each packed by its own
+clock, which no interleaving of the threads changes. A loop whose shapes vary (a short last
+batch, lengths in buckets, an evaluation pass) gets a plan per signature, up to
+`MAX_PLANS`, all in one arena; the core picks the plan for a step by its first requests
+above `MATCH_ABOVE` (the smaller ones are alike in every shape), and blocks that outlive
+their step keep the same places in every plan (a step no plan follows, of shapes not
+planned yet, takes for its requests above `MATCH_ABOVE` the places of their size and rank
+in a plan, where free: its results then sit where the next step's plan expects them; its
+smaller ones take the pools'). The first plan's first step needs only the arena's first
+chunk, beside the warm-up's results it replaces.
 A plan that misses is widened where a later step's lifetimes reach beyond it. The core
 serves a request at its planned place only when every byte there is free, so a plan (or
 the choice of one) can cost misses but never an overlap.
@@ -71,8 +72,9 @@ def place(
     over ``[born2, died2)``; an empty interval adds nothing) such that no two blocks alive at
     the same time overlap; returns ``(offsets, bytes spanned)``. `first` (a mask): these
     blocks are placed before the others, which then never straddle the first ones' span;
-    `early` (a mask): these are placed before the others, from offset 0, none sharing a byte
-    with another (as if all were alive together), and the others fill around them;
+    `early` (a mask): these are placed before the others (with `first`: before the other
+    first ones), from offset 0, none sharing a byte with another (as if all were alive
+    together), and the others fill around them;
     `wall`: no block straddles this offset; `fixed`: an offset per block, or -1: a block
     keeps the offset given where it overlaps no block kept before it that is alive with it.
 
@@ -98,13 +100,16 @@ def place(
     offsets, placed = np.zeros(len(sizes), dtype=np.int64), np.zeros(len(sizes), dtype=bool)
     if fixed is not None:
         offsets, placed = _keep_fixed(sizes, lives, np.asarray(fixed, dtype=np.int64))
-    for group in (first, early):
-        if group is not None and group.any():
-            assert fixed is None and placed.sum() == 0, "first, early and fixed blocks exclude each other"
-            n = int(group.sum())
-            apart = (np.zeros(n), np.ones(n)) if group is early else (born[group], died[group], born2[group], died2[group])
-            offsets[group], span = place(sizes[group], *apart, wall=wall)
-            placed, wall = group.copy(), span if group is first else wall
+    if first is not None and first.any():
+        assert fixed is None, "first and fixed blocks exclude each other"
+        inner = early[first] if early is not None else None
+        offsets[first], wall = place(sizes[first], *(x[first] for x in lives), early=inner, wall=wall)
+        placed = first.copy()
+    elif early is not None and early.any():
+        assert fixed is None, "early and fixed blocks exclude each other"
+        n = int(early.sum())
+        offsets[early], _ = place(sizes[early], np.zeros(n), np.ones(n), wall=wall)
+        placed = early.copy()
     rest = np.flatnonzero(~placed)
     if not len(rest):
         return offsets, int((offsets + sizes).max(initial=0))
@@ -205,9 +210,9 @@ def layout(
 
     `first_step`: the plan's first step is an even one, whose step before kept its results
     outside the arena (the warm-up's, or the split pool's): the even places are packed
-    first, into the arena's first chunk, which that step holds alone; the odd ones then
-    fill the rest and a second chunk, taken once the first step is over (the results
-    outside have died by then). `wall`: the end of the first chunk of the arena in use,
+    first, into the arena's first chunk, which that step holds alone, those of blocks that
+    outlive the step from the chunk's start; the odd ones then fill the rest and a second
+    chunk, taken once the first step is over (the results outside have died by then). `wall`: the end of the first chunk of the arena in use,
     which no block may straddle. `fixed`: for each request its places in even and odd
     steps, or -1: a request that outlives the step keeps the places given (those of
     another plan's blocks of its size, which steps of either plan carry into the next)
@@ -286,7 +291,10 @@ def _circular(
     sizes, zeros = np.concatenate([size, size]), np.zeros(2 * n, np.int64)
     first = np.arange(2 * n) < n if first_step else None
     pins = None if fixed is None else np.concatenate(fixed)
-    early = np.concatenate([kept, kept]) if kept_first else None
+    # A first step's kept blocks from its chunk's start: in the odd step, where they still
+    # live, they leave the chunk's other bytes in one piece (a 512-B result in its middle
+    # pushed an odd step's 1 MiB temporary above the chunk).
+    early = np.concatenate([kept, kept]) if kept_first else np.concatenate([kept, np.zeros(n, bool)]) if first_step else None
     offsets, span = place(sizes, start, stop, zeros, wrap_stop, first=first, early=early, wall=wall, fixed=pins)
     first_bytes = int((offsets[:n] + size).max(initial=0)) if first_step else span if wall is None else wall
     return offsets[:n], offsets[n:], span, peak_bytes(sizes, start, stop, zeros, wrap_stop) if n else 0, min(first_bytes, span)
@@ -295,6 +303,9 @@ def _circular(
 MAX_PLANS = _core.MAX_PLANS
 """Plans a cache keeps at once, one per request-size signature; beyond them the least
 recently used one goes."""
+
+MATCH_ABOVE = _core.MATCH_ABOVE
+"""Bytes above which a step's requests out of lanes pick its plan (a plan's sequence)."""
 
 
 @dataclasses.dataclass
@@ -493,7 +504,7 @@ class Planner:
         else:
             place = kept.place if kept is not None else self._free_place()
             columns = [np.ascontiguousarray(c, dtype=np.int64) for c in (table[SIZE], plan.even, plan.odd, table[CALL], table[LANE])]
-            out = table[CALL] < 0
+            out = (table[CALL] < 0) & (table[SIZE] > MATCH_ABOVE)
             sequence = np.ascontiguousarray(table[SIZE][out][np.argsort(table[BORN][out], kind="stable")], dtype=np.int64)
             status = PlanStatus(self._core.install_plan(
                 place, plan.arena_bytes, *columns[:3], call=columns[3], lane=columns[4],

@@ -38,9 +38,6 @@ lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap
     while (c->split_bin < LX_NBINS && bin_bytes(c->split_bin) <= split_above) {
         c->split_bin++;
     }
-    while (c->plan_bin < c->split_bin && bin_bytes(c->plan_bin) <= LX_PLAN_ABOVE) {
-        c->plan_bin++;
-    }
     while (c->quick_bin < c->split_bin && bin_bytes(c->quick_bin) <= LX_QUICK_MAX) {
         c->quick_bin++;
     }
@@ -103,9 +100,9 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         lane_of_locked(c, &call, &lane);
         lane_rank = call >= 0 ? tl_lane.births++ : 0;
     }
-    /* Recorded and planned: requests above LX_PLAN_ABOVE, and a lane's small ones, of
-     * which threads can hold more at once in one step than in another. */
-    int recorded = (bin >= c->plan_bin || call >= 0) && c->stepping && size != 0;
+    /* Recorded and planned: every request of a step, the smallest too (a bias and its
+     * moments, made anew each step out of place, would pin slabs idle at the peak). */
+    int recorded = c->stepping && size != 0;
     lx_block *b = NULL;
     if (recorded) {
         choose_plan_locked(c, size, call);
@@ -113,8 +110,10 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         b = c->arena != NULL ? take_planned_locked(c, bin, size, call, lane, rank) : NULL;
     }
     /* Warm-up: what no plan serves goes upstream at its size (a miss, by design); the
-     * small ones out of lanes too once a step had larger requests (plan.c: Warm-up). */
-    int direct = b == NULL && recorded && c->warm_up && (split || call >= 0 || c->warm_small);
+     * small ones out of lanes too once this step or the one before had larger
+     * requests, after the step's first above LX_MATCH_ABOVE (plan.c: Warm-up). */
+    int direct = b == NULL && recorded && c->warm_up &&
+                 (split || call >= 0 || ((c->warm_small || c->cycle_plannable > 0) && c->matched > 0));
     int seg = !direct; /* a miss makes a new segment: a slab, or one of the split pool */
     if (b != NULL || size == 0 || direct) {
         /* planned; above 128 TiB: a miss that fails below; the warm-up's */

@@ -67,11 +67,13 @@
 #define LX_SPLIT_ABOVE ((size_t)64 << 10)
 #endif
 #define LX_MASK_WORDS ((LX_NBINS + 63) / 64)
-/* Steps record and plans serve requests above this (and a lane's of any size): a
- * small block's bin holds as many blocks as a step ever needed at once, idle while
- * the step's peak needs other sizes. */
-#ifndef LX_PLAN_ABOVE
-#define LX_PLAN_ABOVE ((size_t)16 << 10)
+/* Steps record every request and plans serve them (plan.c: Step plans); the
+ * requests above this out of lanes match a step to its plan (plan.c: Matching),
+ * and only they, missing their slot, take a stand-in's or a free run of the
+ * arena: a small block there would sit on bytes that the next step's plan gives
+ * a larger one, for as long as it lives. */
+#ifndef LX_MATCH_ABOVE
+#define LX_MATCH_ABOVE ((size_t)16 << 10)
 #endif
 #define LX_QUICK_MAX ((size_t)1 << 10)     /* small blocks freed to a quick list */
 #define LX_SLAB_MIN ((size_t)16 << 10)     /* the small pool's first slab */
@@ -219,7 +221,7 @@ typedef struct {
 /* What install_plan says (luxnn.memory.plan.PlanStatus). */
 enum { LX_PLAN_INSTALLED, LX_PLAN_LATER, LX_PLAN_NO_ROOM };
 
-/* A recorded request of the open cycle (above LX_PLAN_ABOVE, or a lane's), for the planner. */
+/* A request of the open cycle, for the planner. */
 typedef struct { /* its int64 fields first, in the order of a record's columns */
     int64_t size, born, died; /* died: -1 while alive; still -1 when the cycle ends */
     int64_t call, lane;       /* its lane (call from 0: the step's first kernel call),
@@ -340,7 +342,6 @@ typedef struct lx_core {
     lx_pool split;              /* segments: blocks of split_bin and above */
     uint32_t quick_bin;         /* the first bin without a quick list; constant */
     uint32_t split_bin;         /* the first bin served by the split pool; constant */
-    uint32_t plan_bin;          /* the first bin that steps record and plans; constant */
     size_t split_peak;          /* the highest split.held since the cycle opened */
     lx_block lru;               /* ring sentinel: lru.newer is the oldest free block */
     lx_map map;
@@ -372,7 +373,8 @@ typedef struct lx_core {
     uint32_t stand_ins;         /* bit k: plans[k] may stand in for a cycle no plan follows
                                    (its kept blocks are where every plan keeps them; plan.c) */
     uint32_t candidates;        /* bit k: plans[k] matches the open cycle's requests so far */
-    uint32_t matched;           /* the open cycle's recorded requests out of lanes so far */
+    uint32_t matched;           /* the open cycle's requests out of lanes above LX_MATCH_ABOVE
+                                   so far (up to LX_MATCH) */
     uint32_t rank[LX_NBINS];    /* the open cycle's recorded requests of each bin out of
                                    lanes so far */
     lx_arena *retired;          /* replaced arenas with live blocks */

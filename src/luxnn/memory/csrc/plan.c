@@ -216,7 +216,7 @@ latest_plan_locked(const lx_core *c, uint32_t among)
 void
 choose_plan_locked(lx_core *c, size_t size, int64_t call)
 {
-    if (call >= 0 || c->candidates == 0 || c->matched >= LX_MATCH) {
+    if (call >= 0 || size <= LX_MATCH_ABOVE || c->matched >= LX_MATCH) {
         return;
     }
     uint32_t r = c->matched++, follow = 0;
@@ -325,6 +325,9 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
 {
     lx_plan *p = c->serving;
     lx_arena *a = c->arena;
+    if (size <= LX_MATCH_ABOVE && call < 0 && c->matched == 0) {
+        return NULL; /* no larger request picked the cycle's plan yet: the pools' */
+    }
     if (p != NULL && c->cycle >= p->from_cycle) {
         lx_block *b = take_slot_locked(c, p, bin, size, call, lane, rank, 1);
         if (b != NULL) {
@@ -332,6 +335,11 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
             c->fig.plan_hits++;
             return b;
         }
+    }
+    if (size <= LX_MATCH_ABOVE) { /* its slot or the pools (Matching, above) */
+        c->fig.plan_misses += p != NULL;
+        c->cycle_misses += p != NULL;
+        return NULL;
     }
     lx_plan *q = p == NULL && call < 0 ? stand_in_locked(c, bin) : NULL;
     lx_block *b = q != NULL ? take_slot_locked(c, q, bin, size, call, lane, rank, 0) : NULL;

@@ -529,6 +529,7 @@ PyInit__core(void)
         PyModule_AddIntConstant(m, "MAX_PLANS", LX_PLANS) < 0 ||
         PyModule_AddIntConstant(m, "HUGE_PAGE_MIN", (long)LX_HUGE_MIN) < 0 ||
         PyModule_AddObject(m, "SPLIT_ABOVE", PyLong_FromSize_t(LX_SPLIT_ABOVE)) < 0 ||
+        PyModule_AddObject(m, "MATCH_ABOVE", PyLong_FromSize_t(LX_MATCH_ABOVE)) < 0 ||
         PyModule_AddObject(m, "QUICK_MAX", PyLong_FromSize_t(LX_QUICK_MAX)) < 0 ||
         PyModule_AddObject(m, "SLAB_MIN", PyLong_FromSize_t(LX_SLAB_MIN)) < 0 ||
         PyModule_AddObject(m, "SLAB_MAX", PyLong_FromSize_t(LX_SLAB_MAX)) < 0 ||

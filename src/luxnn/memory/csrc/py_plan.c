@@ -135,9 +135,8 @@ Core_install_plan(CoreObject *self, PyObject *args, PyObject *kwargs)
                 odd = int64_at(&buf[ODD], i), call = lanes ? int64_at(&buf[CALL], i) : -1,
                 lane = lanes ? int64_at(&buf[LANE], i) : -1;
         if (size <= 0 || (size_t)size > arena || bin_bytes(bin_of((size_t)size)) != (size_t)size ||
-            (call < 0 && (bin_of((size_t)size) < self->core->plan_bin || (size_t)size < last))) {
-            bad = "sizes must be block sizes, each within the arena, out of lanes of "
-                  "planned bins and ascending";
+            (call < 0 && (size_t)size < last)) {
+            bad = "sizes must be block sizes, each within the arena, and ascending out of lanes";
         }
         else if (even < 0 || odd < 0 || (size_t)even % quantum || (size_t)odd % quantum ||
                  (size_t)even > arena - (size_t)size || (size_t)odd > arena - (size_t)size) {
