@@ -115,8 +115,8 @@ def section_alloc_free(rounds: int) -> None:
     verdict = "within" if small <= BUDGET_64B_NS else "OVER"
     print(f"   64 B: cache - default = {small:+.0f} ns, {verdict} the budget of +{BUDGET_64B_NS} ns")
 
-    # A step's own cost: its scope, and its end's record of the requests above 16 KiB (which
-    # the plan made from the steps before serves), against the same requests with the cache
+    # A step's own cost: its scope, and its end's record of its requests (which the plan
+    # made from the steps before serves), against the same requests with the cache
     # off, as a training verb runs them (cached(None) is its scope then).
     planned = memory.AllocCache()
     for _ in range(8):  # the warm-up and the plan

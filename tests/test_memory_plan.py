@@ -135,6 +135,17 @@ def test_layout_never_lets_blocks_that_may_be_alive_together_share_a_byte(blocks
     _check_layout(table, wall=int(size.sum()) // 2 // 512 * 512)
 
 
+def test_a_first_steps_small_result_leaves_its_chunk_in_one_piece_for_the_odd_step():
+    # A 512-B result born late, alive in the odd step until tick 5: among the even step's
+    # blocks, its place split the chunk where the odd step's 1 MiB temporary fits (2.75 MiB
+    # spanned for a peak of 1.75 MiB); from the chunk's start, it leaves that piece whole.
+    size = np.array([512 * KiB, MiB, 256 * KiB, 256 * KiB, 512 * KiB, 512])
+    table = _table(size, np.array([2, 3, 5, 8, 8, 9]), np.array([7, 6, 7, 13, 12, -1]), np.array([-1] * 5 + [5]))
+    plan = layout(table, first_step=True)
+    assert plan.arena_bytes == plan.peak == plan.first_bytes == 1792 * KiB, plan
+    _check_layout(table, first_step=True)
+
+
 def _full(n, value):
     # np.full(n, value, np.uint8) without its small requests (the value's array), for which a
     # plan installed by hand has no slot.

@@ -45,21 +45,20 @@ smallest (up to 1 KiB) skip coalescing on the fast path: a dying one waits in it
 list for the bin's next request, and the quick lists coalesce when a miss, `trim`, `free` or
 eviction needs their bytes.
 
-Step plans (``csrc/plan.c``, "Step plans"; `luxnn.memory.plan`). Online, no placement can know
-which block dies when, so the split pool holds more than a step's peak live bytes. A
+Step plans (``csrc/plan.c``, "Step plans"; `luxnn.memory.plan`). Online, no placement can
+know which block dies when, so the split pool holds more than a step's peak live bytes. A
 training loop repeats its step, so the cache plans it. The training verbs mark each step
-(`luxnn.memory.step`; plain `cached` scopes never begin or end one); a step records its
-requests above 16 KiB and those made in a lane of a threaded kernel, with their lifetimes,
-and once a step repeats the requests of one before it, every such block gets a place in
-one arena where no block alive at the same time overlaps it (lane requests matched by
-kernel call, lane and rank, so no interleaving of threads misses). Shapes that vary (a
-short last batch, lengths in buckets, an evaluation pass) get a plan each, up to
-`luxnn.memory.plan.MAX_PLANS` (the least recently used goes), all in one arena; a step's
-first requests pick its plan. The warm-up holds nothing: until the cache's first plan is
-made or refused, and for a few steps after each plan made, a step's recorded requests that
-no plan serves go upstream at their size and back when they die, so the first two steps
-reserve what they use; the third is planned, and from then on the pools only serve what
-the plans miss.
+(`luxnn.memory.step`; plain `cached` scopes never begin or end one); a step records every
+request, with its lifetime and, made in a lane of a threaded kernel, its lane, and once a
+step repeats the requests of one before it, every block gets a place in one arena where no
+block alive at the same time overlaps it (lane requests matched by kernel call, lane and
+rank, so no interleaving of threads misses). Shapes that vary (a short last batch, lengths in
+buckets, an evaluation pass) get a plan each, up to `luxnn.memory.plan.MAX_PLANS` (the least
+recently used goes), all in one arena; a step's first requests above 16 KiB pick its plan.
+The warm-up holds nothing: until the cache's first plan is made or refused, and for a few
+steps after each plan made, a step's recorded requests that no plan serves go upstream at
+their size and back when they die, so the first two steps reserve what they use; the third is
+planned, and from then on the pools only serve what the plans miss.
 ``AllocCache(plan=False)`` turns plans off.
 """
 

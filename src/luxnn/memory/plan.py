@@ -291,11 +291,17 @@ def _circular(
     sizes, zeros = np.concatenate([size, size]), np.zeros(2 * n, np.int64)
     first = np.arange(2 * n) < n if first_step else None
     pins = None if fixed is None else np.concatenate(fixed)
-    # A first step's kept blocks from its chunk's start: in the odd step, where they still
-    # live, they leave the chunk's other bytes in one piece (a 512-B result in its middle
-    # pushed an odd step's 1 MiB temporary above the chunk).
-    early = np.concatenate([kept, kept]) if kept_first else np.concatenate([kept, np.zeros(n, bool)]) if first_step else None
-    offsets, span = place(sizes, start, stop, zeros, wrap_stop, first=first, early=early, wall=wall, fixed=pins)
+    # A first step's kept blocks from its chunk's start, unless among its others they span
+    # less: in the odd step, where they still live, at the start they leave the chunk's
+    # other bytes in one piece (a 512-B result in its middle pushed an odd step's 1 MiB
+    # temporary above the chunk), and they are places other plans can keep.
+    earlies = [np.concatenate([kept, kept])] if kept_first else [None]
+    if first_step and kept.any() and not kept_first:
+        earlies.insert(0, np.concatenate([kept, np.zeros(n, bool)]))
+    offsets, span = min(
+        (place(sizes, start, stop, zeros, wrap_stop, first=first, early=early, wall=wall, fixed=pins) for early in earlies),
+        key=lambda placed: placed[1],
+    )
     first_bytes = int((offsets[:n] + size).max(initial=0)) if first_step else span if wall is None else wall
     return offsets[:n], offsets[n:], span, peak_bytes(sizes, start, stop, zeros, wrap_stop) if n else 0, min(first_bytes, span)
 

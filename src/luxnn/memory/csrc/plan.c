@@ -25,7 +25,9 @@
  *   (lx_step_begin, lx_step_end; luxnn/training.py): scopes, the user's own
  *   included, neither open nor close one, so none left open (around a loop,
  *   in a suspended generator) can stop planning or grow a record. Each
- *   records its requests above LX_PLAN_ABOVE and its lanes' (below): the
+ *   records every request, the smallest too (a bias and its moments, made
+ *   anew each step out of place, left in a slab beside the last step's, kept
+ *   the slab's other bytes idle over the step's peak), and its lane (below): the
  *   block size, and a clock (counting those allocations and deaths) at the
  *   allocation and at the death; -1 for a block still alive when the next
  *   cycle opens; and the most bytes the split pool held meanwhile. Before the
@@ -48,7 +50,8 @@
  *   the arena's second chunk while no block lives there, or, with no block
  *   alive in the arena, one chunk as large replaces it; else it waits
  *   (LX_BUSY). A plan keeps the sizes of its step's first LX_MATCH recorded
- *   requests out of lanes (its sequence): each such request of a cycle keeps
+ *   requests out of lanes above LX_MATCH_ABOVE (its sequence; smaller ones are
+ *   alike in every shape): each such request of a cycle keeps
  *   as candidates the plans that follow it, and the plan serving the cycle is
  *   a candidate, else the most recently used one (a plan with no sequence
  *   follows every step). No plan follows the cycle's first such request: none
@@ -76,14 +79,15 @@
  *   plan is made from reserve what they use, nothing more, and a miss is not
  *   left where the next step's plan places its own; what the split pool served
  *   before a warm-up step (an optimizer's first state) goes back when the step
- *   begins, if it died. Small recorded requests out of lanes are planned too,
- *   but only in a step with larger ones or lanes' (Record.plannable): the first
- *   step cannot know, so its small ones take slabs; from the second on, while
- *   the step before had requests a plan is made for (warm_small), they go
- *   upstream too, and the slabs left whole and free go back as the step
- *   begins, so that no slab holds a gradient's bytes over the next step's
- *   peak. A step with nothing to plan ends the warm-up (WarmUp.end): a loop
- *   of small requests only is served by its slabs from its second step.
+ *   begins, if it died. Small requests out of lanes are planned too, but
+ *   only in a step with larger ones or lanes' (Record.plannable): a step's go
+ *   upstream too once it or the step before had such requests (warm_small),
+ *   after its first request above LX_MATCH_ABOVE, so that no slab holds a
+ *   step's small results or gradients over the next step's peak; before
+ *   that they take slabs (the first step cannot know yet), and the slabs left
+ *   whole and free go back as each step begins once one had such requests.
+ *   A step with nothing to plan ends the warm-up (WarmUp.end): a loop of small
+ *   requests only is served by its slabs from its second step.
  * - Lanes: a request made inside a share of a threaded kernel
  *   (luxnn.parallel.for_blocks) carries its lane, set per thread (tl_lane,
  *   record.c): the kernel call (numbered from the step's beginning), the share,
@@ -113,7 +117,12 @@
  *   bucketed lengths, a bucket's first planned step after another's sent
  *   most of its requests upstream, beside the whole arena.) Else (after the
  *   warm-up) any free run of the arena that fits, else the split pool or a
- *   slab, as every request of a cycle without a plan does.
+ *   slab, as every request of a cycle without a plan does. A request of
+ *   LX_MATCH_ABOVE or less out of lanes takes only its own slot (or a
+ *   neighbour's), once a larger request of its cycle came (before, the
+ *   cycle's plan is not chosen yet), else the pools': a small block at a
+ *   stand-in's slot or in a free run sat on bytes that the next step's plan
+ *   gives a larger block, for as long as it lived.
  * - Safety does not rest on the plan: a bitmap of each arena's 512-B
  *   granules marks the bytes of its live blocks, and a slot serves only when
  *   all of its bytes are free. A cycle unlike the recorded ones (other

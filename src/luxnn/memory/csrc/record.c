@@ -1,7 +1,7 @@
 /*
  * Steps and their record (plan.c: Step plans): the training verbs begin and
- * end a step, which is a cycle; the cycle's requests above LX_PLAN_ABOVE and
- * its lanes' are recorded (size, birth, death, lane) for the planner
+ * end a step, which is a cycle; the cycle's requests are recorded (size,
+ * birth, death, lane) for the planner
  * (luxnn/memory/plan.py), and a record's blocks that outlive it are carried
  * into the next. Lanes: which share of a threaded kernel call this thread's
  * requests are made in. Functions named lx_* take the core's lock; the others
