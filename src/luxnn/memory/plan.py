@@ -87,10 +87,13 @@ def place(
     order spans no more than the most bytes alive at once (no placement spans less). On the
     circular schedule of a step the first three can miss by whole blocks that the
     reorderings place (a transformer block's step: 1.087x its peak, then 1.000x after 35).
-    n vectorised steps per order.
+    n vectorised steps per order. The blocks of at most `MATCH_ABOVE` bytes, most of a
+    step's requests and few of its bytes, go last, in one pass from the largest down, into
+    the gaps the others leave.
 
-    >>> offsets, span = place(np.array([4, 4, 8]), np.array([0, 1, 3]), np.array([2, 3, 4]))
-    >>> offsets.tolist(), span    # the first two overlap in time, the third follows both
+    >>> MiB = 1 << 20
+    >>> offsets, span = place(np.array([4, 4, 8]) * MiB, np.array([0, 1, 3]), np.array([2, 3, 4]))
+    >>> (offsets // MiB).tolist(), span // MiB    # the first two overlap in time, the third follows both
     ([0, 4, 0], 8)
     """
     sizes, born, died = (np.asarray(a, dtype=np.int64) for a in (sizes, born, died))
@@ -110,29 +113,36 @@ def place(
         n = int(early.sum())
         offsets[early], _ = place(sizes[early], np.zeros(n), np.ones(n), wall=wall)
         placed = early.copy()
-    rest = np.flatnonzero(~placed)
-    if not len(rest):
-        return offsets, int((offsets + sizes).max(initial=0))
-    bound = peak_bytes(sizes, *lives)
-    span_of = np.maximum(died - born, 0) + np.maximum(died2 - born2, 0)
-    start = np.where(died > born, born, born2)
-    orders = [np.lexsort((born, -sizes)), np.lexsort((born, -sizes, -span_of)), np.lexsort((-sizes, start))]
-    best = None
-    for k in range(len(orders) + REORDERINGS):
-        if k < len(orders):
-            order = orders[k][~placed[orders[k]]]
-        else:  # the blocks at the top of the last span first, the others as they were
-            top = (at + sizes == span)[order]
-            order = np.concatenate([order[top], order[~top]])
-        at = _first_fit(order, sizes, lives, offsets.copy(), placed.copy(), wall)
-        span = int((at + sizes).max())
-        if best is None or span < best[1]:
-            best = (at, span, order)
-        if best[1] <= bound:
-            break
-        if k == len(orders) - 1:
-            at, span, order = best
-    return best[0], best[1]
+    # The blocks of at most MATCH_ABOVE bytes last, in one pass, into the gaps the others
+    # leave: each order costs a pass over every block, and the small ones are most of a
+    # step's requests and few of its bytes.
+    small = ~placed & (sizes <= MATCH_ABOVE)
+    rest, large = ~placed & ~small, ~small
+    if rest.any():
+        bound = peak_bytes(sizes[large], *(x[large] for x in lives))
+        span_of = np.maximum(died - born, 0) + np.maximum(died2 - born2, 0)
+        start = np.where(died > born, born, born2)
+        orders = [np.lexsort((born, -sizes)), np.lexsort((born, -sizes, -span_of)), np.lexsort((-sizes, start))]
+        best = None
+        for k in range(len(orders) + REORDERINGS):
+            if k < len(orders):
+                order = orders[k][rest[orders[k]]]
+            else:  # the blocks at the top of the last span first, the others as they were
+                top = (at[order] + sizes[order] == span)
+                order = np.concatenate([order[top], order[~top]])
+            at = _first_fit(order, sizes, lives, offsets.copy(), placed.copy(), wall)
+            span = int((at + sizes)[large].max())
+            if best is None or span < best[1]:
+                best = (at, span, order)
+            if best[1] <= bound:
+                break
+            if k == len(orders) - 1:
+                at, span, order = best
+        offsets, placed = best[0], placed | rest
+    if small.any():
+        order = np.flatnonzero(small)[np.lexsort((born[small], -sizes[small]))]
+        offsets = _first_fit(order, sizes, lives, offsets.copy(), placed.copy(), wall)
+    return offsets, int((offsets + sizes).max(initial=0))
 
 
 REORDERINGS = 64
@@ -234,10 +244,10 @@ def layout(
     for the call's span on the step's clock (from its first request to the last death in a
     lane); the call's requests that outlive it are born at its start.
 
-    >>> out_of_lanes = [[-1, -1]] * 4  # call, lane, lane_born, lane_died
-    >>> size, even, odd, peak, first = layout(np.array([[512, 1024], [0, 1], [-1, 2], *out_of_lanes, [1, -1]]))
-    >>> size, even.tolist(), odd.tolist(), peak  # a result (two places) and a temporary
-    (1536, [1024, 0], [0, 512], 1536)
+    >>> MiB, out_of_lanes = 1 << 20, [[-1, -1]] * 4  # call, lane, lane_born, lane_died
+    >>> size, even, odd, peak, first = layout(np.array([[MiB, 2 * MiB], [0, 1], [-1, 2], *out_of_lanes, [1, -1]]))
+    >>> size // MiB, (even // MiB).tolist(), (odd // MiB).tolist(), peak // MiB  # a result (two places) and a temporary
+    (3, [2, 0], [0, 1], 3)
     """
     size, born, died, call, lane, lane_born, lane_died, next_died = (np.asarray(r, dtype=np.int64) for r in table)
     in_lane = (call >= 0) & (lane_died >= 0) & (died >= 0)
