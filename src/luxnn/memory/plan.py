@@ -116,10 +116,10 @@ def place(
     # The blocks of at most MATCH_ABOVE bytes last, in one pass, into the gaps the others
     # leave: each order costs a pass over every block, and the small ones are most of a
     # step's requests and few of its bytes.
-    small = ~placed & (sizes <= MATCH_ABOVE)
-    rest, large = ~placed & ~small, ~small
+    last = ~placed & (sizes <= MATCH_ABOVE)
+    rest, ahead = ~placed & ~last, ~last  # ahead: placed before the last ones, or by now
     if rest.any():
-        bound = peak_bytes(sizes[large], *(x[large] for x in lives))
+        bound = peak_bytes(sizes[ahead], *(x[ahead] for x in lives))
         span_of = np.maximum(died - born, 0) + np.maximum(died2 - born2, 0)
         start = np.where(died > born, born, born2)
         orders = [np.lexsort((born, -sizes)), np.lexsort((born, -sizes, -span_of)), np.lexsort((-sizes, start))]
@@ -131,7 +131,7 @@ def place(
                 top = (at[order] + sizes[order] == span)
                 order = np.concatenate([order[top], order[~top]])
             at = _first_fit(order, sizes, lives, offsets.copy(), placed.copy(), wall)
-            span = int((at + sizes)[large].max())
+            span = int((at + sizes)[ahead].max())
             if best is None or span < best[1]:
                 best = (at, span, order)
             if best[1] <= bound:
@@ -139,8 +139,8 @@ def place(
             if k == len(orders) - 1:
                 at, span, order = best
         offsets, placed = best[0], placed | rest
-    if small.any():
-        order = np.flatnonzero(small)[np.lexsort((born[small], -sizes[small]))]
+    if last.any():
+        order = np.flatnonzero(last)[np.lexsort((born[last], -sizes[last]))]
         offsets = _first_fit(order, sizes, lives, offsets.copy(), placed.copy(), wall)
     return offsets, int((offsets + sizes).max(initial=0))
 
