@@ -334,7 +334,8 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
 {
     lx_plan *p = c->serving;
     lx_arena *a = c->arena;
-    if (size <= LX_MATCH_ABOVE && call < 0 && c->matched == 0) {
+    int small = size <= LX_MATCH_ABOVE && call < 0; /* a lane's: as any size (Matching) */
+    if (small && c->matched == 0) {
         return NULL; /* no larger request picked the cycle's plan yet: the pools' */
     }
     if (p != NULL && c->cycle >= p->from_cycle) {
@@ -345,7 +346,7 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
             return b;
         }
     }
-    if (size <= LX_MATCH_ABOVE) { /* its slot or the pools (Matching, above) */
+    if (small) { /* its slot or the pools (Matching, above) */
         c->fig.plan_misses += p != NULL;
         c->cycle_misses += p != NULL;
         return NULL;
