@@ -313,9 +313,9 @@ def test_a_steps_small_results_are_planned_not_left_in_slabs(model, batch, threa
     threads(1)
     # Out of place, a step's small results (biases and their moments, 512 B; the GRU's
     # 12 KiB weights) are made anew each step and outlive it. Left in slabs, each step's
-    # beside the last's, they kept the slabs' other bytes idle over the step's peak: 1.09x
-    # (the dropout MLP) and 1.08x (the GRU) in the steady state. Planned, as every request
-    # of a step is, they take their places in the arena.
+    # beside the last's, they kept the slabs' other bytes idle over the step's peak: 1.051x
+    # (the dropout MLP) and 1.078x (the GRU) here in the steady state. Planned, as every
+    # request of a step is, they take their places in the arena.
     rng = np.random.default_rng(1)
     data = rng.standard_normal(batch).astype(np.float32), rng.integers(0, 3, batch[0])
     net = model()
