@@ -221,14 +221,15 @@ def layout(
     `first_step`: the plan's first step is an even one, whose step before kept its results
     outside the arena (the warm-up's, or the split pool's): the even places are packed
     first, into the arena's first chunk, which that step holds alone, those of blocks that
-    outlive the step from the chunk's start; the odd ones then fill the rest and a second
-    chunk, taken once the first step is over (the results outside have died by then). `wall`: the end of the first chunk of the arena in use,
-    which no block may straddle. `fixed`: for each request its places in even and odd
-    steps, or -1: a request that outlives the step keeps the places given (those of
-    another plan's blocks of its size, which steps of either plan carry into the next)
-    where that overlaps no other block kept so (see `place`). `kept_first`: the requests that
-    outlive the step are placed first, from the arena's start, both places of each apart
-    from the others': places that a plan of other requests can keep at little cost.
+    outlive the step from the chunk's start (unless among the others they span less); the
+    odd ones then fill the rest and a second chunk, taken once the first step is over (the
+    results outside have died by then). `wall`: the end of the first chunk of the arena in
+    use, which no block may straddle. `fixed`: for each request its places in even and odd
+    steps, or -1: a request that outlives the step keeps the places given (those of another
+    plan's blocks of its size, which steps of either plan carry into the next) where that
+    overlaps no other block kept so (see `place`). `kept_first`: the requests that outlive
+    the step are placed first, from the arena's start, both places of each apart from the
+    others': places that a plan of other requests can keep at little cost.
 
     The arena is packed by `place` over the circular two-step schedule: a step lasts `T`
     ticks, a block that dies within an even step lives over ``[born, died)`` and within an
@@ -305,9 +306,12 @@ def _circular(
     # less: in the odd step, where they still live, at the start they leave the chunk's
     # other bytes in one piece (a 512-B result in its middle pushed an odd step's 1 MiB
     # temporary above the chunk), and they are places other plans can keep.
-    earlies = [np.concatenate([kept, kept])] if kept_first else [None]
-    if first_step and kept.any() and not kept_first:
-        earlies.insert(0, np.concatenate([kept, np.zeros(n, bool)]))
+    if kept_first:
+        earlies = [np.concatenate([kept, kept])]
+    elif first_step and kept.any():
+        earlies = [np.concatenate([kept, np.zeros(n, bool)]), None]
+    else:
+        earlies = [None]
     offsets, span = min(
         (place(sizes, start, stop, zeros, wrap_stop, first=first, early=early, wall=wall, fixed=pins) for early in earlies),
         key=lambda placed: placed[1],
