@@ -82,7 +82,7 @@ def test_a_lane_left_set_by_an_earlier_step_counts_as_none():
     assert MiB in record[SIZE] and (record[CALL] == -1).all() and (record[LANE] == -1).all() and y[0] == 1.0
 
 
-@pytest.mark.parametrize("call, lane", [(0, 0), (1, -1)])
+@pytest.mark.parametrize("call, lane", [(0, 0), (1, -1), (1 << 62, 0)])  # (1 << 62: no kernel_call() gave it)
 def test_enter_lane_takes_a_call_of_kernel_call_and_a_lane(call, lane):
     with pytest.raises(ValueError, match="kernel_call"):
         _core.enter_lane(call, lane)

@@ -324,7 +324,7 @@ def test_scopes_without_large_requests_between_steps_change_nothing():
     assert s.plans == 1 and s.plan_misses == 0 and s.plan_hits >= 10 and result[0] == 12
 
 
-def test_a_step_of_small_requests_only_is_recorded_and_never_read_by_the_planner(monkeypatch):
+def test_a_step_of_small_requests_only_is_handed_over_without_rows_and_never_read_by_the_planner(monkeypatch):
     from luxnn.memory import plan
 
     def read(*args):
@@ -337,14 +337,15 @@ def test_a_step_of_small_requests_only_is_recorded_and_never_read_by_the_planner
             x = np.ones(4096)  # 32 KiB: above MATCH_ABOVE, and small (a slab's)
             y = x * 2.0
     record = cache._core.take_record()
-    sizes = np.frombuffer(record.rows, np.int64).reshape(-1, 7)[:, 0]
-    assert (sizes == 32 * KiB).sum() == 2 and record.plannable == 0
+    assert record.plannable == 0 and record.rows == b"" and record.previous == b""
     assert cache.stats().plans == 0 and y[0] == 2.0
     monkeypatch.undo()
     with memory.step(cache):
         x = np.ones(MiB // 8)  # 1 MiB: planned
         y = x * 2.0
-    assert cache._core.take_record().plannable == 2
+    record = cache._core.take_record()
+    sizes = np.frombuffer(record.rows, np.int64).reshape(-1, 7)[:, 0]
+    assert record.plannable == 2 and (sizes == MiB).sum() == 2 and len(sizes) >= 2  # every request recorded
 
 
 def test_a_planner_that_fails_warns_once_and_the_cache_goes_on_without_plans(monkeypatch):

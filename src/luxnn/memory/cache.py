@@ -165,16 +165,12 @@ class ScopeStats:
     peak_reserved: int
 
 
-# An open scope of a cache, as `AllocCache.open_scope` opened it: the core's figures at its
-# entry and the core's record of its peaks (a plain tuple: a scope's cost stays the core's).
-OpenScope = tuple[Any, int]
-# A closed one, as `AllocCache.close_scope` closed it: the figures at entry and at exit, and
-# the peaks while it was open.
-ClosedScope = tuple[Any, Any, tuple[int, int]]
-
-
-# The core's figures that a scope counts from its entry to its exit.
-_SCOPE_COUNTED = ("hits", "misses", "upstream_allocs", "upstream_frees", "scopes")
+# An open scope of a cache, as `AllocCache.open_scope` opened it: the core's slot that keeps
+# its figures at entry and its peaks.
+OpenScope = int
+# A closed one, as `AllocCache.close_scope` closed it: its figures in `ScopeStats`' order,
+# made by the core at its exit (a plain tuple: a scope's cost stays the core's).
+ClosedScope = tuple[int, ...]
 
 
 def _check_device(device: Any) -> Any:
@@ -287,27 +283,18 @@ class AllocCache:
 
     def open_scope(self) -> OpenScope:
         """Count a scope of the cache from now on (`cached` does, its front end installed)."""
-        return self._core.stats(), self._core.scope_enter()
+        return self._core.scope_enter()
 
     def close_scope(self, opened: OpenScope) -> ClosedScope:
         """Close the scope that `open_scope` opened; `scope_stats` makes its figures, from
         then to now, out of what this returns (only when read: the training verbs' scopes,
         one a step, never are)."""
-        before, slot = opened
-        peaks = self._core.scope_exit(slot)
-        return before, self._core.stats(), peaks
+        return self._core.scope_exit(opened)
 
     @staticmethod
     def scope_stats(closed: ClosedScope) -> ScopeStats:
         """The `ScopeStats` of a scope that `close_scope` closed."""
-        before, after, (peak_live, peak_reserved) = closed
-        change = {name: getattr(after, name) - getattr(before, name) for name in _SCOPE_COUNTED}
-        return ScopeStats(
-            **change, bytes_live_change=after.bytes_live - before.bytes_live,
-            bytes_cached_change=after.bytes_cached - before.bytes_cached,
-            bytes_reserved_change=after.bytes_reserved - before.bytes_reserved,
-            peak_live=peak_live, peak_reserved=peak_reserved,
-        )  # fmt: skip
+        return ScopeStats(*closed)
 
     def begin_step(self, outside: Callable[[], ContextManager[Any]]) -> None:
         """A training step of the cache's begins (`luxnn.memory.step` does this). First the

@@ -240,7 +240,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
         c->large_peak = c->large_live > c->large_peak ? c->large_live : c->large_peak;
     }
     if (recorded) {
-        note_birth_locked(c, b);
+        note_birth_locked(c, b, call, lane);
     }
     note_peaks_locked(c);
     record_locked(c, kind);
@@ -361,6 +361,7 @@ lx_scope_enter(lx_core *c)
     c->watchers[slot].owner = pthread_self();
     c->watchers[slot].peak_live = c->fig.bytes_live;
     c->watchers[slot].peak_reserved = c->fig.bytes_live + c->fig.bytes_cached;
+    c->watchers[slot].entry = c->fig;
     if (slot >= c->watch_hi) {
         c->watch_hi = slot + 1;
     }
@@ -373,21 +374,20 @@ lx_scope_enter(lx_core *c)
     return (long)slot;
 }
 
-/* Close a scope: report its peaks, coalesce the quick list of every bin not
- * asked for during the last evict_after scopes, release every whole free
- * segment (a slab, or the split pool's) that served no request during them,
- * and likewise a plan. -1 if slot is not open. */
+/* Close a scope: coalesce the quick list of every bin not asked for during the
+ * last evict_after scopes, release every whole free segment (a slab, or the
+ * split pool's) that served no request during them, and likewise a plan; then
+ * report its figures (those releases counted). -1 if slot is not open. */
 int
-lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
+lx_scope_exit(lx_core *c, size_t slot, lx_scope_figures *figures)
 {
     pthread_mutex_lock(&c->lock);
     if (slot >= c->nwatchers || !c->watchers[slot].in_use) {
         pthread_mutex_unlock(&c->lock);
         return -1;
     }
-    *peak_live = c->watchers[slot].peak_live;
-    *peak_reserved = c->watchers[slot].peak_reserved;
-    c->watchers[slot].in_use = 0;
+    lx_watcher *w = &c->watchers[slot];
+    w->in_use = 0;
     while (c->watch_hi > 0 && !c->watchers[c->watch_hi - 1].in_use) {
         c->watch_hi--;
     }
@@ -413,6 +413,17 @@ lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved)
         close_span_locked(c);
     }
     record_locked(c, LX_EV_SCOPE_EXIT);
+    const lx_figures *in = &w->entry, *out = &c->fig;
+    *figures = (lx_scope_figures){
+        .hits = out->hits - in->hits, .misses = out->misses - in->misses,
+        .upstream_allocs = out->upstream_allocs - in->upstream_allocs,
+        .upstream_frees = out->upstream_frees - in->upstream_frees,
+        .scopes = out->scopes - in->scopes,
+        .live_change = (int64_t)out->bytes_live - (int64_t)in->bytes_live,
+        .cached_change = (int64_t)out->bytes_cached - (int64_t)in->bytes_cached,
+        .reserved_change = (int64_t)(out->bytes_live + out->bytes_cached) -
+                           (int64_t)(in->bytes_live + in->bytes_cached),
+        .peak_live = w->peak_live, .peak_reserved = w->peak_reserved};
     pthread_mutex_unlock(&c->lock);
     return 0;
 }

@@ -291,12 +291,22 @@ typedef struct lx_pool {
     size_t held;                   /* bytes of its segments */
 } lx_pool;
 
-/* The peaks of one open scope (slots are reused; in_use marks the open ones). */
+/* The peaks of one open scope, and the figures at its entry (slots are reused;
+ * in_use marks the open ones). */
 typedef struct {
     int in_use;
     pthread_t owner; /* the thread that opened it: a forked child keeps only its own */
     size_t peak_live, peak_reserved;
+    lx_figures entry;
 } lx_watcher;
+
+/* A closed scope's own figures (luxnn.memory.ScopeStats, in its order): counted from
+ * its entry to its exit, the changes of the figures, and its peaks. */
+typedef struct {
+    uint64_t hits, misses, upstream_allocs, upstream_frees, scopes;
+    int64_t live_change, cached_change, reserved_change;
+    size_t peak_live, peak_reserved;
+} lx_scope_figures;
 
 enum {
     LX_EV_HIT,         /* a request served from a free list */
@@ -481,7 +491,7 @@ size_t lx_live_size(lx_core *c, void *ptr);
 size_t lx_trim(lx_core *c, size_t max_cached);
 void lx_release_all(lx_core *c);
 long lx_scope_enter(lx_core *c);
-int lx_scope_exit(lx_core *c, size_t slot, size_t *peak_live, size_t *peak_reserved);
+int lx_scope_exit(lx_core *c, size_t slot, lx_scope_figures *figures);
 
 /* map.c: the ownership map (map_find is above) */
 void map_put(lx_map *m, lx_block *b);
@@ -529,7 +539,7 @@ lx_status grow_arena_to_locked(lx_core *c, lx_arena *a, size_t size);
 
 /* record.c: steps, their record, lanes */
 void lane_of_locked(const lx_core *c, int64_t *call, int64_t *lane);
-void note_birth_locked(lx_core *c, lx_block *b);
+void note_birth_locked(lx_core *c, lx_block *b, int64_t call, int64_t lane);
 void note_death_locked(lx_core *c, lx_block *b);
 void finish_record_locked(lx_core *c);
 void lx_step_begin(lx_core *c);

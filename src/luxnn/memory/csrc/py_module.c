@@ -162,11 +162,16 @@ Core_scope_exit(CoreObject *self, PyObject *arg)
     if (slot == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    size_t peak_live, peak_reserved;
-    if (slot < 0 || lx_scope_exit(self->core, (size_t)slot, &peak_live, &peak_reserved)) {
+    lx_scope_figures f;
+    if (slot < 0 || lx_scope_exit(self->core, (size_t)slot, &f)) {
         return PyErr_Format(PyExc_ValueError, "no open scope in slot %zd", slot);
     }
-    return Py_BuildValue("(nn)", (Py_ssize_t)peak_live, (Py_ssize_t)peak_reserved);
+    return Py_BuildValue("(KKKKKLLLnn)", (unsigned long long)f.hits,
+                         (unsigned long long)f.misses, (unsigned long long)f.upstream_allocs,
+                         (unsigned long long)f.upstream_frees, (unsigned long long)f.scopes,
+                         (long long)f.live_change, (long long)f.cached_change,
+                         (long long)f.reserved_change, (Py_ssize_t)f.peak_live,
+                         (Py_ssize_t)f.peak_reserved);
 }
 
 static PyObject *
@@ -355,7 +360,9 @@ static PyMethodDef Core_methods[] = {
      "install_plan(place, arena_bytes, sizes, even, odd, *, call=None, lane=None, cut=0, "
      "sequence=None) -> PLAN_INSTALLED, PLAN_LATER or PLAN_NO_ROOM"},
     {"scope_exit", (PyCFunction)Core_scope_exit, METH_O,
-     "scope_exit(slot) -> (peak_live, peak_reserved) of the scope; evicts unused bins"},
+     "scope_exit(slot) -> the scope's figures, in ScopeStats' order (hits, misses, "
+     "upstream_allocs, upstream_frees, scopes: counted while it was open; the changes of "
+     "bytes_live, bytes_cached, bytes_reserved; peak_live, peak_reserved); evicts unused bins"},
     {"step_begin", (PyCFunction)Core_step_begin, METH_NOARGS,
      "A training step begins (one still open ends first): its requests are recorded"},
     {"step_end", (PyCFunction)Core_step_end, METH_NOARGS,
@@ -454,10 +461,11 @@ mod_enter_lane(PyObject *Py_UNUSED(mod), PyObject *args)
     if (!PyArg_ParseTuple(args, "LL:enter_lane", &call, &lane)) {
         return NULL;
     }
-    if (call < 1 || lane < 0) {
+    if (call < 1 || call > atomic_load(&kernel_calls) || lane < 0) {
         return PyErr_Format(PyExc_ValueError,
-                            "enter_lane: expected a call from kernel_call() and a lane >= 0, "
-                            "got %lld and %lld", call, lane);
+                            "enter_lane: expected a call from kernel_call() (1 to %lld) and a "
+                            "lane >= 0, got %lld and %lld",
+                            (long long)atomic_load(&kernel_calls), call, lane);
     }
     PyObject *before = Py_BuildValue("(LLLL)", (long long)tl_lane.call, (long long)tl_lane.lane,
                                      (long long)tl_lane.births, (long long)tl_lane.tick);

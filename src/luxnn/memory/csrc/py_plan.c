@@ -11,7 +11,7 @@
 static PyStructSequence_Field record_fields[] = {
     {"rows", "bytes of native int64 (size, born, died, call, lane, lane_born, lane_died) "
              "rows, one per request (call, lane: -1 out of a kernel's lanes; lane_died: -1 "
-             "unless it died in its lane)"},
+             "unless it died in its lane); empty when plannable is 0"},
     {"misses", "the step's recorded requests that the plan serving it missed"},
     {"plannable", "the step's recorded requests that a plan is made for: those above the split "
                   "threshold and those of a kernel's lanes (0: the step is not planned, as "
@@ -22,7 +22,7 @@ static PyStructSequence_Field record_fields[] = {
     {"large_peak", "the most bytes that live blocks above the split threshold held in it"},
     {"previous", "bytes of native int64 rows of rows' columns and next_died: the step "
                  "before's record, with the deaths in this step of its blocks that outlived it "
-                 "(-1: alive at this step's end too); empty if not known"},
+                 "(-1: alive at this step's end too); empty if not known, or plannable is 0"},
     {"arena_bytes", "the bytes of the plans' arena now (0: none)"},
     {"arena_cut", "the bytes of its first chunk (arena_bytes: one chunk)"},
     {"arena_live", "the bytes of the live blocks in it"},

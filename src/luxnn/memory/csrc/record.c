@@ -17,18 +17,25 @@ _Atomic int64_t kernel_calls; /* threaded kernel calls begun, in every thread */
 
 /* The lane of this thread's requests in the open step (*call counted from the
  * step's first kernel call), or -1, -1: none, or one of an earlier step (a
- * lane left set by an interrupt: its requests are matched as any other's). */
+ * lane left set by an interrupt: its requests are matched as any other's).
+ * A lane's call is one kernel_call() gave (enter_lane checks), so while no
+ * kernel call began since the step did, no thread is in one of its lanes: the
+ * thread-local lane (a call into the dynamic linker from a shared library) is
+ * read only once one did. */
 void
 lane_of_locked(const lx_core *c, int64_t *call, int64_t *lane)
 {
-    int in_lane = c->stepping && tl_lane.call > c->call_base;
+    int in_lane = c->stepping &&
+                  atomic_load_explicit(&kernel_calls, memory_order_relaxed) > c->call_base &&
+                  tl_lane.call > c->call_base;
     *call = in_lane ? tl_lane.call - c->call_base - 1 : -1;
     *lane = in_lane ? tl_lane.lane : -1;
 }
 
-/* The open cycle's record: a split-pool block was allocated, or died. */
+/* The open cycle's record: a block was allocated in lane (call, lane) of it
+ * (lane_of_locked's), or died. */
 void
-note_birth_locked(lx_core *c, lx_block *b)
+note_birth_locked(lx_core *c, lx_block *b, int64_t call, int64_t lane)
 {
     if (c->rec_lost) {
         return;
@@ -43,8 +50,6 @@ note_birth_locked(lx_core *c, lx_block *b)
         c->rec = rec;
         c->rec_cap = cap;
     }
-    int64_t call, lane;
-    lane_of_locked(c, &call, &lane);
     c->cycle_plannable += b->bin >= c->split_bin || call >= 0;
     c->rec[c->nrec] = (lx_request){(int64_t)b->size, c->tick++, -1, call, lane,
                                    call >= 0 ? tl_lane.tick++ : -1, -1, b};
@@ -218,9 +223,10 @@ lx_step_end(lx_core *c)
 
 /* The record of the last cycle, if it closed, no cycle is open and it holds a
  * request: n rows of (size, born, died, ...) in *rows (malloc'd for the caller;
- * NULL with n 0 when the record is incomplete), what else the planner learns
- * of it in *info, and in *prev (malloc'd) the *nprev rows of the record before
- * it with their next deaths. Returns whether there was a record to take. */
+ * NULL with n 0 when the record is incomplete or has no request a plan is made
+ * for), what else the planner learns of it in *info, and in *prev (malloc'd;
+ * NULL likewise) the *nprev rows of the record before it with their next
+ * deaths. Returns whether there was a record to take. */
 int
 lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int64_t **prev,
                size_t *nprev)
@@ -244,7 +250,10 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int6
     *prev = NULL;
     *nprev = 0;
     const size_t columns = LX_REQUEST_COLUMNS;
-    if (pending && c->nprev > 0 &&
+    /* A step with no request a plan is made for is not planned: no rows to hand over
+     * (most steps of a loop of small arrays only; its record is carried all the same). */
+    int planned = pending && info->plannable > 0;
+    if (planned && c->nprev > 0 &&
         (*prev = malloc(c->nprev * (columns + 1) * sizeof(int64_t))) != NULL) {
         for (size_t i = 0; i < c->nprev; i++) {
             memcpy(*prev + (columns + 1) * i, &c->prev[i].r, columns * sizeof(int64_t));
@@ -254,6 +263,8 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int6
     }
     if (pending) {
         finish_record_locked(c);
+    }
+    if (planned) {
         *rows = c->rec_lost ? NULL : malloc((c->nrec ? c->nrec : 1) * columns * sizeof(int64_t));
         for (size_t i = 0; *rows != NULL && i < c->nrec; i++) {
             memcpy(*rows + columns * i, &c->rec[i], columns * sizeof(int64_t));
