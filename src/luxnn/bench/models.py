@@ -505,8 +505,9 @@ class LM:
     """``training/lm``: a language model's step: token ids (batch 16, length 128, vocabulary
     1000) -> Embedding 128 -> a causal self-attention block (pre-LayerNorm, 4 heads, skip
     connection) -> Dense to the vocabulary; softmax cross-entropy on the next tokens, Adam.
-    ``training/lm-buckets``: the same model, each step's length drawn from 4 buckets (32,
-    64, 96, 128) with a fixed seed, as a bucketing data loader feeds it."""
+    ``training/lm-buckets``: the same model fed as a bucketing data loader feeds it, one
+    length of 4 buckets (32, 64, 96, 128) a step; a call is 4 steps, one of each length
+    in an order drawn afresh (a fixed seed), so that every call does the same work."""
 
     batch: int = 16
     length: int = 128
@@ -537,8 +538,9 @@ class LM:
         ts = lx.TrainState(model, ps, st, lx.optim.adam(self.lr), **kwargs)
         ad, loss, rng = lx.AutoTape(), lx.losses.CrossEntropyLoss(), np.random.default_rng(0)
 
-        def step() -> None:
+        def steps() -> None:
             nonlocal ts
-            _, _, _, ts = lx.single_train_step_(ad, loss, batches[self.buckets[rng.integers(len(self.buckets))]], ts)
+            for length in rng.permutation(self.buckets):
+                _, _, _, ts = lx.single_train_step_(ad, loss, batches[length], ts)
 
-        return step
+        return steps

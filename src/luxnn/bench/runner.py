@@ -1,7 +1,8 @@
 """Running the suite: warm-up, interleaved rounds, the memory pass, the fresh-process rows
 and the result document.
 
-Time. A variant is warmed up (at least two calls and `Timing.warmup_s`), then calibrated:
+Time. A variant is warmed up (at least its group's `suite.Group.warmup_calls` calls, four
+unless the group says more, and `Timing.warmup_s`), then calibrated:
 a sample is the mean of `inner` calls, so that it lasts at least `min_sample_s` (the
 basics take microseconds), and a round takes about `round_s`. The variants of a group are
 timed in rounds, round r starting with variant r mod n, with a garbage collection before
@@ -9,8 +10,9 @@ each variant's round; ``luxnn bench --against`` also alternates which side goes 
 
 Memory, in a separate pass after the rounds so that counting never perturbs a timed
 sample: after four warm-up calls (a cache's step plan, `luxnn.memory.plan`, is made from
-the first two and serves from the third; the fourth releases what it replaced),
-`memory_calls` calls run under an `AllocCache` with a timeline. For a luxnn step with
+the first two and serves from the third; the fourth releases what it replaced; a group of
+varying shapes says how many it needs, `suite.Group.warmup_calls`), `memory_calls` calls
+run under an `AllocCache` with a timeline. For a luxnn step with
 its cache on that is the TrainState's cache itself (a new TrainState given a recording
 cache); for every other NumPy variant it is a counting cache wrapped around each call. Per call: allocations (hits + misses), bytes (the blocks handed
 out, i.e. each request rounded up to the cache's size bins: 512 B under 8 KiB, then less
@@ -70,11 +72,12 @@ def timing_for(quick: bool, rounds: int | None = None) -> Timing:
 # ---- timing a step ----------------------------------------------------------------------
 
 
-def calibrate(step: Callable[[], Any], timing: Timing) -> tuple[int, int, float]:
-    """Warm `step` up; returns (calls per sample, samples per round, seconds per call)."""
+def calibrate(step: Callable[[], Any], timing: Timing, warmup_calls: int = 2) -> tuple[int, int, float]:
+    """Warm `step` up (at least `warmup_calls` calls and `Timing.warmup_s`); returns (calls
+    per sample, samples per round, seconds per call)."""
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < 2 or time.perf_counter() - start < timing.warmup_s:
+    while len(times) < max(2, warmup_calls) or time.perf_counter() - start < timing.warmup_s:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
@@ -184,7 +187,7 @@ class Session:
         for name in names:
             try:
                 step = group.variant(name).build("default")
-                self.plan[name] = calibrate(step, timing)
+                self.plan[name] = calibrate(step, timing, group.warmup_calls)
                 self.steps[name] = step
             except Exception as e:  # noqa: BLE001 - any failure of the measured code is the row's result
                 self.errors[name] = _describe(e)
@@ -212,13 +215,14 @@ class Session:
             if variant.memory is None:
                 out[name] = None
                 continue
-            calls = self.timing.memory_calls if self.plan[name][2] < 0.5 else 1
+            calls = self.group.memory_calls or (self.timing.memory_calls if self.plan[name][2] < 0.5 else 1)
+            warmup = self.group.warmup_calls
             try:
                 cache = memory.AllocCache(record=True)
                 if variant.memory == "own":
-                    out[name] = count_memory(variant.build(cache), cache, own=True, calls=calls)
+                    out[name] = count_memory(variant.build(cache), cache, own=True, calls=calls, warmup=warmup)
                 else:
-                    out[name] = count_memory(step, cache, own=False, calls=calls)
+                    out[name] = count_memory(step, cache, own=False, calls=calls, warmup=warmup)
             except Exception as e:  # noqa: BLE001 - reported in the row, as the time is
                 out[name] = {"error": _describe(e)}
         return out

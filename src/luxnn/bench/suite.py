@@ -59,12 +59,18 @@ class Variant:
 
 @dataclass(frozen=True)
 class Group:
-    """Variants timed side by side; `first_run`: the name of the fresh-process row, if any."""
+    """Variants timed side by side; `first_run`: the name of the fresh-process row, if any.
+    `warmup_calls`: the calls before a variant is timed or its memory counted (a cache
+    plans a step from its first two and serves from the third; a loop whose shapes vary is
+    warm once each shape was planned); `memory_calls`: the calls the memory pass counts
+    (None: the run's `Timing.memory_calls`)."""
 
     name: str
     variants: tuple[Variant, ...]
     params: dict = field(default_factory=dict)
     first_run: str | None = None
+    warmup_calls: int = 4
+    memory_calls: int | None = None
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -76,7 +82,7 @@ def _basic(name: str) -> Group:
     return Group(row, (Variant(row, lambda _cache: build(), "wrapped"),), first_run=f"{row} (first run)")
 
 
-def _training(name: str, model: Any, params: dict) -> Group:
+def _training(name: str, model: Any, params: dict, *, warmup_calls: int = 4, memory_calls: int | None = None) -> Group:
     variants = [
         Variant(f"{name} (cache on)", model.luxnn, "own"),
         Variant(f"{name} (cache off)", lambda _cache: model.luxnn(None), "wrapped"),
@@ -85,7 +91,7 @@ def _training(name: str, model: Any, params: dict) -> Group:
         variants.append(Variant(f"{name} (numpy by hand)", lambda _cache: model.numpy(), "wrapped"))
     if hasattr(model, "torch"):
         variants.append(Variant(f"{name} (pytorch eager)", lambda _cache: model.torch(), None, needs="torch"))
-    return Group(name, tuple(variants), params)
+    return Group(name, tuple(variants), params, warmup_calls=warmup_calls, memory_calls=memory_calls)
 
 
 def _optim(model: models.OptimAdam, suffix: str) -> Group:
@@ -152,6 +158,7 @@ def groups(quick: bool) -> list[Group]:
         _training(
             "training/lm-buckets", models.LM(buckets=(32, 64, 96, 128)),
             {"batch": 16, "lengths": [32, 64, 96, 128], "vocab": 1000, "dim": 128, "optimizer": "adam"},
+            warmup_calls=8,  # 32 steps: warm from step 31 on, as benchmarks/promises.py's loops
         ),  # fmt: skip
         _training(
             "training/lstm", lstm,
