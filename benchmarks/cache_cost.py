@@ -6,14 +6,24 @@ whose every request is a small block (64-64-10, batch 128: a step no plan is mad
 of many small blocks made late in the step (six Dense 128 with dropout, batch 256, AdamW)
 and one of a single example (16-32-4, batch 1, Adam: the cache's cost per step alone).
 
-    python benchmarks/cache_cost.py [--rounds 15] [--per-round 20] [--only mlp small]
+Where a step's arrays lie in memory moves its time by more than the cache costs: the same
+MLP step, in one process, runs its 800-KB parameter update at 60 us or 160 us depending on
+where its arrays landed (CPU caches are indexed by physical address, which a process gets
+anew). Within one process the two sides have different memory, so one process's ratio
+carries that luck; ``--processes P`` runs each model in P fresh processes and reports the
+median of their ratios, with the lowest and highest.
+
+    python benchmarks/cache_cost.py [--rounds 15] [--per-round 20] [--only mlp small] [--processes 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 
 import numpy as np
 
@@ -39,25 +49,48 @@ def models() -> dict:
     }  # fmt: skip
 
 
+def measure(name: str, rounds: int, per_round: int) -> dict:
+    """One model's rounds in this process: the medians on and off (seconds) and the
+    median and quartiles of the rounds' off / on ratios."""
+    model, optimizer, data = models()[name]
+    loss = lx.losses.CrossEntropyLoss()
+    steps = {"on": luxnn_train_step(model(), optimizer(), loss, data, lx.memory.AllocCache()),
+             "off": luxnn_train_step(model(), optimizer(), loss, data, None)}  # fmt: skip
+    samples = interleaved_rounds(steps, rounds, per_round, warmup=5)
+    ratios = [off / on for on, off in zip(samples["on"], samples["off"])]  # the same round's
+    q = statistics.quantiles(ratios, n=4)
+    return {"on": statistics.median(samples["on"]), "off": statistics.median(samples["off"]),
+            "ratio": statistics.median(ratios), "q1": q[0], "q3": q[2]}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--per-round", type=int, default=20, help="calls per sample")
     parser.add_argument("--only", nargs="*", help="models to run (default: all)")
+    parser.add_argument("--processes", type=int, default=1, help="fresh processes per model")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one model, JSON out
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args.rounds, args.per_round)))
+        return
     print(f"kernels: {blas_summary(blas())}; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset')}")
-    print(f"{'model':<12} {'cache on':>10} {'cache off':>10} {'off / on':>9} {'(IQR of the rounds)':>20}")
-    loss = lx.losses.CrossEntropyLoss()
-    for name, (model, optimizer, data) in models().items():
+    spread_of = "(IQR of the rounds)" if args.processes <= 1 else f"(lowest-highest of {args.processes} processes)"
+    print(f"{'model':<12} {'cache on':>10} {'cache off':>10} {'off / on':>9} {spread_of:>{len(spread_of) + 1}}")
+    for name in models():
         if args.only and name not in args.only:
             continue
-        steps = {"on": luxnn_train_step(model(), optimizer(), loss, data, lx.memory.AllocCache()),
-                 "off": luxnn_train_step(model(), optimizer(), loss, data, None)}  # fmt: skip
-        samples = interleaved_rounds(steps, args.rounds, args.per_round, warmup=5)
-        ratios = [off / on for on, off in zip(samples["on"], samples["off"])]  # the same round's
-        q = statistics.quantiles(ratios, n=4)
-        on, off = (statistics.median(samples[k]) * 1e6 for k in ("on", "off"))
-        print(f"{name:<12} {on:>8.1f}us {off:>8.1f}us {statistics.median(ratios):>9.3f} {f'{q[0]:.3f}-{q[2]:.3f}':>20}")
+        if args.processes <= 1:
+            m = measure(name, args.rounds, args.per_round)
+            spread = f"{m['q1']:.3f}-{m['q3']:.3f}"
+        else:
+            command = [sys.executable, __file__, "--one", name, "--rounds", str(args.rounds), "--per-round", str(args.per_round)]
+            runs = [json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+                    for _ in range(args.processes)]  # fmt: skip
+            ratios = [r["ratio"] for r in runs]
+            m = {k: statistics.median(r[k] for r in runs) for k in ("on", "off")}
+            m["ratio"], spread = statistics.median(ratios), f"{min(ratios):.3f}-{max(ratios):.3f}"
+        print(f"{name:<12} {m['on'] * 1e6:>8.1f}us {m['off'] * 1e6:>8.1f}us {m['ratio']:>9.3f} {spread:>{len(spread_of) + 1}}")
 
 
 if __name__ == "__main__":
