@@ -478,6 +478,23 @@ record_locked(lx_core *c, int kind)
     }
 }
 
+/* The lane of this thread's requests in the open step (*call counted from the
+ * step's first kernel call), or -1, -1: none, or one of an earlier step (a
+ * lane left set by an interrupt: its requests are matched as any other's).
+ * A lane's call is one kernel_call() gave (enter_lane checks), so while no
+ * kernel call began since the step did, no thread is in one of its lanes: the
+ * thread-local lane (a call into the dynamic linker from a shared library) is
+ * read only once one did. Inline: every request of a step asks it. */
+static inline void
+lane_of_locked(const lx_core *c, int64_t *call, int64_t *lane)
+{
+    int in_lane = c->stepping &&
+                  atomic_load_explicit(&kernel_calls, memory_order_relaxed) > c->call_base &&
+                  tl_lane.call > c->call_base;
+    *call = in_lane ? tl_lane.call - c->call_base - 1 : -1;
+    *lane = in_lane ? tl_lane.lane : -1;
+}
+
 /* ---- Across files -----------------------------------------------------------
  * Functions named lx_* take the core's lock; *_locked ones expect it held. */
 
@@ -538,7 +555,6 @@ void grow_arena_locked(lx_core *c);
 lx_status grow_arena_to_locked(lx_core *c, lx_arena *a, size_t size);
 
 /* record.c: steps, their record, lanes */
-void lane_of_locked(const lx_core *c, int64_t *call, int64_t *lane);
 void note_birth_locked(lx_core *c, lx_block *b, int64_t call, int64_t lane);
 void note_death_locked(lx_core *c, lx_block *b);
 void finish_record_locked(lx_core *c);

@@ -15,23 +15,6 @@
 _Thread_local lx_lane tl_lane;
 _Atomic int64_t kernel_calls; /* threaded kernel calls begun, in every thread */
 
-/* The lane of this thread's requests in the open step (*call counted from the
- * step's first kernel call), or -1, -1: none, or one of an earlier step (a
- * lane left set by an interrupt: its requests are matched as any other's).
- * A lane's call is one kernel_call() gave (enter_lane checks), so while no
- * kernel call began since the step did, no thread is in one of its lanes: the
- * thread-local lane (a call into the dynamic linker from a shared library) is
- * read only once one did. */
-void
-lane_of_locked(const lx_core *c, int64_t *call, int64_t *lane)
-{
-    int in_lane = c->stepping &&
-                  atomic_load_explicit(&kernel_calls, memory_order_relaxed) > c->call_base &&
-                  tl_lane.call > c->call_base;
-    *call = in_lane ? tl_lane.call - c->call_base - 1 : -1;
-    *lane = in_lane ? tl_lane.lane : -1;
-}
-
 /* The open cycle's record: a block was allocated in lane (call, lane) of it
  * (lane_of_locked's), or died. */
 void
