@@ -180,6 +180,23 @@ def test_bench_memory_pass_counts_the_cache(tmp_path):
     assert on["memory"]["allocs"] == off["memory"]["allocs"]
 
 
+def test_bench_times_and_counts_the_bucketed_lm_once_every_length_is_planned(threads):
+    """training/lm-buckets warms up its group's calls (4 lengths a call) before it is timed
+    and counted: its memory pass sees planned steps, no upstream allocation (with the four
+    calls of the other rows, it saw lengths not planned yet)."""
+    from luxnn.bench import runner, suite
+
+    threads(1)  # the plan's guarantee; two threads' figures are benchmarks/promises.py's
+    selection = suite.select(True, r"training/lm-buckets \(cache on\)")
+    (group, names, _), = selection.groups
+    assert group.warmup_calls * 4 > 30 and names == ["training/lm-buckets (cache on)"]
+    timing = runner.timing_for(True, 1)
+    (doc,) = runner.run(selection, [runner.this_side()], [runner.LocalWorker(True, timing)], quick=True, timing=timing, progress=False)
+    (row,) = doc["rows"]
+    assert row["error"] is None and row["memory"]["upstream_allocs"] == 0 and row["memory"]["allocs"] > 4 * 100
+    assert row["memory"]["peak_reserved"] <= 1.05 * row["memory"]["peak_live"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
