@@ -6,8 +6,30 @@
  */
 #include "core.h"
 
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* lock_take's wait (core.h: The core's lock): spin a little, then give the CPU away
+ * between tries, so that a holder that was preempted can finish. */
+void
+lock_wait(lx_lock *l)
+{
+    for (unsigned tries = 0;; tries++) {
+        int free = 0;
+        if (atomic_load_explicit(&l->held, memory_order_relaxed) == 0 &&
+            atomic_compare_exchange_weak_explicit(&l->held, &free, 1, memory_order_acquire,
+                                                  memory_order_relaxed)) {
+            return;
+        }
+        if (tries < LX_LOCK_SPINS) {
+            LX_CPU_RELAX();
+        }
+        else {
+            sched_yield();
+        }
+    }
+}
 
 lx_core *
 lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap,
@@ -22,8 +44,7 @@ lx_core_new(lx_upstream up, size_t limit, uint64_t evict_after, size_t event_cap
     c->events = event_cap ? calloc(event_cap, sizeof(lx_event)) : NULL;
     c->spans = event_cap ? calloc(LX_SPANS, sizeof(lx_span)) : NULL;
     c->span_group = 1;
-    if (c->map.slots == NULL || (event_cap && (c->events == NULL || c->spans == NULL)) ||
-        pthread_mutex_init(&c->lock, NULL) != 0) {
+    if (c->map.slots == NULL || (event_cap && (c->events == NULL || c->spans == NULL))) {
         free(c->map.slots);
         free(c->events);
         free(c->spans);
@@ -77,7 +98,6 @@ lx_core_destroy(lx_core *c)
     free(c->watchers);
     free(c->events);
     free(c->spans);
-    pthread_mutex_destroy(&c->lock);
     free(c);
 }
 
@@ -91,7 +111,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
 {
     *zero_filled = 0;
     n = n ? n : 1;
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     uint32_t bin = n <= LX_MAX_REQUEST ? bin_of(n) : 0;
     size_t size = n <= LX_MAX_REQUEST ? bin_bytes(bin) : 0;
     int split = bin >= c->split_bin, no_record = 0;
@@ -200,7 +220,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
             if (*status != LX_FALLBACK) {
                 note_failure_locked(c, *status, n);
             }
-            pthread_mutex_unlock(&c->lock);
+            lock_give(&c->lock);
             return NULL;
         }
         *b = (lx_block){.ptr = ptr, .size = size, .bin = bin, .orphan = (uint8_t)direct,
@@ -244,7 +264,7 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     }
     note_peaks_locked(c);
     record_locked(c, kind);
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     *status = LX_OK;
     return b->ptr;
 }
@@ -253,11 +273,11 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
 int
 lx_free(lx_core *c, void *ptr)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     lx_block *b = map_find(&c->map, ptr);
     if (b == NULL) {
         int ours = in_an_arena_locked(c, ptr); /* a second free of a plan's block: ignored */
-        pthread_mutex_unlock(&c->lock);
+        lock_give(&c->lock);
         return ours;
     }
     if (b->live) { /* a second free of a free block is ignored: it is cached */
@@ -288,7 +308,7 @@ lx_free(lx_core *c, void *ptr)
             }
         }
     }
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     return 1;
 }
 
@@ -296,19 +316,19 @@ lx_free(lx_core *c, void *ptr)
 size_t
 lx_live_size(lx_core *c, void *ptr)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     lx_block *b = map_find(&c->map, ptr);
     size_t size = b != NULL && b->live ? b->size : 0;
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     return size;
 }
 
 size_t
 lx_trim(lx_core *c, size_t max_cached)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     size_t released = trim_locked(c, max_cached);
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     return released;
 }
 
@@ -317,7 +337,7 @@ lx_trim(lx_core *c, size_t max_cached)
 void
 lx_release_all(lx_core *c)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     trim_locked(c, 0); /* the quick lists flushed too */
     drop_plan_locked(c); /* one with live blocks: retired, released when they die */
     /* What is still listed is a free piece of a segment with a live piece. */
@@ -333,7 +353,7 @@ lx_release_all(lx_core *c)
             b->orphan = 1; /* every whole block left (the warm-up's) is live */
         }
     }
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
 }
 
 /* Open a scope: advance the clock, start watching its peaks. Returns the
@@ -341,7 +361,7 @@ lx_release_all(lx_core *c)
 long
 lx_scope_enter(lx_core *c)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     size_t slot = 0;
     while (slot < c->nwatchers && c->watchers[slot].in_use) {
         slot++;
@@ -350,7 +370,7 @@ lx_scope_enter(lx_core *c)
         size_t n = c->nwatchers ? 2 * c->nwatchers : 8;
         lx_watcher *w = realloc(c->watchers, n * sizeof(lx_watcher));
         if (w == NULL) {
-            pthread_mutex_unlock(&c->lock);
+            lock_give(&c->lock);
             return -1;
         }
         memset(w + c->nwatchers, 0, (n - c->nwatchers) * sizeof(lx_watcher));
@@ -370,7 +390,7 @@ lx_scope_enter(lx_core *c)
         open_span_locked(c);
     }
     record_locked(c, LX_EV_SCOPE_ENTER);
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     return (long)slot;
 }
 
@@ -381,9 +401,9 @@ lx_scope_enter(lx_core *c)
 int
 lx_scope_exit(lx_core *c, size_t slot, lx_scope_figures *figures)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     if (slot >= c->nwatchers || !c->watchers[slot].in_use) {
-        pthread_mutex_unlock(&c->lock);
+        lock_give(&c->lock);
         return -1;
     }
     lx_watcher *w = &c->watchers[slot];
@@ -424,6 +444,6 @@ lx_scope_exit(lx_core *c, size_t slot, lx_scope_figures *figures)
         .reserved_change = (int64_t)(out->bytes_live + out->bytes_cached) -
                            (int64_t)(in->bytes_live + in->bytes_cached),
         .peak_live = w->peak_live, .peak_reserved = w->peak_reserved};
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     return 0;
 }

@@ -340,8 +340,54 @@ typedef struct {
 
 #define LX_SPANS 4096
 
+/* ---- The core's lock ------------------------------------------------------
+ *
+ * Every alloc and every free of an array takes it, mostly without a rival (the
+ * threads of a kernel's lanes are the rivals), and holds it for a few hundred
+ * instructions. An uncontended pthread mutex costs two atomic read-modify-writes
+ * a round trip (in a process with a second thread; glibc drops them while it
+ * has one), which is most of what a small block's alloc and free cost beyond
+ * NumPy's own (BENCHMARKS.md); this lock costs one: taking it is a
+ * compare-and-swap, giving it back a release store. So
+ * nobody sleeps on it (a store wakes no one): a waiter spins LX_LOCK_SPINS
+ * times, then yields the CPU between tries, so that a holder that was
+ * preempted (another process busy on the cores) gets to run and finish.
+ * Nothing waits on anything while holding it but upstream (malloc, mmap,
+ * cudaMalloc), which rivals then wait out by yielding. */
+typedef struct {
+    _Atomic int held;
+} lx_lock;
+
+#define LX_LOCK_SPINS 100
+
+#if defined(__x86_64__) || defined(__i386__)
+#define LX_CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define LX_CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define LX_CPU_RELAX() ((void)0)
+#endif
+
+void lock_wait(lx_lock *l); /* core.c: lock_take's slow path */
+
+static inline void
+lock_take(lx_lock *l)
+{
+    int free = 0;
+    if (!atomic_compare_exchange_weak_explicit(&l->held, &free, 1, memory_order_acquire,
+                                               memory_order_relaxed)) {
+        lock_wait(l);
+    }
+}
+
+static inline void
+lock_give(lx_lock *l)
+{
+    atomic_store_explicit(&l->held, 0, memory_order_release);
+}
+
 typedef struct lx_core {
-    pthread_mutex_t lock;
+    lx_lock lock;
     lx_upstream up;             /* constant after creation */
     size_t limit;               /* 0: none */
     uint64_t evict_after;       /* 0: never */

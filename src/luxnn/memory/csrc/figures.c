@@ -102,17 +102,17 @@ note_peaks_locked(lx_core *c)
 void
 lx_reset_peaks(lx_core *c)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     c->fig.peak_live = c->fig.bytes_live;
     c->fig.peak_reserved = c->fig.bytes_live + c->fig.bytes_cached;
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
 }
 
 lx_figures
 lx_figures_of(lx_core *c)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     lx_figures f = c->fig;
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     return f;
 }

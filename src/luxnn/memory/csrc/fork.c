@@ -55,7 +55,7 @@ before_fork(void)
 {
     pthread_mutex_lock(&cores_lock);
     for (lx_core *c = cores; c != NULL; c = c->fork_next) {
-        pthread_mutex_lock(&c->lock);
+        lock_take(&c->lock);
     }
 }
 
@@ -63,7 +63,7 @@ static void
 after_fork_in_parent(void)
 {
     for (lx_core *c = cores; c != NULL; c = c->fork_next) {
-        pthread_mutex_unlock(&c->lock);
+        lock_give(&c->lock);
     }
     pthread_mutex_unlock(&cores_lock);
 }
@@ -95,7 +95,7 @@ after_fork_in_child(void)
 {
     for (lx_core *c = cores; c != NULL; c = c->fork_next) {
         close_foreign_scopes_locked(c);
-        pthread_mutex_unlock(&c->lock);
+        lock_give(&c->lock);
     }
     pthread_mutex_unlock(&cores_lock);
 }

@@ -383,12 +383,12 @@ take_planned_locked(lx_core *c, uint32_t bin, size_t size, int64_t call, int64_t
 void
 lx_set_stand_ins(lx_core *c, uint32_t bits)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     c->stand_ins = 0;
     for (uint32_t k = 0; k < LX_PLANS; k++) {
         c->stand_ins |= (uint32_t)(c->plans[k] != NULL && (bits >> k) & 1) << k;
     }
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
 }
 
 /* Whether a slot of plan p lies across offset `cut`. */
@@ -444,7 +444,7 @@ plans_arena_locked(lx_core *c, size_t size, size_t first, uint64_t from_cycle, l
 lx_status
 lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     lx_arena *a = c->arena;
     lx_status status = LX_OK;
     if (a == NULL) {
@@ -474,7 +474,7 @@ lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first)
         }
     }
     if (status != LX_OK) {
-        pthread_mutex_unlock(&c->lock);
+        lock_give(&c->lock);
         free_plan(p);
         return status;
     }
@@ -492,6 +492,6 @@ lx_install_plan(lx_core *c, uint32_t k, lx_plan *p, size_t size, size_t first)
     c->stand_ins |= (uint32_t)1 << k;
     c->plans_since = c->fig.scopes + 1; /* the next scope's clock */
     c->fig.plans++;
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     return LX_OK;
 }

@@ -30,7 +30,7 @@ Core_bind_cuda(CoreObject *self, PyObject *args)
         return PyErr_Format(PyExc_ValueError, "bind_cuda: a function address is 0");
     }
     lx_core *c = self->core;
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     int bound = self->api.mem_alloc != NULL;
     if (!bound) {
         self->api.mem_free = (int (*)(unsigned long long))(uintptr_t)f[1];
@@ -39,7 +39,7 @@ Core_bind_cuda(CoreObject *self, PyObject *args)
         self->api.context = (void *)(uintptr_t)f[4];
         self->api.mem_alloc = (int (*)(unsigned long long *, size_t))(uintptr_t)f[0];
     }
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     if (bound) {
         return PyErr_Format(PyExc_RuntimeError, "bind_cuda: already bound");
     }

@@ -195,9 +195,9 @@ Core_set_warm_up(CoreObject *self, PyObject *arg)
     if (on < 0) {
         return NULL;
     }
-    pthread_mutex_lock(&self->core->lock);
+    lock_take(&self->core->lock);
     self->core->warm_up = on;
-    pthread_mutex_unlock(&self->core->lock);
+    lock_give(&self->core->lock);
     Py_RETURN_NONE;
 }
 
@@ -219,9 +219,9 @@ Core_set_stand_ins(CoreObject *self, PyObject *arg)
 static PyObject *
 Core_drop_plan(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
-    pthread_mutex_lock(&self->core->lock);
+    lock_take(&self->core->lock);
     drop_plan_locked(self->core);
-    pthread_mutex_unlock(&self->core->lock);
+    lock_give(&self->core->lock);
     Py_RETURN_NONE;
 }
 
@@ -240,7 +240,7 @@ Core_blocks(CoreObject *self, PyObject *Py_UNUSED(ignored))
         size_t size, seg_size;
         int live, orphan;
     } row;
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     size_t n = 0;
     row *rows = malloc((c->map.count ? c->map.count : 1) * sizeof(row));
     for (size_t i = 0; rows != NULL && i < c->map.cap; i++) {
@@ -259,7 +259,7 @@ Core_blocks(CoreObject *self, PyObject *Py_UNUSED(ignored))
                               seg ? seg->orphan : b->orphan};
         }
     }
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     if (rows == NULL) {
         return PyErr_NoMemory();
     }
@@ -283,9 +283,9 @@ Core_blocks(CoreObject *self, PyObject *Py_UNUSED(ignored))
 static PyObject *
 Core_audit(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
-    pthread_mutex_lock(&self->core->lock);
+    lock_take(&self->core->lock);
     const char *broken = audit_locked(self->core);
-    pthread_mutex_unlock(&self->core->lock);
+    lock_give(&self->core->lock);
     if (broken != NULL) {
         PyErr_SetString(PyExc_AssertionError, broken);
         return NULL;
@@ -306,13 +306,13 @@ Core_timeline(CoreObject *self, PyObject *Py_UNUSED(ignored))
     if (copy == NULL) {
         return PyErr_NoMemory();
     }
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     uint64_t total = c->events_total;
     size_t n = total < cap ? (size_t)total : cap;
     for (size_t i = 0; i < n; i++) {
         copy[i] = c->events[(total - n + i) % cap];
     }
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     PyObject *result = Py_BuildValue("(y#K)", (const char *)copy,
                                      (Py_ssize_t)(n * sizeof(lx_event)),
                                      (unsigned long long)(total - n));
@@ -333,10 +333,10 @@ Core_timeline_spans(CoreObject *self, PyObject *Py_UNUSED(ignored))
     if (copy == NULL) {
         return PyErr_NoMemory();
     }
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     size_t n = c->nspans;
     memcpy(copy, c->spans, n * sizeof(lx_span));
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     PyObject *result =
         PyBytes_FromStringAndSize((const char *)copy, (Py_ssize_t)(n * sizeof(lx_span)));
     PyMem_Free(copy);

@@ -182,7 +182,7 @@ end_step_locked(lx_core *c)
 void
 lx_step_begin(lx_core *c)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     if (c->stepping) {
         end_step_locked(c);
     }
@@ -190,18 +190,18 @@ lx_step_begin(lx_core *c)
     c->stepping = 1;
     c->step_owner = pthread_self();
     c->call_base = atomic_load(&kernel_calls);
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
 }
 
 /* The training step ends, if one is open. */
 void
 lx_step_end(lx_core *c)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     if (c->stepping) {
         end_step_locked(c);
     }
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
 }
 
 /* The record of the last cycle, if it closed, no cycle is open and it holds a
@@ -214,7 +214,7 @@ int
 lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int64_t **prev,
                size_t *nprev)
 {
-    pthread_mutex_lock(&c->lock);
+    lock_take(&c->lock);
     int pending = c->pending && !c->stepping && (c->nrec > 0 || c->rec_lost);
     *rows = NULL;
     *n = 0;
@@ -255,6 +255,6 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int6
         *n = *rows != NULL ? c->nrec : 0;
         info->plannable = *n > 0 ? info->plannable : 0; /* an incomplete record: no plan */
     }
-    pthread_mutex_unlock(&c->lock);
+    lock_give(&c->lock);
     return pending;
 }
