@@ -6,12 +6,12 @@ whose every request is a small block (64-64-10, batch 128: a step no plan is mad
 of many small blocks made late in the step (six Dense 128 with dropout, batch 256, AdamW)
 and one of a single example (16-32-4, batch 1, Adam: the cache's cost per step alone).
 
-Where a step's arrays lie in memory moves its time by more than the cache costs: the same
-MLP step, in one process, runs its 800-KB parameter update at 60 us or 160 us depending on
-where its arrays landed (CPU caches are indexed by physical address, which a process gets
-anew). Within one process the two sides have different memory, so one process's ratio
-carries that luck; ``--processes P`` runs each model in P fresh processes and reports the
-median of their ratios, with the lowest and highest.
+Where a step's arrays lie in memory moves its time by more than the cache costs (the CPU's
+caches are indexed by physical address, which a process gets anew, and a step keeps its
+arrays' places for the process's life: BENCHMARKS.md, "What the cache costs a step").
+Within one process the two sides have different memory, so one process's ratio carries
+that luck; ``--processes P`` runs each model in P fresh processes and reports the median
+of their ratios, with the lowest and highest.
 
     python benchmarks/cache_cost.py [--rounds 15] [--per-round 20] [--only mlp small] [--processes 1]
 """

@@ -215,7 +215,7 @@ class Session:
             if variant.memory is None:
                 out[name] = None
                 continue
-            calls = self.group.memory_calls or (self.timing.memory_calls if self.plan[name][2] < 0.5 else 1)
+            calls = self.timing.memory_calls if self.plan[name][2] < 0.5 else 1
             warmup = self.group.warmup_calls
             try:
                 cache = memory.AllocCache(record=True)

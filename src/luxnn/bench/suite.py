@@ -62,15 +62,13 @@ class Group:
     """Variants timed side by side; `first_run`: the name of the fresh-process row, if any.
     `warmup_calls`: the calls before a variant is timed or its memory counted (a cache
     plans a step from its first two and serves from the third; a loop whose shapes vary is
-    warm once each shape was planned); `memory_calls`: the calls the memory pass counts
-    (None: the run's `Timing.memory_calls`)."""
+    warm once each shape was planned)."""
 
     name: str
     variants: tuple[Variant, ...]
     params: dict = field(default_factory=dict)
     first_run: str | None = None
     warmup_calls: int = 4
-    memory_calls: int | None = None
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -82,7 +80,7 @@ def _basic(name: str) -> Group:
     return Group(row, (Variant(row, lambda _cache: build(), "wrapped"),), first_run=f"{row} (first run)")
 
 
-def _training(name: str, model: Any, params: dict, *, warmup_calls: int = 4, memory_calls: int | None = None) -> Group:
+def _training(name: str, model: Any, params: dict, *, warmup_calls: int = 4) -> Group:
     variants = [
         Variant(f"{name} (cache on)", model.luxnn, "own"),
         Variant(f"{name} (cache off)", lambda _cache: model.luxnn(None), "wrapped"),
@@ -91,7 +89,7 @@ def _training(name: str, model: Any, params: dict, *, warmup_calls: int = 4, mem
         variants.append(Variant(f"{name} (numpy by hand)", lambda _cache: model.numpy(), "wrapped"))
     if hasattr(model, "torch"):
         variants.append(Variant(f"{name} (pytorch eager)", lambda _cache: model.torch(), None, needs="torch"))
-    return Group(name, tuple(variants), params, warmup_calls=warmup_calls, memory_calls=memory_calls)
+    return Group(name, tuple(variants), params, warmup_calls=warmup_calls)
 
 
 def _optim(model: models.OptimAdam, suffix: str) -> Group:
