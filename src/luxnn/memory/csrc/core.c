@@ -16,9 +16,9 @@ void
 lock_wait(lx_lock *l)
 {
     for (unsigned tries = 0;; tries++) {
-        int free = 0;
+        int unheld = 0;
         if (atomic_load_explicit(&l->held, memory_order_relaxed) == 0 &&
-            atomic_compare_exchange_weak_explicit(&l->held, &free, 1, memory_order_acquire,
+            atomic_compare_exchange_weak_explicit(&l->held, &unheld, 1, memory_order_acquire,
                                                   memory_order_relaxed)) {
             return;
         }

@@ -11,7 +11,8 @@
  * Files (src/luxnn/memory/csrc/; the design notes are comment blocks beside
  * the code they explain, named here in quotes):
  *   bins.h            size bins: which byte sizes share a free list ("Size bins")
- *   core.h            the core's types and lock contract; the functions across files
+ *   core.h            the core's types, its lock ("The core's lock") and lock contract;
+ *                     the functions across files
  *   map.c             ownership map: pointer -> block record ("Ownership map")
  *   pool.c            the small pool's slabs and quick lists ("Small blocks"), the
  *                     split pool ("Split pool")
@@ -347,13 +348,12 @@ typedef struct {
  * instructions. An uncontended pthread mutex costs two atomic read-modify-writes
  * a round trip (in a process with a second thread; glibc drops them while it
  * has one), which is most of what a small block's alloc and free cost beyond
- * NumPy's own (BENCHMARKS.md); this lock costs one: taking it is a
- * compare-and-swap, giving it back a release store. So
- * nobody sleeps on it (a store wakes no one): a waiter spins LX_LOCK_SPINS
- * times, then yields the CPU between tries, so that a holder that was
- * preempted (another process busy on the cores) gets to run and finish.
- * Nothing waits on anything while holding it but upstream (malloc, mmap,
- * cudaMalloc), which rivals then wait out by yielding. */
+ * NumPy's own (BENCHMARKS.md); this lock costs one: taking it is a compare-and-
+ * swap, giving it back a release store. So nobody sleeps on it (a store wakes
+ * no one): a waiter spins LX_LOCK_SPINS times, then yields the CPU between
+ * tries, so that a holder that was preempted (another process busy on the
+ * cores) gets to run and finish. Nothing waits on anything while holding it but
+ * upstream (malloc, mmap, cudaMalloc), which rivals then wait out by yielding. */
 typedef struct {
     _Atomic int held;
 } lx_lock;
@@ -373,8 +373,8 @@ void lock_wait(lx_lock *l); /* core.c: lock_take's slow path */
 static inline void
 lock_take(lx_lock *l)
 {
-    int free = 0;
-    if (!atomic_compare_exchange_weak_explicit(&l->held, &free, 1, memory_order_acquire,
+    int unheld = 0;
+    if (!atomic_compare_exchange_weak_explicit(&l->held, &unheld, 1, memory_order_acquire,
                                                memory_order_relaxed)) {
         lock_wait(l);
     }
