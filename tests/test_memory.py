@@ -472,6 +472,24 @@ def test_variable_lengths_share_segments_across_sizes():
     cache._core.audit()
 
 
+@pytest.mark.parametrize("nbytes, blocks", [(256, 20_000), (100_000, 500), (3 * MiB, 40)])  # quick list, split pool, large
+def test_threads_without_the_gil_never_hold_one_block_at_once(nbytes, blocks):
+    # Four threads allocate and free at once through the core's lock (NumPy would take the
+    # GIL around each request), each filling its blocks with its own byte and checking it
+    # before it frees them: a block handed to two of them would show the other's bytes.
+    cache = memory.AllocCache()
+    assert cache._core.stress_lock(4, blocks, nbytes) == 0
+    cache._core.audit()
+    s = cache.stats()
+    assert s.bytes_live == 0 and s.hits + s.misses == 4 * blocks
+
+
+@pytest.mark.parametrize("args", [(0, 10, 64), (65, 10, 64), (2, -1, 64), (2, 10, 0)])
+def test_stress_lock_names_what_it_expects(args):
+    with pytest.raises(ValueError, match="expected 1 to 64 threads"):
+        memory.AllocCache()._core.stress_lock(*args)
+
+
 def test_threads_splitting_one_cache_free_each_others_pieces():
     cache = memory.AllocCache()
     handed_over: queue.Queue = queue.Queue()

@@ -1,9 +1,13 @@
 /*
- * The bookkeeping checked against itself, for the tests (Core.audit): every
- * record, segment, free list, arena and figure. Called with the core's lock
- * held; it changes nothing.
+ * For the tests: the bookkeeping checked against itself (Core.audit: every
+ * record, segment, free list, arena and figure; called with the core's lock
+ * held, it changes nothing), and the core's lock stressed by threads that run
+ * without the GIL (Core.stress_lock).
  */
 #include "core.h"
+
+#include <stdlib.h>
+#include <string.h>
 
 /* Check an arena against the blocks in it (for audit_locked). */
 static const char *
@@ -253,4 +257,84 @@ audit_locked(lx_core *c)
         return "the blocks owned disagree with upstream allocations minus frees";
     }
     return NULL;
+}
+
+/* ---- A stress of the core's lock ------------------------------------------
+ *
+ * Threads that allocate and free at once, as no Python code can (NumPy takes
+ * the GIL around both): each takes `blocks` blocks of `size` bytes in turn,
+ * keeps its last LX_STRESS_KEPT, fills each with its own byte and checks that
+ * byte all through before it frees the block. A block found changed was handed
+ * to two threads at once: what the lock exists to prevent. */
+#define LX_STRESS_KEPT 4
+
+typedef struct {
+    lx_core *c;
+    size_t blocks, size;
+    unsigned char mark;
+    size_t changed; /* blocks found changed */
+    int failed;     /* a request failed */
+} lx_stress;
+
+static size_t
+changed_bytes(const unsigned char *p, size_t size, unsigned char mark)
+{
+    size_t changed = 0;
+    for (size_t i = 0; i < size; i++) {
+        changed += p[i] != mark;
+    }
+    return changed;
+}
+
+static void *
+stress_thread(void *arg)
+{
+    lx_stress *s = arg;
+    void *kept[LX_STRESS_KEPT] = {NULL};
+    for (size_t i = 0; i < s->blocks + LX_STRESS_KEPT; i++) {
+        void **slot = &kept[i % LX_STRESS_KEPT];
+        if (*slot != NULL) {
+            s->changed += changed_bytes(*slot, s->size, s->mark) > 0;
+            lx_free(s->c, *slot);
+            *slot = NULL;
+        }
+        if (i < s->blocks && !s->failed) {
+            int zero_filled;
+            lx_status status;
+            *slot = lx_alloc(s->c, s->size, 0, &zero_filled, &status);
+            if (*slot == NULL) {
+                s->failed = 1;
+                continue;
+            }
+            memset(*slot, s->mark, s->size);
+        }
+    }
+    return NULL;
+}
+
+/* Run `threads` (1 to 64) stress threads at once on core c, `blocks` blocks of
+ * `size` bytes each; returns the blocks found changed, or -1 if a thread could
+ * not start or a request failed (threads started still finish first). */
+long
+lx_stress_lock(lx_core *c, int threads, size_t blocks, size_t size)
+{
+    if (threads < 1 || threads > 64) {
+        return -1;
+    }
+    pthread_t ids[64];
+    lx_stress runs[64];
+    int started = 0, failed = 0;
+    while (started < threads && !failed) {
+        runs[started] = (lx_stress){.c = c, .blocks = blocks, .size = size,
+                                    .mark = (unsigned char)(started + 1)};
+        failed = pthread_create(&ids[started], NULL, stress_thread, &runs[started]) != 0;
+        started += !failed;
+    }
+    long changed = 0;
+    for (int k = 0; k < started; k++) {
+        pthread_join(ids[k], NULL);
+        changed += (long)runs[k].changed;
+        failed |= runs[k].failed;
+    }
+    return failed ? -1 : changed;
 }

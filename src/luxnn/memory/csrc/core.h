@@ -618,6 +618,7 @@ lx_figures lx_figures_of(lx_core *c);
 
 /* audit.c, failure.c, fork.c */
 const char *audit_locked(lx_core *c);
+long lx_stress_lock(lx_core *c, int threads, size_t blocks, size_t size);
 void note_failure_locked(lx_core *c, lx_status status, size_t request);
 void enlist_core(lx_core *c);
 void unlist_core(lx_core *c);

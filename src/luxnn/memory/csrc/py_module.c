@@ -280,6 +280,32 @@ Core_blocks(CoreObject *self, PyObject *Py_UNUSED(ignored))
     return list;
 }
 
+/* stress_lock(threads, blocks, nbytes) -> the blocks found changed (audit.c: A
+ * stress of the core's lock); the GIL released meanwhile. */
+static PyObject *
+Core_stress_lock(CoreObject *self, PyObject *args)
+{
+    int threads;
+    Py_ssize_t blocks, nbytes;
+    if (!PyArg_ParseTuple(args, "inn:stress_lock", &threads, &blocks, &nbytes)) {
+        return NULL;
+    }
+    if (threads < 1 || threads > 64 || blocks < 0 || nbytes < 1) {
+        return PyErr_Format(PyExc_ValueError,
+                            "stress_lock: expected 1 to 64 threads, blocks >= 0 and nbytes >= 1, "
+                            "got %d, %zd and %zd", threads, blocks, nbytes);
+    }
+    long changed;
+    Py_BEGIN_ALLOW_THREADS
+    changed = lx_stress_lock(self->core, threads, (size_t)blocks, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    if (changed < 0) {
+        return PyErr_Format(PyExc_MemoryError, "stress_lock: a thread did not start or a "
+                            "request of %zd bytes failed", nbytes);
+    }
+    return PyLong_FromLong(changed);
+}
+
 static PyObject *
 Core_audit(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -383,6 +409,9 @@ static PyMethodDef Core_methods[] = {
      "[(ptr, size, live, segment_base, segment_size, orphan)] of every block owned"},
     {"audit", (PyCFunction)Core_audit, METH_NOARGS,
      "Raise AssertionError unless the records, free lists and figures agree."},
+    {"stress_lock", (PyCFunction)Core_stress_lock, METH_VARARGS,
+     "stress_lock(threads, blocks, nbytes) -> blocks found changed: threads without the GIL "
+     "allocating and freeing at once, each checking its own blocks (for the tests)"},
     {"numpy_handler", (PyCFunction)Core_numpy_handler, METH_NOARGS,
      "A new NEP 49 handler capsule allocating from this core."},
     {"bind_cuda", (PyCFunction)Core_bind_cuda, METH_VARARGS,
