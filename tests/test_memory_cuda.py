@@ -262,6 +262,8 @@ def test_cuda_cores_and_host_cores_do_not_mix():
     host, device = _core.Core(), cuda_core()
     with pytest.raises(TypeError, match="device memory"):
         device.numpy_handler()
+    with pytest.raises(TypeError, match="device memory"):
+        device.stress_lock(2, 10, 64)  # its threads would write into device pointers
     with pytest.raises(ValueError, match="host memory"):
         host.block(10)
     with pytest.raises(TypeError, match="host memory"):

@@ -290,6 +290,9 @@ Core_stress_lock(CoreObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "inn:stress_lock", &threads, &blocks, &nbytes)) {
         return NULL;
     }
+    if (self->cuda) { /* its threads write into the blocks they take */
+        return PyErr_Format(PyExc_TypeError, "stress_lock: this core serves device memory");
+    }
     if (threads < 1 || threads > 64 || blocks < 0 || nbytes < 1) {
         return PyErr_Format(PyExc_ValueError,
                             "stress_lock: expected 1 to 64 threads, blocks >= 0 and nbytes >= 1, "
