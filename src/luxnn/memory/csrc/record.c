@@ -235,8 +235,8 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int6
     const size_t columns = LX_REQUEST_COLUMNS;
     /* A step with no request a plan is made for is not planned: no rows to hand over
      * (most steps of a loop of small arrays only; its record is carried all the same). */
-    int planned = pending && info->plannable > 0;
-    if (planned && c->nprev > 0 &&
+    int with_rows = pending && info->plannable > 0;
+    if (with_rows && c->nprev > 0 &&
         (*prev = malloc(c->nprev * (columns + 1) * sizeof(int64_t))) != NULL) {
         for (size_t i = 0; i < c->nprev; i++) {
             memcpy(*prev + (columns + 1) * i, &c->prev[i].r, columns * sizeof(int64_t));
@@ -247,7 +247,7 @@ lx_take_record(lx_core *c, int64_t **rows, size_t *n, lx_record_info *info, int6
     if (pending) {
         finish_record_locked(c);
     }
-    if (planned) {
+    if (with_rows) {
         *rows = c->rec_lost ? NULL : malloc((c->nrec ? c->nrec : 1) * columns * sizeof(int64_t));
         for (size_t i = 0; *rows != NULL && i < c->nrec; i++) {
             memcpy(*rows + columns * i, &c->rec[i], columns * sizeof(int64_t));
