@@ -109,7 +109,8 @@ def test_outputsize_feeds_tokens_to_a_model_that_starts_with_an_embedding_and_fl
     mlp = lx.Chain(lx.Dense(64, 8, "relu"), lx.Dense(8, 3))
     assert lx.outputsize(mlp, (2, 64)) == (2, 3)
     # dtype= picks the zeros' dtype; it has no meaning for an input given as an array.
-    assert lx.outputsize(lx.Chain(lx.Dense(4, 2)), (1, 4), dtype=np.float64) == (1, 2)
+    with pytest.warns(lx.DtypeWarning, match="got an input of dtype float64"):
+        assert lx.outputsize(lx.Chain(lx.Dense(4, 2)), (1, 4), dtype=np.float64) == (1, 2)
     with pytest.raises(lx.LayerError, match="expected integer indices in \\[0, 100\\), got an array of dtype float32"):
         lx.outputsize(lm, (2, 64), dtype=np.float32)
     with pytest.raises(TypeError, match="dtype= is for an input given as a shape, got an input of type ndarray"):
