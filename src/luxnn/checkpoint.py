@@ -16,6 +16,8 @@ node) leaves its staging directory behind; the next save to the same path remove
 The stage's owner file is locked (``flock``) for the whole save and the lock dies with its
 process, so a save removes only stages of saves that no longer run, whatever their pid
 (reused or of another machine sharing the directory), and only those of its own target.
+A stage whose lock was never taken is left alone: that of a save killed in the instant
+before taking it (an empty directory), or of a save on a file system without locks.
 
 >>> import numpy as np, luxnn as lx, tempfile, os
 >>> model = lx.Dense(2, 2)
@@ -217,9 +219,13 @@ def _write_atomically(path: str, arrays: dict[str, np.ndarray], metadata: dict[s
     os.mkdir(stage, 0o777)
     try:
         with open(os.path.join(stage, _OWNER), "w") as owner:
-            fcntl.flock(owner, fcntl.LOCK_EX)
-            owner.write(f"{os.getpid()}\n")
-            owner.flush()  # a written owner file tells a cleaner that the lock was taken
+            try:
+                fcntl.flock(owner, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks: no cleaner will take this stage
+                pass
+            else:
+                owner.write(f"{os.getpid()}\n")
+                owner.flush()  # a written owner file tells a cleaner that the lock was taken
             staged = os.path.join(stage, name)
             save_file(arrays, staged, metadata=metadata)
             # safetensors creates its file 0600; give it the mode open() gives under the
