@@ -364,15 +364,19 @@ def test_the_next_save_removes_what_a_killed_save_left_and_nothing_of_live_saves
     os.rename(tmp_path / left, tmp_path / reused)
     other_target = "other.safetensors" + left[len("ckpt.safetensors"):]
     shutil.copytree(tmp_path / reused, tmp_path / other_target)
+    # A stage whose owner file is empty never held the lock (a save about to take it): kept.
+    unlocked = f"ckpt.safetensors.{os.getpid()}-{'0' * 12}.tmp"
+    os.mkdir(tmp_path / unlocked)
+    (tmp_path / unlocked / "owner").touch()
     live = _held_save(path, 2)
-    [live_stage] = set(_stages(tmp_path)) - {reused}
+    [live_stage] = set(_stages(tmp_path)) - {reused, unlocked}
     try:
         lx.save(path, {"w": np.zeros(8)})
-        assert _stages(tmp_path) == [live_stage] and _stages(tmp_path, "other.safetensors") == [other_target]
+        assert _stages(tmp_path) == sorted([live_stage, unlocked]) and _stages(tmp_path, "other.safetensors") == [other_target]
     finally:
         _, err = live.communicate("go on\n", timeout=60)
     assert live.returncode == 0, err
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.safetensors", other_target]
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.safetensors", other_target, unlocked])
     assert lx.load(path, like={"w": np.zeros(8)})["w"][0] == 2.0
 
 
