@@ -308,7 +308,9 @@ def _error(path: str, what: str) -> CheckpointError:
     return CheckpointError(f"load: checkpoint {path}: {what}")
 
 
-_NOT_FILES = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+_NOT_FILES = (
+    (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+)  # fmt: skip
 
 
 def _read(path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
