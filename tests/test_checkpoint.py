@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -286,12 +287,97 @@ def test_files_that_are_not_checkpoints(tmp_path):
     junk.write_bytes(np.random.default_rng(0).bytes(300))
     no_metadata = tmp_path / "plain.safetensors"
     save_file({"w": np.ones(2)}, no_metadata)
-    for path, expected in ((tmp_path, "is a directory"), (junk, "not a readable safetensors file"), (no_metadata, "not a luxnn checkpoint")):
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(_saved(tmp_path).read_bytes()[:-10])
+    empty = tmp_path / "empty.safetensors"
+    empty.touch()
+    npy = tmp_path / "weights.npy"
+    np.save(npy, np.ones(3))
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # opening it would wait for a writer: refused without opening
+    cases = [
+        (tmp_path, "is a directory"),
+        ("/dev/null", "is a character device, not a checkpoint file"),
+        (fifo, "is a named pipe, not a checkpoint file"),
+        (junk, "not a readable safetensors file"),
+        (truncated, r"not a readable safetensors file \(.*not fully covered"),
+        (empty, "is empty"),
+        (npy, "not a readable safetensors file"),
+        (npy / "x", r"cannot be read \(Not a directory\)"),
+        (no_metadata, "not a luxnn checkpoint"),
+    ]  # fmt: skip
+    for path, expected in cases:
         with pytest.raises(lx.CheckpointError, match=expected) as info:
             lx.load(path, like=like)
-        assert str(path) in str(info.value)
+        assert f"checkpoint {path}: " in str(info.value)
     with pytest.raises(FileNotFoundError):
         lx.load(tmp_path / "absent.safetensors", like=like)
+
+
+def test_a_checkpoint_gets_the_mode_open_gives_under_the_umask(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    for umask in (0o022, 0o027, 0o002):
+        previous = os.umask(umask)
+        try:
+            lx.save(path, {"w": np.ones(2)})
+        finally:
+            os.umask(previous)
+        assert oct(os.stat(path).st_mode & 0o777) == oct(0o666 & ~umask)
+
+
+# ---- saves killed mid-write -----------------------------------------------------------------
+
+# Saves {"w": full(8, value)} to argv[1], held once the file is written (before its rename)
+# until a line comes on stdin: the test kills it there or lets it go on.
+HELD_SAVE = """
+import sys, numpy as np, safetensors.numpy, luxnn as lx
+real_save_file = safetensors.numpy.save_file
+def held(arrays, filename, metadata=None):
+    real_save_file(arrays, filename, metadata=metadata)
+    print("written", flush=True)
+    sys.stdin.readline()
+safetensors.numpy.save_file = held
+lx.save(sys.argv[1], {"w": np.full(8, float(sys.argv[2]))})
+"""
+
+
+def _held_save(path, value):
+    proc = subprocess.Popen([sys.executable, "-c", HELD_SAVE, str(path), str(value)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline() == "written\n", proc.communicate(timeout=60)[1]
+    return proc
+
+
+def _stages(directory, name="ckpt.safetensors"):
+    return sorted(p for p in os.listdir(directory) if p.startswith(name + ".") and p.endswith(".tmp"))
+
+
+def test_the_next_save_removes_what_a_killed_save_left_and_nothing_of_live_saves_or_other_files(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    killed = _held_save(path, 1)
+    killed.kill()  # SIGKILL: no handler, no cleanup
+    assert killed.wait(timeout=60) == -9
+    [left] = _stages(tmp_path)
+    assert os.path.getsize(tmp_path / left / "ckpt.safetensors") > 0  # a whole file's data
+    # The pid in a name says nothing: here it is a live process's (this one), as after reuse.
+    reused = f"ckpt.safetensors.{os.getpid()}-{left.rsplit('-', 1)[1]}"
+    os.rename(tmp_path / left, tmp_path / reused)
+    other_target = "other.safetensors" + left[len("ckpt.safetensors"):]
+    shutil.copytree(tmp_path / reused, tmp_path / other_target)
+    # A stage whose owner file is empty never held the lock (a save about to take it): kept.
+    unlocked = f"ckpt.safetensors.{os.getpid()}-{'0' * 12}.tmp"
+    os.mkdir(tmp_path / unlocked)
+    (tmp_path / unlocked / "owner").touch()
+    live = _held_save(path, 2)
+    [live_stage] = set(_stages(tmp_path)) - {reused, unlocked}
+    try:
+        lx.save(path, {"w": np.zeros(8)})
+        assert _stages(tmp_path) == sorted([live_stage, unlocked]) and _stages(tmp_path, "other.safetensors") == [other_target]
+    finally:
+        _, err = live.communicate("go on\n", timeout=60)
+    assert live.returncode == 0, err
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.safetensors", other_target, unlocked])
+    assert lx.load(path, like={"w": np.zeros(8)})["w"][0] == 2.0
 
 
 # ---- concurrent saves -----------------------------------------------------------------------

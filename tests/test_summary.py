@@ -99,3 +99,19 @@ def test_default_repr_shows_the_constructor_arguments_that_differ_from_their_def
     assert repr(lx.RepeatedLayer(lx.Dense(2, 2), 3)) == "RepeatedLayer(repeats=3,\n  layer = Dense(2 => 2)\n)"
     assert repr(lx.Upsample((2, 3), mode="bilinear")) == "Upsample((2, 3), mode='bilinear')"
     assert repr(lx.Dense(2, 3, "relu")) == "Dense(2 => 3, relu)"  # the custom repr stays
+
+
+def test_outputsize_feeds_tokens_to_a_model_that_starts_with_an_embedding_and_floats_otherwise():
+    lm = lx.Chain(lx.Embedding(100, 16), lx.Dense(16, 16, "relu"), lx.Dense(16, 100))
+    assert lx.outputsize(lm, (2, 64)) == (2, 64, 100)
+    assert lx.outputsize(lx.Chain(lx.Chain(lx.Embedding(10, 4), lx.Dense(4, 4)), lx.Dense(4, 2)), (3, 5)) == (3, 5, 2)
+    assert lx.summary(lm, (2, 64), show=False).rows[1].output_shape == (2, 64, 16)
+    mlp = lx.Chain(lx.Dense(64, 8, "relu"), lx.Dense(8, 3))
+    assert lx.outputsize(mlp, (2, 64)) == (2, 3)
+    # dtype= picks the zeros' dtype; it has no meaning for an input given as an array.
+    with pytest.warns(lx.DtypeWarning, match="got an input of dtype float64"):
+        assert lx.outputsize(lx.Chain(lx.Dense(4, 2)), (1, 4), dtype=np.float64) == (1, 2)
+    with pytest.raises(lx.LayerError, match="expected integer indices in \\[0, 100\\), got an array of dtype float32"):
+        lx.outputsize(lm, (2, 64), dtype=np.float32)
+    with pytest.raises(TypeError, match="dtype= is for an input given as a shape, got an input of type ndarray"):
+        lx.outputsize(mlp, np.zeros((2, 64), np.float32), dtype=np.int64)

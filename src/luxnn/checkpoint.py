@@ -9,6 +9,16 @@ entry of the file is checked against it, kind and type, before anything is built
 is data, never code: the only names read from it that select anything are NumPy's bit
 generators, from a fixed list.
 
+`save` writes the file whole or not at all: into a staging directory of its own next to
+the checkpoint (``<name>.<pid>-<hex>.tmp``), then renamed over it. The file gets the mode
+``open`` would give it (0666 less the umask). A save killed mid-write (SIGKILL, a lost
+node) leaves its staging directory behind; the next save to the same path removes it.
+The stage's owner file is locked (``flock``) for the whole save and the lock dies with its
+process, so a save removes only stages of saves that no longer run, whatever their pid
+(reused or of another machine sharing the directory), and only those of its own target.
+A stage whose lock was never taken is left alone: that of a save killed in the instant
+before taking it (an empty directory), or of a save on a file system without locks.
+
 >>> import numpy as np, luxnn as lx, tempfile, os
 >>> model = lx.Dense(2, 2)
 >>> ps, st = lx.setup(np.random.default_rng(0), model)
@@ -24,12 +34,14 @@ True
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import json
 import os
 import re
 import reprlib
 import secrets
+import shutil
+import stat
 from typing import Any
 
 import numpy as np
@@ -44,6 +56,7 @@ _FORMAT = "luxnn-checkpoint-2"
 _FORMAT_1 = "luxnn-checkpoint-1"  # TrainStates only, read as content "train_state"
 _TRAIN_STATE_FIELDS = ("parameters", "states", "optimizer_state")
 _TREE = "tree"  # the prefix of a plain pytree's paths
+_OWNER = "owner"  # in a save's staging directory: locked while the save runs
 # The bit generators a checkpoint may name; a name read from a file never reaches getattr.
 _BIT_GENERATORS = {
     cls.__name__: cls for cls in (np.random.PCG64, np.random.PCG64DXSM, np.random.MT19937, np.random.Philox, np.random.SFC64)
@@ -174,7 +187,8 @@ def save(path: str | os.PathLike, obj: Any) -> None:
     state and step) or any pytree whose leaves are arrays or the values listed in the module
     docstring. Every leaf is checked before the file is written; the file appears whole or
     not at all (written under a name of its own in the same directory, then renamed), so
-    concurrent saves to one path never mix."""
+    concurrent saves to one path never mix, and with the umask's mode. Leftovers of saves
+    to `path` that were killed are removed (see the module docstring)."""
     content, sections = _sections(obj)
     arrays: dict[str, np.ndarray] = {}
     others: dict[str, Any] = {}
@@ -197,22 +211,59 @@ def _write_atomically(path: str, arrays: dict[str, np.ndarray], metadata: dict[s
     if os.path.isdir(path):
         raise IsADirectoryError(f"save: {path} is a directory; give a file name")
     directory, name = os.path.split(os.path.abspath(path))
-    # A name no other save can pick (O_EXCL), in the same directory so that the rename is
-    # atomic; created with the user's umask, as the checkpoint itself would be.
-    tmp = os.path.join(directory, f"{name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    _remove_abandoned_stages(directory, name)
+    # The file is written in a staging directory of this save's own (safetensors writes a
+    # temporary file of its own next to its target), in the same directory so that the
+    # rename is atomic; its locked owner file says the save is alive (see the module docstring).
+    stage = os.path.join(directory, f"{name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
+    os.mkdir(stage, 0o777)
     try:
-        save_file(arrays, tmp, metadata=metadata)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the data is on disk before the rename makes it the checkpoint
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        with open(os.path.join(stage, _OWNER), "w") as owner:
+            try:
+                fcntl.flock(owner, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks: no cleaner will take this stage
+                pass
+            else:
+                owner.write(f"{os.getpid()}\n")
+                owner.flush()  # a written owner file tells a cleaner that the lock was taken
+            staged = os.path.join(stage, name)
+            save_file(arrays, staged, metadata=metadata)
+            # safetensors creates its file 0600; give it the mode open() gives under the
+            # umask, which the staging directory got (0777 less the umask) without the x bits.
+            os.chmod(staged, stat.S_IMODE(os.stat(stage).st_mode) & 0o666)
+            fd = os.open(staged, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # the data is on disk before the rename makes it the checkpoint
+            finally:
+                os.close(fd)
+            os.replace(staged, path)
+            shutil.rmtree(stage)  # still under the lock: no cleaner ever sees it half removed
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+def _remove_abandoned_stages(directory: str, name: str) -> None:
+    """Remove the staging directories of earlier saves to ``directory/name`` whose process
+    is gone (killed mid-save): those whose owner file was written and is no longer locked.
+    The lock, not the pid in the name, tells: a pid may be reused, or belong to another
+    machine sharing the directory. A stage that cannot be opened or locked is left alone."""
+    pattern = re.compile(re.escape(name) + r"\.[0-9]+-[0-9a-f]{12}\.tmp")
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for entry in filter(pattern.fullmatch, entries):
+        stage = os.path.join(directory, entry)
+        try:
+            with open(os.path.join(stage, _OWNER), "r+") as owner:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # Empty: its save is between creating the file and locking it (or was killed
+                # there, leaving no data); locked by us now, so its owner is gone otherwise.
+                if owner.read():
+                    shutil.rmtree(stage, ignore_errors=True)
+        except OSError:  # gone, locked by a live save, or not ours to open
+            continue
 
 
 # ---- load ---------------------------------------------------------------------------------
@@ -223,7 +274,9 @@ def load(path: str | os.PathLike, *, like: Any) -> Any:
     model and optimizer, or a pytree of the same structure. Raises `CheckpointError` naming
     the file and every problem (not a checkpoint, malformed metadata, missing, extra or
     mismatched entries: shapes, dtypes, kinds, types) before anything is built; `like` is
-    never modified. A missing file raises `FileNotFoundError`."""
+    never modified. Every file it cannot read raises `CheckpointError` naming the file and
+    why (a directory, a device, truncated or corrupt, not safetensors, not luxnn's); a
+    missing or forbidden one raises `FileNotFoundError` or `PermissionError`, as ``open``."""
     path = os.fspath(path)
     content, sections = _sections(like)
     metadata, arrays = _read(path)
@@ -255,16 +308,34 @@ def _error(path: str, what: str) -> CheckpointError:
     return CheckpointError(f"load: checkpoint {path}: {what}")
 
 
+_NOT_FILES = (
+    (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+)  # fmt: skip
+
+
 def _read(path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     """The metadata and the arrays of a safetensors file."""
     from safetensors import SafetensorError, safe_open
 
-    if os.path.isdir(path):
+    try:
+        info = os.stat(path)
+    except (FileNotFoundError, PermissionError):
+        raise
+    except OSError as e:  # a path through a file, a loop of links, a name too long, an I/O error
+        raise _error(path, f"cannot be read ({e.strerror or e})") from None
+    if stat.S_ISDIR(info.st_mode):
         raise _error(path, "is a directory, not a file")
+    if not stat.S_ISREG(info.st_mode):  # never opened: reading a pipe would wait for a writer
+        kind = next((what for test, what in _NOT_FILES if test(info.st_mode)), "neither a file nor a directory")
+        raise _error(path, f"is {kind}, not a checkpoint file")
+    if info.st_size == 0:
+        raise _error(path, "is empty")
     try:
         with safe_open(path, framework="numpy") as f:
             return f.metadata() or {}, {key: f.get_tensor(key) for key in f.keys()}
-    except (SafetensorError, TypeError, ValueError) as e:  # a tensor NumPy cannot hold is a TypeError
+    except (FileNotFoundError, PermissionError):  # removed or its rights changed since stat
+        raise
+    except (SafetensorError, OSError, TypeError, ValueError) as e:  # a tensor NumPy cannot hold is a TypeError
         raise _error(path, f"not a readable safetensors file ({e})") from None
 
 

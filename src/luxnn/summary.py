@@ -21,6 +21,7 @@ import numpy as np
 
 from . import tree
 from .core import Layer, apply, intercept_calls, layer_path, parameter_count, setup, testmode
+from .nn.embedding import Embedding
 
 __all__ = ["summary", "outputsize", "Summary", "SummaryRow"]
 
@@ -84,43 +85,68 @@ def _shape_of(y: Any) -> Any:
     return type(y).__name__
 
 
-def _as_input(x: Any) -> Any:
-    """`x`, or float32 zeros when `x` is a shape (a tuple of ints)."""
-    if isinstance(x, tuple) and x and all(isinstance(n, (int, np.integer)) for n in x):
-        return np.zeros(x, np.float32)
-    return x
+def _takes_tokens(model: Layer) -> bool:
+    """Whether the first layer the input reaches, going down each layer's first child
+    (a `Chain`'s first layer, a wrapper's layer), is an `Embedding`."""
+    while not isinstance(model, Embedding):
+        first = next(iter(model.children()), None)
+        if first is None:
+            return False
+        model = first[1]
+    return True
 
 
-def _run(model: Layer, x: Any, ps: Any, st: Any, rng: Any, observe: Any = None) -> tuple[Any, Any]:
+def _as_input(model: Layer, x: Any, dtype: Any) -> Any:
+    """`x`, or zeros of shape `x` (a tuple of ints) and of `dtype`: by default int64 (token
+    0) for a model that takes tokens, float32 otherwise."""
+    if not (isinstance(x, tuple) and x and all(isinstance(n, (int, np.integer)) for n in x)):
+        if dtype is not None:
+            raise TypeError(f"dtype= is for an input given as a shape, got an input of type {type(x).__name__}")
+        return x
+    if dtype is None:
+        dtype = np.int64 if _takes_tokens(model) else np.float32
+    return np.zeros(x, dtype)
+
+
+def _run(model: Layer, x: Any, ps: Any, st: Any, rng: Any, dtype: Any, observe: Any = None) -> tuple[Any, Any]:
     if not isinstance(model, Layer):
         raise TypeError(f"expected a luxnn Layer, got {type(model).__name__}")
+    x = _as_input(model, x, dtype)
     if ps is None or st is None:
         new_ps, new_st = setup(np.random.default_rng(0) if rng is None else rng, model)
         ps = new_ps if ps is None else ps
         st = new_st if st is None else st
     with intercept_calls(observe) if observe is not None else contextlib.nullcontext():
-        return apply(model, _as_input(x), ps, testmode(st))[0], ps
+        return apply(model, x, ps, testmode(st))[0], ps
 
 
-def outputsize(model: Layer, x: Any, ps: Any = None, st: Any = None, *, rng: Any = None) -> Any:
+def outputsize(model: Layer, x: Any, ps: Any = None, st: Any = None, *, rng: Any = None, dtype: Any = None) -> Any:
     """The shape of ``model``'s output on `x` (an array, a tuple of arrays, or a shape
-    for float32 zeros), as Flux's ``outputsize``: a tuple, or a tuple of them for several
+    for zeros), as Flux's ``outputsize``: a tuple, or a tuple of them for several
     outputs. The model runs once in test mode on `ps` and `st` (by default set up from
     `rng`); the state it returns is dropped, so no training state changes.
+
+    A shape gives zeros of `dtype`: by default int64 (token 0) when the model takes
+    tokens (the first layer its input reaches, down the first layers of containers, is
+    an `Embedding`), float32 otherwise.
 
     >>> import luxnn as lx
     >>> lx.outputsize(lx.Chain(lx.Conv(3, 1, 4), lx.Flatten()), (2, 8, 8, 1))
     (2, 144)
+    >>> lx.outputsize(lx.Chain(lx.Embedding(100, 16), lx.Dense(16, 100)), (2, 64))  # tokens
+    (2, 64, 100)
     """
-    return _shape_of(_run(model, x, ps, st, rng)[0])
+    return _shape_of(_run(model, x, ps, st, rng, dtype)[0])
 
 
 def summary(
-    model: Layer, x: Any, ps: Any = None, st: Any = None, *, rng: Any = None, show: bool = True, file: TextIO | None = None
+    model: Layer, x: Any, ps: Any = None, st: Any = None, *, rng: Any = None, dtype: Any = None, show: bool = True,
+    file: TextIO | None = None,
 ) -> Summary:
     """A table of every layer call of ``model(x)``: the layer's path, its class, its
     output shape and its parameter count, then the total; printed (to `file`, by default
-    standard output) unless ``show=False``, and returned as a `Summary`. `x`, `ps`, `st` and `rng` as for `outputsize`;
+    standard output) unless ``show=False``, and returned as a `Summary`. `x`, `ps`, `st`, `rng` and `dtype` as for
+    `outputsize`;
     a layer called several times (`RepeatedLayer`) has a row per call, and a layer that
     shares its wrapper's parameters (`SkipConnection`) a row under the wrapper's.
 
@@ -153,7 +179,7 @@ def summary(
         rows[index] = SummaryRow("/".join(layer_path()), type(layer).__name__, _shape_of(y), parameter_count(ps), level)
         return out
 
-    _, ps = _run(model, x, ps, st, rng, observe)
+    _, ps = _run(model, x, ps, st, rng, dtype, observe)
     nbytes = int(sum(getattr(leaf, "nbytes", 0) for leaf in tree.leaves(ps)))
     result = Summary(tuple(r for r in rows if r is not None), parameter_count(ps), nbytes)
     if show:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["map", "leaves", "flatten", "unflatten", "structure", "paths", "Structure"]
+__all__ = ["map", "map_with_path", "leaves", "flatten", "unflatten", "structure", "paths", "Structure"]
 
 _CONTAINERS = (dict, list, tuple)
 
@@ -33,15 +33,44 @@ def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:  # noqa: A001 - t
         return _map1(fn, tree)
     if len(rest) == 1:
         return _map2(fn, tree, rest[0])
+    return _map_with_path(lambda _, *leaves_: fn(*leaves_), "", tree, rest)
+
+
+def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """Apply ``fn(path, leaf, *others)`` to every leaf of `tree` (and the matching leaves
+    of `rest`), as JAX's ``tree_util.tree_map_with_path``. The path is the leaf's keys
+    joined with "/" (``"layer_1/bias"``, list and tuple positions as numbers, ``""`` for a
+    tree that is a leaf): the names of `paths`, of checkpoint entries, of `lx.summary` and
+    of error messages, where JAX passes a tuple of key objects.
+
+    For optax-style masks by name, e.g. weight decay on every parameter but the biases:
+
+    >>> import numpy as np
+    >>> from luxnn import optim
+    >>> params = {"layer_1": {"weight": np.ones((3, 2)), "bias": np.zeros(2)}, "layer_2": {"scale": np.ones(2)}}
+    >>> decay = lambda ps: map_with_path(lambda path, p: path.split("/")[-1] != "bias", ps)
+    >>> decay(params)
+    {'layer_1': {'weight': True, 'bias': False}, 'layer_2': {'scale': True}}
+    >>> opt = optim.adamw(1e-3, weight_decay=1e-2, mask=decay)
+    """
+    return _map_with_path(fn, "", tree, rest)
+
+
+def _map_with_path(fn: Callable[..., Any], path: str, tree: Any, rest: tuple[Any, ...]) -> Any:
     if isinstance(tree, dict):
         for other in rest:
             _check_same_keys(tree, other)
-        return {k: map(fn, v, *(o[k] for o in rest)) for k, v in tree.items()}
+        return {k: _map_with_path(fn, _join(path, k), v, tuple(o[k] for o in rest)) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         for other in rest:
             _check_same_length(tree, other)
-        return _rebuild(tree, [map(fn, v, *(o[i] for o in rest)) for i, v in enumerate(tree)])
-    return fn(tree, *rest)
+        children = [_map_with_path(fn, _join(path, i), v, tuple(o[i] for o in rest)) for i, v in enumerate(tree)]
+        return _rebuild(tree, children)
+    return fn(path, tree, *rest)
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}/{key}" if path else str(key)
 
 
 def _map1(fn: Callable[..., Any], tree: Any) -> Any:
@@ -191,12 +220,12 @@ def paths(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
     [('layer_1/weight', 1), ('opt/0', 2)]
     """
     if isinstance(tree, dict):
-        items = [(str(k), v) for k, v in tree.items()]
+        items = list(tree.items())
     elif isinstance(tree, _CONTAINERS):
-        items = [(str(i), v) for i, v in enumerate(tree)]
+        items = list(enumerate(tree))
     else:
         return [(prefix, tree)]
     out: list[tuple[str, Any]] = []
     for k, v in items:
-        out.extend(paths(v, f"{prefix}/{k}" if prefix else k))
+        out.extend(paths(v, _join(prefix, k)))
     return out

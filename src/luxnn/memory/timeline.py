@@ -1,4 +1,4 @@
-"""`plot_timeline`: a picture of a recording cache's memory over time."""
+"""`plot_timeline`: a picture of a recording cache's memory over a run."""
 
 from __future__ import annotations
 
@@ -12,15 +12,19 @@ from .errors import format_bytes
 
 __all__ = ["plot_timeline"]
 
+_COLORS = {"reserved": "tab:blue", "live": "tab:orange", "kept": "tab:green"}
 
-def plot_timeline(cache: AllocCache, path: str | PathLike | None = None) -> Any:
-    """Draw bytes live and bytes reserved over the whole run, with the steps (the cache's
-    spans, `AllocCache.timeline_spans`) shaded; save it to `path` if given. Returns the
-    matplotlib `Figure` (matplotlib is imported only here).
 
-    Every event is drawn while the cache still holds it (the last `TIMELINE_CAPACITY`);
-    before those, each step by its peaks and its end, and the title says how many events
-    were dropped. The cache must have been created with ``record=True``.
+def plot_timeline(cache: AllocCache, path: str | PathLike | None = None, *, detail_steps: int = 3) -> Any:
+    """Draw a recording cache's memory in two panels and save it to `path` if given;
+    returns the matplotlib `Figure` (matplotlib is imported only here).
+
+    Above, the whole run step by step (the cache's spans, `AllocCache.timeline_spans`):
+    each step's peak reserved and peak live bytes, and the bytes live when it ended (what
+    outlives a step: parameters, optimizer state). Below, the last `detail_steps` steps
+    event by event, as far as the cache still holds their events (the last
+    `TIMELINE_CAPACITY`). Both axes start at 0; the title says the figures in words. The
+    cache must have been created with ``record=True`` and have recorded a step.
 
     >>> import numpy as np
     >>> from luxnn import memory
@@ -37,42 +41,84 @@ def plot_timeline(cache: AllocCache, path: str | PathLike | None = None) -> Any:
 
     if not cache.record:
         raise ValueError("this cache keeps no timeline: create it with AllocCache(record=True)")
-    events, spans, dropped = cache.timeline(), cache.timeline_spans(), cache.timeline_dropped()
-    # The event ring holds the last events only; before the first it holds, each step is
-    # drawn from its span: its peak while it runs, and after it the lower of its figure at
-    # its end and the next step's at its start (arrays die as the step's results go).
-    first = events["t"][0] if len(events) else np.inf
-    early = spans[: np.searchsorted(spans["t_exit"], first)] if dropped else spans[:0]
-    t = np.concatenate([np.column_stack([early["t_enter"], early["t_exit"]]).ravel(), events["t"]])
-    curves = {}
-    for name in ("reserved", "live"):
-        after = np.minimum(early[f"{name}_exit"], np.append(spans[f"{name}_enter"][1:], np.inf)[: len(early)])
-        early_curve = np.column_stack([early[f"peak_{name}"], after]).ravel()
-        curves[name] = np.concatenate([early_curve, events[name]])
-    mib = 1 << 20
-    fig = Figure(figsize=(9, 4), layout="constrained")
-    ax = fig.add_subplot()
-    for name, bytes_ in curves.items():
-        ax.step(t, bytes_ / mib, where="post", label=name)
-    # Every other span shaded darker, so back-to-back steps stay apart.
-    for parity, alpha in ((0, 0.15), (1, 0.05)):
-        rows = spans[parity::2]
-        ax.broken_barh(
-            list(zip(rows["t_enter"], rows["t_exit"] - rows["t_enter"])), (0, 1),
-            transform=ax.get_xaxis_transform(), color="grey", alpha=alpha, lw=0,
-        )  # fmt: skip
+    if not isinstance(detail_steps, int) or isinstance(detail_steps, bool) or detail_steps < 1:
+        raise ValueError(f"plot_timeline: detail_steps must be a positive integer, got {detail_steps!r}")
+    spans, events = cache.timeline_spans(), cache.timeline()
+    if not len(spans):
+        raise ValueError("plot_timeline: the cache has recorded no step yet (no scope of it has closed)")
     s = cache.stats()
-    title = (
-        f"peak live {format_bytes(s.peak_live)}, peak reserved {format_bytes(s.peak_reserved)}, "
-        f"{s.hits} hits, {s.upstream_allocs} upstream allocations, {s.scopes} scopes"
+    # The largest binary unit in which the peak is at least 1, so the ticks read as numbers.
+    unit, scale = next(((u, 1 << b) for u, b in (("GiB", 30), ("MiB", 20), ("KiB", 10)) if s.peak_reserved >= 1 << b), ("B", 1))
+
+    fig = Figure(figsize=(10, 7), layout="constrained")
+    run, detail = fig.subplots(2, 1)
+    shown = _steps_in_detail(spans, events, cache.timeline_dropped(), detail_steps)
+    _draw_run(run, spans, scale, shown)
+    _draw_detail(detail, spans, events, scale, shown, cache.timeline_dropped())
+    for ax in (run, detail):
+        ax.set_ylabel(unit)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-3))
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    requests = s.hits + s.misses
+    fig.suptitle(
+        f"Memory over {int(spans['spans'].sum()):,} steps (scopes of the cache): arrays held at most {format_bytes(s.peak_live)} (live); "
+        f"the cache held at most {format_bytes(s.peak_reserved)} (reserved, {s.peak_reserved / max(s.peak_live, 1):.2f}x live)\n"
+        f"{s.hits:,} of {requests:,} requests were served from memory the cache already held; "
+        f"it took {s.upstream_allocs:,} blocks from the system",
+        fontsize="medium",
     )
-    if dropped:
-        ax.axvline(first, color="black", lw=0.8, ls=":")
-        title += f"\n{dropped} of {dropped + len(events)} events dropped: left of the dotted line, steps by their peaks"
-    ax.set_title(title)
-    ax.set_xlabel("time since the cache was created (s)")
-    ax.set_ylabel("MiB")
-    fig.legend(loc="outside lower center", ncols=2)
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+def _steps_in_detail(spans: np.ndarray, events: np.ndarray, dropped: int, detail_steps: int) -> np.ndarray:
+    """The rows of the last `detail_steps` steps whose events the cache still holds (rows
+    of one step each: merged rows are old)."""
+    last = np.arange(max(len(spans) - detail_steps, 0), len(spans))
+    first_held = -np.inf if not dropped else events["t"][0] if len(events) else np.inf
+    return last[(spans["spans"][last] == 1) & (spans["t_enter"][last] >= first_held)]
+
+
+def _draw_run(ax: Any, spans: np.ndarray, scale: float, shown: np.ndarray) -> None:
+    """Each step's figures against its number; the steps `shown` below shaded."""
+    step = np.cumsum(spans["spans"])  # a merged row (past 4096 rows) ends at its last step
+    few = len(step) <= 50  # a handful of steps: markers, or a single step would be invisible
+    for name, label in (("peak_reserved", "peak reserved"), ("peak_live", "peak live"), ("live_exit", "live at the step's end")):
+        color = _COLORS["kept" if name == "live_exit" else name.split("_")[1]]
+        ax.plot(step, spans[name] / scale, color=color, label=label, marker="o" if few else None, ms=3)
+    if len(shown):
+        ax.axvspan(step[shown[0]] - 0.5, step[shown[-1]] + 0.5, color="grey", alpha=0.25, lw=0, label="shown below")
+    ax.set_xlabel("step")
+    ax.set_title("The whole run: each step's peaks", loc="left", fontsize="medium")
+
+
+def _draw_detail(ax: Any, spans: np.ndarray, events: np.ndarray, scale: float, shown: np.ndarray, dropped: int) -> None:
+    """The events of the steps `shown` (or, if the cache holds no whole step, the events
+    it holds), in milliseconds from the start of the first."""
+    if len(shown):
+        start, stop = spans["t_enter"][shown[0]], spans["t_exit"][shown[-1]]
+        first, last = np.cumsum(spans["spans"])[[shown[0], shown[-1]]]
+        what = f"step ({first:,})" if len(shown) == 1 else f"{len(shown)} steps ({first:,} to {last:,})"
+        title = f"The last {what}, allocation by allocation"
+    elif len(events):
+        start, stop = events["t"][0], events["t"][-1]
+        title = f"The last {len(events):,} events"
+    else:
+        start = stop = 0.0
+        title = "No event recorded"
+    if dropped:
+        title += f"\n(the cache keeps its last {TIMELINE_CAPACITY:,} events; {dropped:,} earlier ones are only in the panel above)"
+    ax.set_title(title, loc="left", fontsize="medium")
+    ax.set_xlabel("milliseconds from the start of the first of these steps" if len(shown) else "milliseconds")
+    # From the last event before the window (the figures as it opens) to the last in it.
+    t = events["t"]
+    window = events[max(np.searchsorted(t, start) - 1, 0) : np.searchsorted(t, stop, side="right")]
+    if len(window):
+        x = (np.append(np.maximum(window["t"], start), stop) - start) * 1e3
+        for name in ("reserved", "live"):
+            ax.step(x, np.append(window[name], window[name][-1]) / scale, where="post", color=_COLORS[name], label=name)
+    for k, row in enumerate(shown):  # every other step darker, so back-to-back steps stay apart
+        ax.axvspan((spans["t_enter"][row] - start) * 1e3, (spans["t_exit"][row] - start) * 1e3,
+                   color="grey", alpha=0.15 if k % 2 == 0 else 0.07, lw=0)  # fmt: skip
