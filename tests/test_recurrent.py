@@ -362,7 +362,7 @@ def test_lstm_without_the_blas_runs_the_array_passes(monkeypatch, reverse):
     loss = lx.value_and_grad(lambda *a: (f(*a) * weights).sum(), argnums=tuple(range(6)))
     (value, grads), y = loss(*args), f(*args)
     monkeypatch.setattr(_recurrent, "HAS_GEMM", False)
-    assert rec._lstm_passes(np) == (rec._lstm_forward_steps, rec._lstm_backward_steps)
+    assert rec._lstm_passes(np, np.float64) == (rec._lstm_forward_steps, rec._lstm_backward_steps)
     check_grad(f, *args)
     (value_arrays, grads_arrays), y_arrays = loss(*args), f(*args)
     np.testing.assert_allclose(y_arrays, y, rtol=1e-12, atol=1e-12)
