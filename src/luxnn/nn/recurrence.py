@@ -51,7 +51,8 @@ def _checked_lengths(layer: Layer, lengths: Any, x: Any) -> Any:
     except (TypeError, ValueError) as e:
         raise LayerError(f"{layer}: expected lengths as integers of x's device, got {type(lengths).__name__} ({e})") from None
     if lengths.dtype.kind not in "iu" or lengths.shape != (batch,):
-        raise LayerError(f"{layer}: expected lengths of shape ({batch},), integers in [1, {seq}], got {lengths.dtype} of shape {lengths.shape}")
+        got = f"{lengths.dtype} of shape {lengths.shape}"
+        raise LayerError(f"{layer}: expected lengths of shape ({batch},), integers in [1, {seq}], got {got}")
     if batch and (int(lengths.min()) < 1 or int(lengths.max()) > seq):
         raise LayerError(f"{layer}: expected lengths in [1, {seq}], got values in [{int(lengths.min())}, {int(lengths.max())}]")
     return lengths
