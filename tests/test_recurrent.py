@@ -717,9 +717,13 @@ def test_bad_lengths_are_named():
 def test_an_empty_batch_gives_empty_outputs(kind):
     """Batch 0: empty outputs, carries and input gradient, zero weight gradients, for every
     cell, direction and output (the LSTM's C passes run no rows)."""
+    x = np.ones((0, 5, 3), np.float32)
+    for return_sequence in (True, False):
+        model = lx.Bidirectional(make_cell(kind, 3, 4), make_cell(kind, 3, 4), return_sequence=return_sequence)
+        y, _ = model(x, *lx.setup(np.random.default_rng(0), model))
+        assert y.shape == ((0, 5, 8) if return_sequence else (0, 8))
     model = make_stack(kind, 3, 4, num_layers=2, bidirectional=True, return_carry=True)
     ps, st = lx.setup(np.random.default_rng(0), model)
-    x = np.ones((0, 5, 3), np.float32)
     for inputs in (x, lx.Padded(x, np.zeros(0, np.int64))):
         (y, carry), _ = model(inputs, ps, st)
         assert (y.x if isinstance(y, lx.Padded) else y).shape == (0, 5, 8)
@@ -735,7 +739,7 @@ def test_an_empty_batch_gives_empty_outputs(kind):
 def test_float16_parameters_compute_in_float16(kind):
     """float16 parameters and inputs: float16 outputs and gradients (every cell computes in
     float16), within float16's precision of the float32 results."""
-    model = make_stack(kind, 3, 4, bidirectional=True)
+    model = lx.Bidirectional(make_cell(kind, 3, 4), make_cell(kind, 3, 4))
     ps32, st = lx.setup(np.random.default_rng(0), model)
     x32 = np.random.default_rng(1).normal(size=(2, 6, 3)).astype(np.float32)
     ps16, x16 = lx.tree.map(lambda a: a.astype(np.float16), ps32), x32.astype(np.float16)
