@@ -561,23 +561,23 @@ def stack_tree(module, num_layers, bidirectional, of=copied):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("lengths", [[6, 3, 1, 5], None])
-def test_stacks_with_lengths_match_torch_packed_sequences(torch, kind, lengths):
+@pytest.mark.parametrize("lengths, start", [([6, 3, 1, 5], False), ([6, 3, 1, 5], True), (None, False)])
+def test_stacks_with_lengths_match_torch_packed_sequences(torch, kind, lengths, start):
     """A 2-layer bidirectional stack over padded sequences against torch's over packed ones
-    (same weights, float64): outputs (zero past each length), h_n and c_n, and the
-    gradients of all of them with respect to every weight and the input."""
+    (same weights, float64), from the initial carry or a given one (h_0, c_0): outputs (zero
+    past each length), h_n and c_n, and the gradients of all of them with respect to every
+    weight, the input and the carry given."""
     from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
     rng = np.random.default_rng(20)
     batch, seq, in_dims, hidden = 4, 6, 3, 5
     x = rng.normal(size=(batch, seq, in_dims))
+    h0 = [rng.normal(size=(4, batch, hidden)) for _ in range(2 if kind == "lstm" else 1)] if start else []
     module = torch_module(torch, kind, in_dims, hidden, num_layers=2, bidirectional=True)
-    tx = torch.tensor(x, requires_grad=True)
-    if lengths is None:
-        out, carry = module(tx)
-    else:
-        packed = pack_padded_sequence(tx, torch.tensor(lengths), batch_first=True, enforce_sorted=False)
-        out, carry = module(packed)
+    tx, th0 = torch.tensor(x, requires_grad=True), [torch.tensor(h, requires_grad=True) for h in h0]
+    inputs = tx if lengths is None else pack_padded_sequence(tx, torch.tensor(lengths), batch_first=True, enforce_sorted=False)
+    out, carry = module(inputs, (tuple(th0) if kind == "lstm" else th0[0]) if start else None)
+    if lengths is not None:
         out = pad_packed_sequence(out, batch_first=True, total_length=seq)[0]
     carry = carry if kind == "lstm" else (carry,)
     weights = [rng.normal(size=a.shape) for a in (out, *carry)]
@@ -585,26 +585,31 @@ def test_stacks_with_lengths_match_torch_packed_sequences(torch, kind, lengths):
 
     model = make_stack(kind, in_dims, hidden, num_layers=2, bidirectional=True, return_carry=True)
     ps, st = stack_tree(module, 2, True), lx.setup(np.random.default_rng(0), model)[1]
-    inputs = x if lengths is None else lx.Padded(x, np.array(lengths))
 
-    def objective(ps, x):
-        y, carry = model(x if lengths is None else lx.Padded(x, np.array(lengths)), ps, st)[0]
+    def inputs(x, h0):
+        x = x if lengths is None else lx.Padded(x, np.array(lengths))
+        return (x, tuple(h0) if kind == "lstm" else h0[0]) if start else x
+
+    def objective(ps, x, *h0):
+        y, carry = model(inputs(x, h0), ps, st)[0]
         y = y if lengths is None else y.x
         return sum((a * w).sum() for a, w in zip((y, *(carry if kind == "lstm" else (carry,))), weights))
 
-    (y, got_carry), _ = model(inputs, ps, st)
+    (y, got_carry), _ = model(inputs(x, h0), ps, st)
     assert_close(y if lengths is None else y.x, out.detach().numpy(), "output")
     for got, want in zip(got_carry if kind == "lstm" else (got_carry,), carry, strict=True):
         assert_close(got, want.detach().numpy(), "final carry")
-    _, (grads, gx) = lx.value_and_grad(objective, argnums=(0, 1))(ps, x)
+    _, (grads, gx, *gh0) = lx.value_and_grad(objective, argnums=tuple(range(2 + len(h0))))(ps, x, *h0)
     assert_close(gx, tx.grad.numpy(), "input gradient")
+    for got, want in zip(gh0, th0, strict=True):
+        assert_close(got, want.grad.numpy(), "carry gradient")
     want_grads = stack_tree(module, 2, True, torch_grads)
     for layer in want_grads:
         for direction in ("forward", "backward"):
             for name, g in want_grads[layer][direction]["cell"].items():
                 assert_close(grads[layer][direction]["cell"][name], g, f"{layer} {direction} {name}")
     # the last outputs alone: forward at each last step, backward at position 0 (torch's h_n)
-    last = make_stack(kind, in_dims, hidden, num_layers=2, bidirectional=True, return_sequence=False)(inputs, ps, st)[0]
+    last = make_stack(kind, in_dims, hidden, num_layers=2, bidirectional=True, return_sequence=False)(inputs(x, h0), ps, st)[0]
     h_n = carry[0].detach().numpy()
     assert_close(last, np.concatenate([h_n[-2], h_n[-1]], axis=-1), "last output")
 
@@ -638,14 +643,17 @@ def test_a_custom_cell_runs_padded_sequences_as_the_fused_one(reverse):
     w = ps["dense"]["weight"]
     ours = {"weight_ih": w[:3], "weight_hh": w[3:], "bias_ih": ps["dense"]["bias"], "bias_hh": np.zeros(4)}
     x, lengths = np.random.default_rng(1).normal(size=(3, 5, 3)), np.array([2, 5, 4])
-    for return_sequence in (True, False):
+    h0 = np.random.default_rng(2).normal(size=(3, 4))
+    for return_sequence, start in ((True, None), (False, None), (True, h0)):
         options = {"return_sequence": return_sequence, "reverse": reverse, "return_carry": True}
-        custom = lx.Recurrence(cell, **options)(lx.Padded(x, lengths), {"cell": ps}, {"cell": {"dense": {}}})[0]
-        fused = lx.Recurrence(lx.RNNCell(3, 4), **options)(lx.Padded(x, lengths), {"cell": ours}, {"cell": {}})[0]
+        padded = lx.Padded(x, lengths) if start is None else (lx.Padded(x, lengths), start)
+        custom = lx.Recurrence(cell, **options)(padded, {"cell": ps}, {"cell": {"dense": {}}})[0]
+        fused = lx.Recurrence(lx.RNNCell(3, 4), **options)(padded, {"cell": ours}, {"cell": {}})[0]
         for got, want in zip(lx.tree.leaves(custom), lx.tree.leaves(fused), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
         for b, n in enumerate(lengths):
-            alone = lx.Recurrence(lx.RNNCell(3, 4), **options)(x[b : b + 1, :n], {"cell": ours}, {"cell": {}})[0]
+            one = x[b : b + 1, :n] if start is None else (x[b : b + 1, :n], start[b : b + 1])
+            alone = lx.Recurrence(lx.RNNCell(3, 4), **options)(one, {"cell": ours}, {"cell": {}})[0]
             y, carry = fused
             y = y.x[b] if return_sequence else y[b]
             np.testing.assert_allclose(y[:n] if return_sequence else y, alone[0][0], rtol=1e-12)
@@ -697,6 +705,26 @@ def test_stack_repr_and_bad_configuration():
         lx.GRU(3, 8, dropout=1.0)
     with pytest.raises(ValueError, match="RNN: activation must be 'tanh' or 'relu', got 'gelu'"):
         lx.RNN(3, 8, activation="gelu")
+
+
+def test_bad_carries_are_named():
+    x = np.ones((2, 5, 3), np.float32)
+    lstm = lx.LSTM(3, 4, num_layers=2)
+    ps, st = lx.setup(np.random.default_rng(0), lstm)
+    h = np.zeros((2, 2, 4), np.float32)
+    with pytest.raises(lx.LayerError, match=r"^LSTM\(3 => 4, num_layers=2\): expected the carry \(h_0, c_0\), each of shape \(2, batch, 4\), got \[\(2, 2, 4\)\]"):
+        lstm((x, (h,)), ps, st)
+    with pytest.raises(lx.LayerError, match=r"expected the carry h_0 of shape \(4, batch, 4\), got \[\(2, 2, 4\)\]"):
+        gru = lx.GRU(3, 4, num_layers=2, bidirectional=True)
+        gru((x, h), *lx.setup(np.random.default_rng(0), gru))
+    with pytest.raises(lx.LayerError, match=r"^layer_1/cell: LSTMCell\(3 => 4\): expected carry \(h, c\), each of shape \(2, 4\), got \[\(3, 4\), \(3, 4\)\]"):
+        lstm((x, (np.zeros((2, 3, 4), np.float32),) * 2), ps, st)
+    model = lx.Bidirectional(lx.GRUCell(3, 4), lx.GRUCell(3, 4))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    with pytest.raises(lx.LayerError, match=r"expected the carry as \(forward_carry, backward_carry\), got ndarray"):
+        model((x, h[0]), ps, st)
+    with pytest.raises(lx.LayerError, match=r"^Recurrence\(GRUCell\(3 => 4\), return_sequence=True\): expected x or \(x, carry\), got a tuple of 3"):
+        model.forward((x, h[0], h[0]), ps["forward"], st["forward"])
 
 
 def test_bad_lengths_are_named():

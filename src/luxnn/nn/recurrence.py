@@ -21,7 +21,7 @@ from ..core import Layer, LayerError, call_child
 from ..ops.recurrent import reverse_padded
 from .recurrent import RecurrentCell, Steps
 
-__all__ = ["Padded", "Recurrence", "Bidirectional"]
+__all__ = ["Padded", "Recurrence", "Bidirectional", "split_carry"]
 
 
 class Padded(NamedTuple):
@@ -58,6 +58,16 @@ def _checked_lengths(layer: Layer, lengths: Any, x: Any) -> Any:
     return lengths
 
 
+def split_carry(layer: Layer, x: Any) -> tuple[Any, Any]:
+    """``(x, carry)`` of the input of a layer over sequences, given as x alone (x or `Padded`;
+    carry None) or as the pair ``(x, carry)``."""
+    if not isinstance(x, tuple) or isinstance(x, Padded):
+        return x, None
+    if len(x) != 2:
+        raise LayerError(f"{layer}: expected x or (x, carry), got a tuple of {len(x)}")
+    return x
+
+
 def _at_last_steps(values: Any, lengths: Any) -> Any:
     """``values[b, lengths[b] - 1]`` for each b: ``(batch, seq, ...)`` -> ``(batch, ...)``."""
     return values[module_of(lengths).arange(lengths.shape[0]), lengths - 1]
@@ -75,14 +85,17 @@ class Recurrence(Layer):
     hidden)``. ``reverse=True`` reads the sequence from its end; outputs stay aligned with
     the input positions, so the last output is then the one at position 0.
 
+    The carry starts as the cell's initial carry, or as `carry` given with the input as
+    ``(x, carry)`` (a cell's carry, as `return_carry` returns it: to go on from where a
+    call stopped, or to start a decoder from an encoder's carry).
+
     A `Padded` input runs each sequence over its own length: outputs past it are zero (the
     sequence output is `Padded` too), the last output and the carry are those of its last
     step, and ``reverse=True`` starts at that step. ``return_carry=True`` returns ``(y,
     carry)``, the carry after the last step taken (the cell's: h, or ``(h, c)`` for the
     LSTM, each ``(batch, hidden)``), as PyTorch's ``h_n`` / ``(h_n, c_n)``.
 
-    Parameters and state ``{"cell": ...}``. The carry starts as the cell's initial carry.
-    A `RecurrentCell` runs as one fused primitive over the sequence; any other cell layer
+    Parameters and state ``{"cell": ...}``. A `RecurrentCell` runs as one fused primitive over the sequence; any other cell layer
     (``(x_t or (x_t, carry)) -> ((h_t, carry), state)``) step by step. Stack layers as
     ``Chain(Recurrence(a, return_sequence=True), Recurrence(b))``.
 
@@ -110,6 +123,7 @@ class Recurrence(Layer):
         return iter((("cell", self.cell),))
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        x, carry = split_carry(self, x)
         xs, lengths = (x.x, x.lengths) if isinstance(x, Padded) else (x, None)
         shape = getattr(xs, "shape", None)
         in_dims = getattr(self.cell, "in_dims", "in_dims")
@@ -119,7 +133,7 @@ class Recurrence(Layer):
             lengths = _checked_lengths(self, lengths, xs)
             xs = reverse_padded(xs, lengths) if self.reverse else xs
         run = self._fused if isinstance(self.cell, RecurrentCell) else self._step_by_step
-        hs, last, carry, st = run(xs, ps, st, self.reverse and lengths is None, lengths)
+        hs, last, carry, st = run(xs, carry, ps, st, self.reverse and lengths is None, lengths)
         if not self.return_sequence:
             y = last
         elif lengths is None:
@@ -128,14 +142,15 @@ class Recurrence(Layer):
             y = Padded(_zero_past_lengths(reverse_padded(hs, lengths) if self.reverse else hs, lengths), lengths)
         return ((y, carry) if self.return_carry else y), st
 
-    # Both runs return (every output (batch, seq, hidden) or None when not needed, the last
-    # output, the carry after it, the new state); with lengths, they run forward and take
-    # the last output and the carry at each sequence's last step.
+    # Both runs start from `carry` (None: the cell's initial carry) and return (every output
+    # (batch, seq, hidden) or None when not needed, the last output, the carry after it, the
+    # new state); with lengths, they run forward and take the last output and the carry at
+    # each sequence's last step.
 
-    def _fused(self, xs: Any, ps: Any, st: Any, reverse: bool, lengths: Any) -> tuple:
+    def _fused(self, xs: Any, carry: Any, ps: Any, st: Any, reverse: bool, lengths: Any) -> tuple:
         xp = array_namespace(xs)
         every = self.return_sequence or lengths is not None
-        steps = Steps(xp.permute_dims(xs, (1, 0, 2)), reverse=reverse, last_only=not every)
+        steps = Steps(xp.permute_dims(xs, (1, 0, 2)), carry, reverse=reverse, last_only=not every)
         packed, st_cell = call_child("cell", self.cell, steps, ps, st)
         if not every:
             return (None, *self.cell.unpack(packed), {"cell": st_cell})
@@ -144,10 +159,10 @@ class Recurrence(Layer):
         last = packed[:, 0 if reverse else -1] if lengths is None else _at_last_steps(packed, lengths)
         return (hs, *self.cell.unpack(last), {"cell": st_cell})
 
-    def _step_by_step(self, xs: Any, ps: Any, st: Any, reverse: bool, lengths: Any) -> tuple:
+    def _step_by_step(self, xs: Any, carry: Any, ps: Any, st: Any, reverse: bool, lengths: Any) -> tuple:
         seq = xs.shape[1]
         order = range(seq - 1, -1, -1) if reverse else range(seq)
-        outputs, carries, carry = {}, {}, None
+        outputs, carries = {}, {}
         for t in order:
             step_in = xs[:, t] if carry is None else (xs[:, t], carry)
             (outputs[t], carry), cell_st = call_child("cell", self.cell, step_in, ps, st)
@@ -212,7 +227,8 @@ class Bidirectional(Layer):
     merge of each direction's last output (forward at position seq - 1, backward at 0, as
     PyTorch's ``h_n``; with `Padded` input, forward at each sequence's last step).
     ``return_carry=True`` returns ``(y, (forward_carry, backward_carry))``, each direction's
-    carry after its last step. Parameters and state ``{"forward": {"cell": ...},
+    carry after its last step; an input ``(x, (forward_carry, backward_carry))`` starts
+    from these. Parameters and state ``{"forward": {"cell": ...},
     "backward": {"cell": ...}}``: two `Recurrence` layers.
 
     >>> import luxnn as lx
@@ -241,8 +257,12 @@ class Bidirectional(Layer):
         return iter((("forward", self.forward), ("backward", self.backward)))
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        f, st_f = call_child("forward", self.forward, x, ps, st)
-        b, st_b = call_child("backward", self.backward, x, ps, st)
+        x, carry = split_carry(self, x)
+        if carry is not None and not (isinstance(carry, tuple) and len(carry) == 2):
+            raise LayerError(f"{self}: expected the carry as (forward_carry, backward_carry), got {type(carry).__name__}")
+        x_f, x_b = (x, x) if carry is None else ((x, carry[0]), (x, carry[1]))
+        f, st_f = call_child("forward", self.forward, x_f, ps, st)
+        b, st_b = call_child("backward", self.backward, x_b, ps, st)
         st = {"forward": st_f, "backward": st_b}
         if self.return_carry:
             (f, carry_f), (b, carry_b) = f, b
