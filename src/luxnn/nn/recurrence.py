@@ -11,8 +11,6 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Iterator, NamedTuple
 
-import numpy as np
-
 from .. import tree
 from ..ad.namespace import array_namespace
 from ..ad.tape import stop_gradient
@@ -31,7 +29,7 @@ class Padded(NamedTuple):
     Flax's ``seq_lengths``. `Recurrence` and `Bidirectional` take one as their input; their
     sequence outputs are then `Padded` too (zero past each length), so that they stack.
 
-    >>> import luxnn as lx
+    >>> import numpy as np, luxnn as lx
     >>> model = lx.Recurrence(lx.GRUCell(3, 4), return_sequence=True)
     >>> ps, st = lx.setup(np.random.default_rng(0), model)
     >>> y, st = model(lx.Padded(np.ones((2, 5, 3), np.float32), [5, 2]), ps, st)
@@ -99,7 +97,7 @@ class Recurrence(Layer):
     (``(x_t or (x_t, carry)) -> ((h_t, carry), state)``) step by step. Stack layers as
     ``Chain(Recurrence(a, return_sequence=True), Recurrence(b))``.
 
-    >>> import luxnn as lx
+    >>> import numpy as np, luxnn as lx
     >>> model = lx.Chain(lx.Recurrence(lx.LSTMCell(3, 8)), lx.Dense(8, 2))
     >>> ps, st = lx.setup(np.random.default_rng(0), model)
     >>> model(np.ones((4, 7, 3), np.float32), ps, st)[0].shape
@@ -231,7 +229,7 @@ class Bidirectional(Layer):
     from these. Parameters and state ``{"forward": {"cell": ...},
     "backward": {"cell": ...}}``: two `Recurrence` layers.
 
-    >>> import luxnn as lx
+    >>> import numpy as np, luxnn as lx
     >>> model = lx.Bidirectional(lx.GRUCell(3, 4), lx.GRUCell(3, 4))
     >>> ps, st = lx.setup(np.random.default_rng(0), model)
     >>> model(np.ones((2, 6, 3), np.float32), ps, st)[0].shape

@@ -74,7 +74,7 @@ class _Stacked(Layer):
         parts = start if self.carry_parts == 2 and isinstance(start, tuple) else (start,)
         count = self.num_layers * self.directions
         shapes = [getattr(p, "shape", None) for p in parts]
-        if len(parts) != self.carry_parts or any(s is None or len(s) != 3 or s[0] != count or s[2] != self.hidden for s in shapes):
+        if len(parts) != self.carry_parts or any(s is None or len(s) != 3 or (s[0], s[2]) != (count, self.hidden) for s in shapes):
             kind = "(h_0, c_0), each" if self.carry_parts == 2 else "h_0"
             raise LayerError(f"{self}: expected the carry {kind} of shape ({count}, batch, {self.hidden}), got {shapes}")
         cells = [tuple(p[i] for p in parts) if self.carry_parts == 2 else parts[0][i] for i in range(count)]
