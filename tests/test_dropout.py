@@ -1,4 +1,5 @@
-"""Dropout: mask rate, scaling, test mode, and the generator kept in the state."""
+"""Dropout: mask rate, scaling, test mode, and the generator kept in the state; `lx.draw`, the
+way any layer draws from its state's generator."""
 
 import numpy as np
 import pytest
@@ -73,3 +74,55 @@ def test_bad_arguments():
             lx.Dropout(p)
     with pytest.raises(lx.LayerError, match=r"Dropout\(0.5\): expected state keys \['rng', 'training'\]"):
         lx.Dropout(0.5)(np.ones(3), {}, {})
+
+
+def test_draw_uses_a_copy_and_returns_it_advanced():
+    rng = np.random.default_rng(3)
+    before = rng.bit_generator.state
+    a, after = lx.draw(rng, lambda g: g.normal(size=5))
+    assert rng.bit_generator.state == before and after is not rng
+    np.testing.assert_array_equal(a, np.random.default_rng(3).normal(size=5))
+    b, _ = lx.draw(after, lambda g: g.normal(size=5))
+    np.testing.assert_array_equal(np.concatenate([a, b]), np.random.default_rng(3).normal(size=10))
+
+
+def test_dropout_draws_its_mask_with_draw():
+    model = lx.Dropout(0.4)
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    x = np.ones((30, 20), np.float32)
+    y, new_st = model(x, ps, st)
+    mask, rng = lx.draw(st["rng"], lambda g: lx.nn.dropout.dropout_mask(g, x.shape, x.dtype, 0.4))
+    np.testing.assert_array_equal(y, mask)
+    assert new_st["rng"].bit_generator.state == rng.bit_generator.state
+
+
+class Noise(lx.Layer):
+    """A user's layer drawing from its state's generator, as the README shows."""
+
+    def init_state(self, rng):
+        return {"rng": lx.child_generator(rng), "training": True}
+
+    def __call__(self, x, ps, st):
+        if not st["training"]:
+            return x, st
+        noise, rng = lx.draw(st["rng"], lambda g: g.standard_normal(x.shape))
+        return x + noise.astype(x.dtype), {**st, "rng": rng}
+
+
+def test_a_custom_layer_draws_fresh_noise_each_step_and_the_same_for_one_state():
+    """Through training steps: each step's state gives new noise (the loss changes with the
+    parameters fixed at lr 0), and replaying a state gives the same loss."""
+    model = lx.Chain(Noise(), lx.Dense(3, 1))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    data = (np.zeros((8, 3), np.float32), np.zeros((8, 1), np.float32))
+    ts = lx.TrainState(model, ps, st, lx.optim.sgd(0.0))
+    losses, states = [], []
+    for _ in range(3):
+        states.append(ts.states)
+        _, loss, _, ts = lx.single_train_step(lx.AutoTape(), lx.losses.MSELoss(), data, ts)
+        losses.append(float(loss))
+    assert len(set(losses)) == 3
+    replay = lx.losses.MSELoss()(model, ps, states[1], data)[0]
+    np.testing.assert_allclose(float(replay), losses[1], rtol=1e-6)
+    assert lx.testmode(st)["layer_1"]["training"] is False
+    np.testing.assert_array_equal(model(data[0], ps, lx.testmode(st))[0], lx.Dense(3, 1)(data[0], ps["layer_2"], {})[0])

@@ -315,6 +315,8 @@ def test_a_mean_over_no_counted_target_raises():
         (lambda: lx.losses.FocalLoss(gamma=-1), "gamma must be a number >= 0"),
         (lambda: lx.losses.FocalLoss()(np.zeros((2, 3)), np.array([0, 3])), r"integer labels in \[0, 3\)"),
         (lambda: lx.losses.DiceCoeffLoss()(np.zeros((2, 3)), np.zeros((3, 2))), r"expected targets of shape \(2, 3\)"),
+        (lambda: lx.losses.CrossEntropyLoss()(np.zeros((4, 10)), np.array([1.0, 2, 3, 4])), r"^CrossEntropyLoss: expected integer class labels of shape \(4,\) or class probabilities of shape \(4, 10\), got targets of shape \(4,\) and dtype float64; class labels must be integers \(e.g. y.astype\(np.int64\)\)$"),
+        (lambda: lx.losses.CrossEntropyLoss(reduction="none")(np.zeros((4, 10)), np.zeros((4, 9))), r"probabilities of shape \(4, 10\), got targets of shape \(4, 9\) and dtype float64$"),
     ],
 )
 def test_bad_options_and_targets_are_named(call, message):

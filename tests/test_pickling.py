@@ -60,6 +60,9 @@ EXAMPLES = {
     "Recurrence": (lambda: lx.Recurrence(lx.LSTMCell(3, 4), return_sequence=True), f32(2, 5, 3)),
     "Bidirectional": (lambda: lx.Bidirectional(lx.GRUCell(3, 4), lx.GRUCell(3, 4)), f32(2, 5, 3)),
     "Bidirectional-sum": (lambda: lx.Bidirectional(lx.GRUCell(3, 4), lx.GRUCell(3, 4), merge="sum"), f32(2, 5, 3)),
+    "LSTM": (lambda: lx.LSTM(3, 4, num_layers=2, bidirectional=True, dropout=0.2, return_carry=True), f32(2, 5, 3)),
+    "GRU": (lambda: lx.GRU(3, 4, return_sequence=False), f32(2, 5, 3)),
+    "RNN": (lambda: lx.RNN(3, 4, activation="relu"), f32(2, 5, 3)),
     "SinusoidalPositionalEmbedding": (lambda: lx.SinusoidalPositionalEmbedding(8), f32(2, 5, 8)),
     "RotaryPositionalEmbedding": (lambda: lx.RotaryPositionalEmbedding(8), f32(2, 5, 8)),
 }

@@ -362,7 +362,7 @@ def test_lstm_without_the_blas_runs_the_array_passes(monkeypatch, reverse):
     loss = lx.value_and_grad(lambda *a: (f(*a) * weights).sum(), argnums=tuple(range(6)))
     (value, grads), y = loss(*args), f(*args)
     monkeypatch.setattr(_recurrent, "HAS_GEMM", False)
-    assert rec._lstm_passes(np) == (rec._lstm_forward_steps, rec._lstm_backward_steps)
+    assert rec._lstm_passes(np, np.float64) == (rec._lstm_forward_steps, rec._lstm_backward_steps)
     check_grad(f, *args)
     (value_arrays, grads_arrays), y_arrays = loss(*args), f(*args)
     np.testing.assert_allclose(y_arrays, y, rtol=1e-12, atol=1e-12)
@@ -539,3 +539,255 @@ def test_a_recurrent_classifier_learns(kind):
         _, value, _, ts = lx.single_train_step_(lx.AutoTape(), loss, (x, y), ts)
         losses.append(float(value))
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+# -- padded sequences, the final carry and the stacks, against torch -------------------------
+
+
+def make_stack(kind, in_dims, hidden, **kw):
+    if kind.startswith("rnn"):
+        return lx.RNN(in_dims, hidden, activation=kind.split("_")[1], **kw)
+    return {"lstm": lx.LSTM, "gru": lx.GRU}[kind](in_dims, hidden, **kw)
+
+
+def stack_tree(module, num_layers, bidirectional, of=copied):
+    """`of(module, suffix)` for each of a torch stack's cells, laid out as our stack's parameters."""
+    def layer(k):
+        if bidirectional:
+            return {"forward": {"cell": of(module, f"_l{k}")}, "backward": {"cell": of(module, f"_l{k}_reverse")}}
+        return {"cell": of(module, f"_l{k}")}
+
+    return {f"layer_{k + 1}": layer(k) for k in range(num_layers)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("lengths, start", [([6, 3, 1, 5], False), ([6, 3, 1, 5], True), (None, False)])
+def test_stacks_with_lengths_match_torch_packed_sequences(torch, kind, lengths, start):
+    """A 2-layer bidirectional stack over padded sequences against torch's over packed ones
+    (same weights, float64), from the initial carry or a given one (h_0, c_0): outputs (zero
+    past each length), h_n and c_n, and the gradients of all of them with respect to every
+    weight, the input and the carry given."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    rng = np.random.default_rng(20)
+    batch, seq, in_dims, hidden = 4, 6, 3, 5
+    x = rng.normal(size=(batch, seq, in_dims))
+    h0 = [rng.normal(size=(4, batch, hidden)) for _ in range(2 if kind == "lstm" else 1)] if start else []
+    module = torch_module(torch, kind, in_dims, hidden, num_layers=2, bidirectional=True)
+    tx, th0 = torch.tensor(x, requires_grad=True), [torch.tensor(h, requires_grad=True) for h in h0]
+    inputs = tx if lengths is None else pack_padded_sequence(tx, torch.tensor(lengths), batch_first=True, enforce_sorted=False)
+    out, carry = module(inputs, (tuple(th0) if kind == "lstm" else th0[0]) if start else None)
+    if lengths is not None:
+        out = pad_packed_sequence(out, batch_first=True, total_length=seq)[0]
+    carry = carry if kind == "lstm" else (carry,)
+    weights = [rng.normal(size=a.shape) for a in (out, *carry)]
+    sum(((a * torch.tensor(w)).sum() for a, w in zip((out, *carry), weights))).backward()
+
+    model = make_stack(kind, in_dims, hidden, num_layers=2, bidirectional=True, return_carry=True)
+    ps, st = stack_tree(module, 2, True), lx.setup(np.random.default_rng(0), model)[1]
+
+    def inputs(x, h0):
+        x = x if lengths is None else lx.Padded(x, np.array(lengths))
+        return (x, tuple(h0) if kind == "lstm" else h0[0]) if start else x
+
+    def objective(ps, x, *h0):
+        y, carry = model(inputs(x, h0), ps, st)[0]
+        y = y if lengths is None else y.x
+        return sum((a * w).sum() for a, w in zip((y, *(carry if kind == "lstm" else (carry,))), weights))
+
+    (y, got_carry), _ = model(inputs(x, h0), ps, st)
+    assert_close(y if lengths is None else y.x, out.detach().numpy(), "output")
+    for got, want in zip(got_carry if kind == "lstm" else (got_carry,), carry, strict=True):
+        assert_close(got, want.detach().numpy(), "final carry")
+    _, (grads, gx, *gh0) = lx.value_and_grad(objective, argnums=tuple(range(2 + len(h0))))(ps, x, *h0)
+    assert_close(gx, tx.grad.numpy(), "input gradient")
+    for got, want in zip(gh0, th0, strict=True):
+        assert_close(got, want.grad.numpy(), "carry gradient")
+    want_grads = stack_tree(module, 2, True, torch_grads)
+    for layer in want_grads:
+        for direction in ("forward", "backward"):
+            for name, g in want_grads[layer][direction]["cell"].items():
+                assert_close(grads[layer][direction]["cell"][name], g, f"{layer} {direction} {name}")
+    # the last outputs alone: forward at each last step, backward at position 0 (torch's h_n)
+    last = make_stack(kind, in_dims, hidden, num_layers=2, bidirectional=True, return_sequence=False)(inputs(x, h0), ps, st)[0]
+    h_n = carry[0].detach().numpy()
+    assert_close(last, np.concatenate([h_n[-2], h_n[-1]], axis=-1), "last output")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_recurrence_returns_the_carry_as_torch_h_n(torch, kind, reverse):
+    """return_carry on one direction, without lengths: the carry after the last step taken
+    is torch's h_n (and c_n) of that direction; the outputs are unchanged."""
+    rng = np.random.default_rng(21)
+    x = rng.normal(size=(3, 5, 2))
+    module = torch_module(torch, kind, 2, 4, bidirectional=True)
+    out, carry = module(torch.tensor(x))
+    carry = carry if kind == "lstm" else (carry,)
+    direction = 1 if reverse else 0
+    ps = {"cell": copied(module, "_l0_reverse" if reverse else "_l0")}
+    for return_sequence in (False, True):
+        model = lx.Recurrence(make_cell(kind, 2, 4), return_sequence=return_sequence, reverse=reverse, return_carry=True)
+        y, got = model(x, ps, {"cell": {}})[0]
+        assert_close(y, model.__class__(model.cell, return_sequence=return_sequence, reverse=reverse)(x, ps, {"cell": {}})[0], "output")
+        for g, want in zip(got if kind == "lstm" else (got,), carry, strict=True):
+            assert_close(g, want[direction].detach().numpy(), "carry")
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_custom_cell_runs_padded_sequences_as_the_fused_one(reverse):
+    """The step-by-step path over Padded input: the same outputs, last outputs and carries as
+    the fused RNN, and both as each sequence run alone over its own length."""
+    cell = ElmanCell(3, 4)
+    ps = lx.tree.map(lambda a: a.astype(np.float64), lx.setup(np.random.default_rng(0), cell)[0])
+    w = ps["dense"]["weight"]
+    ours = {"weight_ih": w[:3], "weight_hh": w[3:], "bias_ih": ps["dense"]["bias"], "bias_hh": np.zeros(4)}
+    x, lengths = np.random.default_rng(1).normal(size=(3, 5, 3)), np.array([2, 5, 4])
+    h0 = np.random.default_rng(2).normal(size=(3, 4))
+    for return_sequence, start in ((True, None), (False, None), (True, h0)):
+        options = {"return_sequence": return_sequence, "reverse": reverse, "return_carry": True}
+        padded = lx.Padded(x, lengths) if start is None else (lx.Padded(x, lengths), start)
+        custom = lx.Recurrence(cell, **options)(padded, {"cell": ps}, {"cell": {"dense": {}}})[0]
+        fused = lx.Recurrence(lx.RNNCell(3, 4), **options)(padded, {"cell": ours}, {"cell": {}})[0]
+        for got, want in zip(lx.tree.leaves(custom), lx.tree.leaves(fused), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+        for b, n in enumerate(lengths):
+            one = x[b : b + 1, :n] if start is None else (x[b : b + 1, :n], start[b : b + 1])
+            alone = lx.Recurrence(lx.RNNCell(3, 4), **options)(one, {"cell": ours}, {"cell": {}})[0]
+            y, carry = fused
+            y = y.x[b] if return_sequence else y[b]
+            np.testing.assert_allclose(y[:n] if return_sequence else y, alone[0][0], rtol=1e-12)
+            np.testing.assert_allclose(carry[b], alone[1][0], rtol=1e-12)
+            if return_sequence:
+                assert not y[n:].any()
+
+
+def test_padded_outputs_stack_in_a_chain():
+    """A Chain of Recurrences passes the lengths on: the same as each sequence alone."""
+    model = lx.Chain(lx.Bidirectional(lx.LSTMCell(2, 3), lx.LSTMCell(2, 3)), lx.Recurrence(lx.GRUCell(6, 4), reverse=True))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    x, lengths = np.random.default_rng(2).normal(size=(3, 6, 2)).astype(np.float32), [6, 1, 4]
+    y, _ = model(lx.Padded(x, lengths), ps, st)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(y[b], model(x[b : b + 1, :n], ps, st)[0][0], rtol=1e-5, atol=1e-6)
+
+
+def test_stack_dropout_applies_between_layers_in_training_only():
+    """LSTM(num_layers=3, dropout=p) is its layers with Dropout(p) on the outputs of the
+    first two, drawing from the state's generator in turn; in test mode no dropout."""
+    model = lx.LSTM(2, 3, num_layers=3, dropout=0.5, return_carry=True)
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    x = np.random.default_rng(1).normal(size=(4, 5, 2)).astype(np.float32)
+    (y, (h_n, c_n)), new_st = model(x, ps, st)
+    drop, rng_st = lx.Dropout(0.5), st["dropout"]
+    want, carries = x, []
+    for k in range(3):
+        if k:
+            want, rng_st = drop(want, {}, rng_st)
+        (want, carry), _ = model.layers[k](want, ps[f"layer_{k + 1}"], st[f"layer_{k + 1}"])
+        carries.append(carry)
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+    np.testing.assert_allclose(h_n, np.stack([c[0] for c in carries]), rtol=1e-6)
+    assert new_st["dropout"]["rng"].bit_generator.state == rng_st["rng"].bit_generator.state
+    test_st = lx.testmode(st)
+    undropped = lx.LSTM(2, 3, num_layers=3)(x, ps, {k: v for k, v in test_st.items() if k != "dropout"})[0]
+    np.testing.assert_allclose(model(x, ps, test_st)[0][0], undropped, rtol=1e-6)
+    assert not np.allclose(y, undropped)
+
+
+def test_stack_repr_and_bad_configuration():
+    assert repr(lx.LSTM(3, 8)) == "LSTM(3 => 8)"
+    assert repr(lx.GRU(3, 8, 2, bidirectional=True, dropout=0.1)) == "GRU(3 => 8, num_layers=2, bidirectional=True, dropout=0.1)"
+    assert repr(lx.RNN(3, 8, activation="relu", return_carry=True)) == "RNN(3 => 8, relu, return_carry=True)"
+    with pytest.raises(ValueError, match="LSTM: num_layers must be a positive integer, got 0"):
+        lx.LSTM(3, 8, num_layers=0)
+    with pytest.raises(ValueError, match=r"GRU: dropout must be a probability in \[0, 1\), got 1.0"):
+        lx.GRU(3, 8, dropout=1.0)
+    with pytest.raises(ValueError, match="RNN: activation must be 'tanh' or 'relu', got 'gelu'"):
+        lx.RNN(3, 8, activation="gelu")
+
+
+def test_bad_carries_are_named():
+    x = np.ones((2, 5, 3), np.float32)
+    lstm = lx.LSTM(3, 4, num_layers=2)
+    ps, st = lx.setup(np.random.default_rng(0), lstm)
+    h = np.zeros((2, 2, 4), np.float32)
+    with pytest.raises(lx.LayerError, match=r"^LSTM\(3 => 4, num_layers=2\): expected the carry \(h_0, c_0\), each of shape \(2, batch, 4\), got \[\(2, 2, 4\)\]"):
+        lstm((x, (h,)), ps, st)
+    with pytest.raises(lx.LayerError, match=r"expected the carry h_0 of shape \(4, batch, 4\), got \[\(2, 2, 4\)\]"):
+        gru = lx.GRU(3, 4, num_layers=2, bidirectional=True)
+        gru((x, h), *lx.setup(np.random.default_rng(0), gru))
+    with pytest.raises(lx.LayerError, match=r"^layer_1/cell: LSTMCell\(3 => 4\): expected carry \(h, c\), each of shape \(2, 4\), got \[\(3, 4\), \(3, 4\)\]"):
+        lstm((x, (np.zeros((2, 3, 4), np.float32),) * 2), ps, st)
+    model = lx.Bidirectional(lx.GRUCell(3, 4), lx.GRUCell(3, 4))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    with pytest.raises(lx.LayerError, match=r"expected the carry as \(forward_carry, backward_carry\), got ndarray"):
+        model((x, h[0]), ps, st)
+    with pytest.raises(lx.LayerError, match=r"^Recurrence\(GRUCell\(3 => 4\), return_sequence=True\): expected x or \(x, carry\), got a tuple of 3"):
+        model.forward((x, h[0], h[0]), ps["forward"], st["forward"])
+
+
+def test_bad_lengths_are_named():
+    model = lx.Chain(lx.Recurrence(lx.GRUCell(3, 4)))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    x = np.ones((2, 5, 3), np.float32)
+    with pytest.raises(lx.LayerError, match=r"^layer_1: Recurrence\(GRUCell\(3 => 4\)\): expected lengths in \[1, 5\], got values in \[0, 5\]"):
+        model(lx.Padded(x, [5, 0]), ps, st)
+    with pytest.raises(lx.LayerError, match=r"expected lengths in \[1, 5\], got values in \[2, 6\]"):
+        model(lx.Padded(x, [6, 2]), ps, st)
+    with pytest.raises(lx.LayerError, match=r"expected lengths of shape \(2,\), integers in \[1, 5\], got float64 of shape \(2,\)"):
+        model(lx.Padded(x, [5.0, 2.0]), ps, st)
+    with pytest.raises(lx.LayerError, match=r"expected lengths of shape \(2,\), integers in \[1, 5\], got int64 of shape \(3,\)"):
+        model(lx.Padded(x, np.array([5, 2, 1])), ps, st)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_empty_batch_gives_empty_outputs(kind):
+    """Batch 0: empty outputs, carries and input gradient, zero weight gradients, for every
+    cell, direction and output (the LSTM's C passes run no rows)."""
+    x = np.ones((0, 5, 3), np.float32)
+    for return_sequence in (True, False):
+        model = lx.Bidirectional(make_cell(kind, 3, 4), make_cell(kind, 3, 4), return_sequence=return_sequence)
+        y, _ = model(x, *lx.setup(np.random.default_rng(0), model))
+        assert y.shape == ((0, 5, 8) if return_sequence else (0, 8))
+    model = make_stack(kind, 3, 4, num_layers=2, bidirectional=True, return_carry=True)
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    for inputs in (x, lx.Padded(x, np.zeros(0, np.int64))):
+        (y, carry), _ = model(inputs, ps, st)
+        assert (y.x if isinstance(y, lx.Padded) else y).shape == (0, 5, 8)
+        assert all(c.shape == (4, 0, 4) for c in lx.tree.leaves(carry))
+    last = make_stack(kind, 3, 4, return_sequence=False)
+    assert last(x, *lx.setup(np.random.default_rng(0), last))[0].shape == (0, 4)
+    grads, gx = lx.grad(lambda p, x: model(x, p, st)[0][0].sum(), argnums=(0, 1))(ps, x)
+    assert gx.shape == x.shape
+    assert all(g.shape == p.shape and not g.any() for g, p in zip(lx.tree.leaves(grads), lx.tree.leaves(ps)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_float16_parameters_compute_in_float16(kind):
+    """float16 parameters and inputs: float16 outputs and gradients (every cell computes in
+    float16), within float16's precision of the float32 results."""
+    model = lx.Bidirectional(make_cell(kind, 3, 4), make_cell(kind, 3, 4))
+    ps32, st = lx.setup(np.random.default_rng(0), model)
+    x32 = np.random.default_rng(1).normal(size=(2, 6, 3)).astype(np.float32)
+    ps16, x16 = lx.tree.map(lambda a: a.astype(np.float16), ps32), x32.astype(np.float16)
+
+    def run(ps, x):
+        return lx.value_and_grad(lambda p, x: (model(x, p, st)[0] ** 2).sum(), argnums=(0, 1))(ps, x), model(x, ps, st)[0]
+
+    (v16, (g16, gx16)), y16 = run(ps16, x16)
+    (v32, (g32, gx32)), y32 = run(lx.tree.map(lambda a: a.astype(np.float32), ps16), x16.astype(np.float32))
+    assert y16.dtype == gx16.dtype == np.float16 and all(g.dtype == np.float16 for g in lx.tree.leaves(g16))
+    np.testing.assert_allclose(y16, y32, atol=1e-2)
+    for a, b in zip([gx16, *lx.tree.leaves(g16)], [gx32, *lx.tree.leaves(g32)], strict=True):
+        assert np.abs(a.astype(np.float32) - b).max() <= 2e-2 * max(1.0, float(np.abs(b).max()))
+
+
+def test_bidirectional_refuses_cells_its_merge_cannot_combine():
+    with pytest.raises(ValueError, match=r"^Bidirectional: merge='sum' combines the outputs elementwise and needs one hidden size, got 4 \(LSTMCell\(3 => 4\)\) and 5 \(LSTMCell\(3 => 5\)\); use merge='concat'"):
+        lx.Bidirectional(lx.LSTMCell(3, 4), lx.LSTMCell(3, 5), merge="sum")
+    with pytest.raises(ValueError, match=r"^Bidirectional: both cells read the same input, got in_dims 3 \(GRUCell\(3 => 4\)\) and 2"):
+        lx.Bidirectional(lx.GRUCell(3, 4), lx.GRUCell(2, 4))
+    model = lx.Bidirectional(lx.LSTMCell(3, 4), lx.LSTMCell(3, 5))  # concat takes different sizes
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    assert model(np.ones((2, 5, 3), np.float32), ps, st)[0].shape == (2, 5, 9)

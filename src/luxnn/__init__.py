@@ -14,6 +14,8 @@ from .data import DataLoader
 from .ad import AutoTape, array_namespace, grad, stop_gradient, value_and_grad
 from .core import Layer, LayerError, apply, parameter_count, setup, testmode, trainmode
 from .dtypes import DtypeWarning, get_dtype_policy, set_dtype_policy
+from . import generators
+from .generators import child_generator, draw
 from .devices import CPUDevice, CUDADevice, cpu_device, get_device, gpu_device
 from .memory import get_allocator_cache
 from .nn import *  # noqa: F403 - the layers are the package's vocabulary
@@ -35,3 +37,4 @@ __all__ = [
     "value_and_grad", "Layer", "LayerError", "apply", "parameter_count", "setup", "testmode",
     "trainmode", "DtypeWarning", "get_dtype_policy", "set_dtype_policy", "CPUDevice", "CUDADevice", "cpu_device", "get_device", "gpu_device", *_layers,
 ]  # fmt: skip
+__all__ += ["generators", "child_generator", "draw"]

@@ -258,6 +258,14 @@ class _ClassTargets:
         if not _is_labels(y):
             if self.ignore_index is not None:
                 raise ValueError(f"{type(self).__name__}: ignore_index applies to integer labels, got targets of dtype {y.dtype}")
+            shape = getattr(y, "shape", None)
+            if shape != y_hat.shape:
+                hint = "; class labels must be integers (e.g. y.astype(np.int64))" if shape == y_hat.shape[:-1] else ""
+                raise ValueError(
+                    f"{type(self).__name__}: expected integer class labels of shape {y_hat.shape[:-1]} or class "
+                    f"probabilities of shape {y_hat.shape}, got targets of shape {shape} and dtype "
+                    f"{getattr(y, 'dtype', type(y).__name__)}{hint}"
+                )
             return
         if y.shape != y_hat.shape[:-1]:
             raise ValueError(f"{type(self).__name__}: expected integer labels of shape {y_hat.shape[:-1]}, got {y.shape}")

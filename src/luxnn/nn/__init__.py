@@ -15,7 +15,9 @@ from .normalization import BatchNorm, GroupNorm, InstanceNorm, LayerNorm, RMSNor
 from .stateful import StatefulLayer
 from .basic import Bilinear, NoOpLayer, Scale, WrappedFunction
 from .containers import BranchLayer, Maxout, PairwiseFusion, RepeatedLayer
-from .recurrent import Bidirectional, GRUCell, LSTMCell, Recurrence, RecurrentCell, RNNCell, Steps
+from .recurrent import GRUCell, LSTMCell, RecurrentCell, RNNCell, Steps
+from .recurrence import Bidirectional, Padded, Recurrence
+from .rnn import GRU, LSTM, RNN
 from .positional import RotaryPositionalEmbedding, SinusoidalPositionalEmbedding
 
 __all__ = ["ACTIVATIONS", "Chain", "Dense", "get_activation"]
@@ -29,5 +31,6 @@ __all__ += [
     "RepeatedLayer", "InstanceNorm", "AlphaDropout", "AdaptiveAvgPool", "AdaptiveMaxPool", "Upsample",
     "PixelShuffle",
 ]  # fmt: skip
-__all__ += ["Steps", "RecurrentCell", "RNNCell", "LSTMCell", "GRUCell", "Recurrence", "Bidirectional"]
+__all__ += ["Steps", "RecurrentCell", "RNNCell", "LSTMCell", "GRUCell", "Recurrence", "Bidirectional", "Padded"]
+__all__ += ["LSTM", "GRU", "RNN"]
 __all__ += ["SinusoidalPositionalEmbedding", "RotaryPositionalEmbedding"]

@@ -1,16 +1,16 @@
 """Dropout, with its random generator kept in the layer's state.
 
-The generator in a state is always a NumPy one, on every device: moving a state to a GPU
-leaves it on the host. For CuPy arrays the mask is made on the device from one seed drawn
-from that generator, by a counter-based hash of each element's index (splitmix64): no
-random state lives on the device (a CuPy generator's state could not be copied cheaply
-for the "never advanced in place" rule below), and no mask is copied from the host. The
+The generator in a state is always a NumPy one, on every device, drawn from with
+`luxnn.generators.draw` (never advanced in place). For CuPy arrays the mask is made on the
+device from one seed drawn from that generator, by a counter-based hash of each element's
+index (splitmix64): no random state lives on the device (a CuPy generator's state could
+not be copied cheaply for the "never advanced in place" rule), and no mask is copied from
+the host. The
 masks of the two backends differ for the same seed; each is reproducible from the state.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
@@ -18,25 +18,10 @@ import numpy as np
 from ..ad.tape import Traced
 from ..backend import module_of
 from ..core import Layer, LayerError
+from ..generators import child_generator, draw, fork_generator
 
+# The generators' helpers stay importable from here, where the layers that draw find them.
 __all__ = ["Dropout", "AlphaDropout", "dropout_mask", "fork_generator", "child_generator"]
-
-
-def child_generator(rng: Any) -> Any:
-    """A new NumPy generator seeded from `rng` (NumPy's or CuPy's); drawing the seed
-    advances `rng`, so layers set up from one generator get different streams."""
-    return np.random.default_rng(int(rng.integers(2**63)))
-
-
-def fork_generator(rng: Any) -> Any:
-    """An independent copy of `rng` in the same state: drawing from the copy leaves `rng`
-    (which may live in a state the caller keeps) untouched."""
-    if isinstance(rng, np.random.Generator):
-        # About 3x cheaper than deepcopy: a fresh bit generator given the state.
-        bits = type(rng.bit_generator)(0)
-        bits.state = rng.bit_generator.state
-        return np.random.Generator(bits)
-    return copy.deepcopy(rng)
 
 
 _device_mask_kernel: Any = None
@@ -84,7 +69,7 @@ class _RandomLayer(Layer):
         return {"rng": child_generator(rng), "training": True}
 
     def _draw(self, x: Any, rng: Any, xp: Any) -> Any:
-        """The output in training mode, drawing from `rng` (the state's, forked)."""
+        """The output in training mode, drawing from `rng` (a copy of the state's)."""
         raise NotImplementedError
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -92,9 +77,9 @@ class _RandomLayer(Layer):
             raise LayerError(f"{self}: expected state keys ['rng', 'training'], got {sorted(st) if isinstance(st, dict) else type(st).__name__}")
         if not st["training"] or self.p == 0.0:
             return x, st
-        rng = fork_generator(st["rng"])
         xp = module_of(x.value if type(x) is Traced else x)
-        return self._draw(x, rng, xp), {"rng": rng, "training": True}
+        y, rng = draw(st["rng"], lambda g: self._draw(x, g, xp))
+        return y, {"rng": rng, "training": True}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.p})"
@@ -105,9 +90,9 @@ class Dropout(_RandomLayer):
     ``1 / (1 - p)``; the identity in test mode (`luxnn.testmode`).
 
     State ``{"rng": generator, "training": True}``. The generator in the state is never
-    advanced in place: a call draws the mask from a copy and returns the advanced copy in
-    the new state, so calling twice with the same state gives the same mask, and threading
-    the returned state through gives fresh masks.
+    advanced in place (`luxnn.generators.draw`): a call draws the mask from a copy and
+    returns the advanced copy in the new state, so calling twice with the same state gives
+    the same mask, and threading the returned state through gives fresh masks.
 
     >>> import luxnn as lx
     >>> drop = lx.Dropout(0.5)

@@ -1,11 +1,11 @@
-"""Recurrent layers: the RNN, LSTM and GRU cells, `Recurrence` over a sequence and
-`Bidirectional`, with PyTorch's equations, gate order and parameters (transposed)."""
+"""Recurrent cells: RNN, LSTM and GRU, with PyTorch's equations, gate order and parameters
+(transposed); one step at a time, or every step of a sequence as one fused primitive (see
+`luxnn.nn.recurrence` for the layers over sequences)."""
 
 from __future__ import annotations
 
 import math
-import operator
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -13,11 +13,11 @@ from .. import ops
 from ..ad.namespace import array_namespace
 from ..ad.tape import stop_gradient
 from ..backend import module_of
-from ..core import Layer, LayerError, call_child, check_params
+from ..core import Layer, LayerError, check_params
 from ..dtypes import match_eltype
 from ..ops.recurrent import gru_sequence, lstm_sequence, rnn_sequence
 
-__all__ = ["Steps", "RecurrentCell", "RNNCell", "LSTMCell", "GRUCell", "Recurrence", "Bidirectional"]
+__all__ = ["Steps", "RecurrentCell", "RNNCell", "LSTMCell", "GRUCell"]
 
 _INIT_CARRY = ("zeros", "trainable")
 
@@ -96,8 +96,14 @@ class RecurrentCell(Layer):
         raise NotImplementedError
 
     def _carry_of(self, packed: Any) -> Any:
-        """The carry in one step's packed output ``(batch, P)``: h itself by default."""
+        """The carry in packed outputs ``(..., P)``: h itself by default."""
         return packed
+
+    def unpack(self, packed: Any) -> tuple[Any, Any]:
+        """``(h, carry)`` of packed outputs ``(..., P)`` (see `Steps`): h ``(..., hidden)``,
+        and the carry to go on from (h, or ``(h, c)`` for the LSTM)."""
+        h = packed if packed.shape[-1] == self.hidden else packed[..., : self.hidden]
+        return h, self._carry_of(packed)
 
     # -- shared ------------------------------------------------------------------------
 
@@ -114,8 +120,7 @@ class RecurrentCell(Layer):
         if shape is None or len(shape) != 2 or shape[1] != self.in_dims:
             raise LayerError(f"{self}: expected x_t of shape (batch, {self.in_dims}) or (x_t, carry), got {shape}")
         packed = self._steps(array_namespace(x_t).expand_dims(x_t, 0), ps, carry, False, True)
-        h = packed if packed.shape[1] == self.hidden else packed[:, : self.hidden]
-        return (h, self._carry_of(packed)), st
+        return self.unpack(packed), st
 
     def _steps(self, xs: Any, ps: dict[str, Any], carry: Any, reverse: bool, last_only: bool) -> Any:
         check_params(self, ps, self._shapes)
@@ -214,7 +219,7 @@ class LSTMCell(RecurrentCell):
         return out if last_only else xp.permute_dims(out, (1, 0, 2))
 
     def _carry_of(self, packed):
-        return packed[:, : self.hidden], packed[:, self.hidden :]
+        return packed[..., : self.hidden], packed[..., self.hidden :]
 
 
 class GRUCell(RecurrentCell):
@@ -234,123 +239,3 @@ class GRUCell(RecurrentCell):
     def _scan(self, xs, ps, carry, reverse, last_only):
         xw = self._input_projection(xs, ps, ps["bias_ih"] if self.use_bias else None)
         return gru_sequence(xw, ps["weight_hh"], ps.get("bias_hh"), carry[0], reverse=reverse, last_only=last_only)
-
-
-class Recurrence(Layer):
-    """Runs a cell over ``(batch, seq, in_dims)`` inputs (Lux's ``Recurrence``): the last
-    output ``(batch, hidden)``, or with ``return_sequence=True`` every output ``(batch, seq,
-    hidden)``. ``reverse=True`` reads the sequence from its end; outputs stay aligned with
-    the input positions, so the last output is then the one at position 0.
-
-    Parameters and state ``{"cell": ...}``. The carry starts as the cell's initial carry.
-    A `RecurrentCell` runs as one fused primitive over the sequence; any other cell layer
-    (``(x_t or (x_t, carry)) -> ((h_t, carry), state)``) step by step. Stack layers as
-    ``Chain(Recurrence(a, return_sequence=True), Recurrence(b))``.
-
-    >>> import luxnn as lx
-    >>> model = lx.Chain(lx.Recurrence(lx.LSTMCell(3, 8)), lx.Dense(8, 2))
-    >>> ps, st = lx.setup(np.random.default_rng(0), model)
-    >>> model(np.ones((4, 7, 3), np.float32), ps, st)[0].shape
-    (4, 2)
-    """
-
-    def __init__(self, cell: Layer, *, return_sequence: bool = False, reverse: bool = False) -> None:
-        if not isinstance(cell, Layer):
-            raise TypeError(f"Recurrence: cell must be a luxnn Layer, got {type(cell).__name__}")
-        self.cell = cell
-        self.return_sequence = bool(return_sequence)
-        self.reverse = bool(reverse)
-
-    def children(self) -> Iterator[tuple[str, Layer]]:
-        return iter((("cell", self.cell),))
-
-    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        shape = getattr(x, "shape", None)
-        in_dims = getattr(self.cell, "in_dims", "in_dims")
-        if shape is None or len(shape) != 3 or shape[1] < 1 or (isinstance(self.cell, RecurrentCell) and shape[2] != in_dims):
-            raise LayerError(f"{self}: expected input of shape (batch, seq >= 1, {in_dims}), got {shape}")
-        xp = array_namespace(x)
-        if not isinstance(self.cell, RecurrentCell):
-            return self._step_by_step(x, ps, st, xp)
-        steps = Steps(xp.permute_dims(x, (1, 0, 2)), reverse=self.reverse, last_only=not self.return_sequence)
-        packed, st_cell = call_child("cell", self.cell, steps, ps, st)
-        st = {"cell": st_cell}
-        hidden = self.cell.hidden
-        if not self.return_sequence:
-            return packed if packed.shape[1] == hidden else packed[:, :hidden], st
-        hs = packed if packed.shape[2] == hidden else packed[:, :, :hidden]
-        return xp.permute_dims(hs, (1, 0, 2)), st
-
-    def _step_by_step(self, x: Any, ps: dict[str, Any], st: dict[str, Any], xp: Any) -> tuple[Any, dict[str, Any]]:
-        steps = range(x.shape[1] - 1, -1, -1) if self.reverse else range(x.shape[1])
-        outputs, carry = {}, None
-        for t in steps:
-            step_in = x[:, t] if carry is None else (x[:, t], carry)
-            (outputs[t], carry), cell_st = call_child("cell", self.cell, step_in, ps, st)
-            st = {"cell": cell_st}
-        if not self.return_sequence:
-            return outputs[steps[-1]], st
-        return xp.stack([outputs[t] for t in range(x.shape[1])], axis=1), st
-
-    def __repr__(self) -> str:
-        flags = ("return_sequence=True" if self.return_sequence else "", "reverse=True" if self.reverse else "")
-        rest = "".join(f", {f}" for f in flags if f)
-        return f"Recurrence({self.cell!r}{rest})"
-
-
-def _concat(f: Any, b: Any) -> Any:
-    return array_namespace(f, b).concat([f, b], axis=-1)
-
-
-def _mean(f: Any, b: Any) -> Any:
-    return (f + b) * 0.5
-
-
-# Module-level functions, so that a Bidirectional pickles.
-_MERGES: dict[str, Callable[[Any, Any], Any]] = {
-    "concat": _concat,
-    "sum": operator.add,
-    "mean": _mean,
-    "mul": operator.mul,
-}
-
-
-class Bidirectional(Layer):
-    """Two recurrences over ``(batch, seq, in_dims)``: `forward_cell` from the start,
-    `backward_cell` from the end, their outputs (aligned with the input positions) merged
-    by `merge`: "concat" (last axis, forward first, as PyTorch's ``bidirectional=True``),
-    "sum", "mean", "mul" or a function ``merge(forward, backward)``.
-
-    With ``return_sequence=True`` (the default) the output is ``(batch, seq, H)``, else the
-    merge of each direction's last output (forward at position seq - 1, backward at 0, as
-    PyTorch's ``h_n``). Parameters and state ``{"forward": {"cell": ...}, "backward":
-    {"cell": ...}}``: two `Recurrence` layers.
-
-    >>> import luxnn as lx
-    >>> model = lx.Bidirectional(lx.GRUCell(3, 4), lx.GRUCell(3, 4))
-    >>> ps, st = lx.setup(np.random.default_rng(0), model)
-    >>> model(np.ones((2, 6, 3), np.float32), ps, st)[0].shape
-    (2, 6, 8)
-    """
-
-    def __init__(self, forward_cell: Layer, backward_cell: Layer, *, merge: str | Callable[[Any, Any], Any] = "concat", return_sequence: bool = True) -> None:
-        if not (callable(merge) or (isinstance(merge, str) and merge in _MERGES)):
-            raise ValueError(f"Bidirectional: merge must be one of {sorted(_MERGES)} or a function, got {merge!r}")
-        self.forward = Recurrence(forward_cell, return_sequence=return_sequence)
-        self.backward = Recurrence(backward_cell, return_sequence=return_sequence, reverse=True)
-        self.merge = merge
-        self._combine = _MERGES[merge] if isinstance(merge, str) else merge
-        self.return_sequence = bool(return_sequence)
-
-    def children(self) -> Iterator[tuple[str, Layer]]:
-        return iter((("forward", self.forward), ("backward", self.backward)))
-
-    def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        f, st_f = call_child("forward", self.forward, x, ps, st)
-        b, st_b = call_child("backward", self.backward, x, ps, st)
-        return self._combine(f, b), {"forward": st_f, "backward": st_b}
-
-    def __repr__(self) -> str:
-        merge = "" if self.merge == "concat" else f", merge={self.merge if isinstance(self.merge, str) else getattr(self.merge, '__name__', self.merge)!r}"
-        rs = "" if self.return_sequence else ", return_sequence=False"
-        return f"Bidirectional({self.forward.cell!r}, {self.backward.cell!r}{merge}{rs})"

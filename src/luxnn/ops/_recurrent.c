@@ -37,7 +37,7 @@
  * ---- Arrays --------------------------------------------------------------------------
  * NumPy arrays of one floating dtype (float32 or float64) with unit stride along their
  * last axis and any other strides; shapes and writability are checked, a mismatch raises
- * ValueError or TypeError naming the argument.
+ * ValueError or TypeError naming the argument. A block of no rows is a pass that does nothing.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -217,7 +217,8 @@ block_of(PyObject *obj, const char *name, int type, int ndim, npy_intp *shape, i
     }
     for (int i = 0; i < ndim; i++)
         shape[i] = PyArray_DIM(a, i);
-    int unit = shape[ndim - 1] <= 1 || PyArray_STRIDE(a, ndim - 1) == item;
+    /* An empty array's strides may be anything (NumPy gives 0s); the passes never read it. */
+    int unit = PyArray_SIZE(a) == 0 || shape[ndim - 1] <= 1 || PyArray_STRIDE(a, ndim - 1) == item;
     for (int i = 0; unit && i < ndim - 1; i++)
         unit = PyArray_STRIDE(a, i) % item == 0;
     if (!unit) {
@@ -308,6 +309,8 @@ lstm_forward_pass(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "inputs: expected at least H = %zd columns, got %zd", (Py_ssize_t)H, (Py_ssize_t)K);
         return NULL;
     }
+    if (n == 0)
+        Py_RETURN_NONE;
     Py_BEGIN_ALLOW_THREADS
     if (type == NPY_FLOAT32)
         lstm_forward_pass_f32(n, seq, H, K, reverse, in, (const float *)w.data, w.row, gates, out, tc,
@@ -356,6 +359,8 @@ lstm_backward_pass(PyObject *self, PyObject *args)
                      (Py_ssize_t)s_w[0]);
         return NULL;
     }
+    if (n == 0)
+        Py_RETURN_NONE;
     Py_BEGIN_ALLOW_THREADS
     if (type == NPY_FLOAT32)
         lstm_backward_pass_f32(n, seq, H, reverse, need_h0, gates, tc, out, (const float *)c0.data, c0.row, g,

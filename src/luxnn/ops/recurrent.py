@@ -11,13 +11,14 @@ PyTorch's, so weights copy over from ``torch.nn.RNN/LSTM/GRU`` by a transpose.
 b``, one GEMM over all steps made by the caller), time-major ``(seq, batch, features)``.
 `lstm_sequence` takes the inputs themselves, batch first, and makes each step's input and
 hidden projections one GEMM; its cell's pointwise work is one C pass per step on NumPy
-arrays (`luxnn.ops._recurrent`), and its passes run on the kernel threads, each taking rows
+float32 and float64 arrays (`luxnn.ops._recurrent`), and its passes run on the kernel threads, each taking rows
 of the batch for the whole sequence (see `_by_rows`).
 
 ``reverse=True`` runs from the last step to the first; outputs stay aligned with the
 inputs' positions (as the backward half of PyTorch's bidirectional RNNs). ``last_only=True``
 returns only the output of the last step taken, ``(batch, P)``, whose cotangent then seeds
-the backward pass (no cotangent of zeros for every other step).
+the backward pass (no cotangent of zeros for every other step). Padded sequences of
+different lengths run forward as they are and in reverse through `reverse_padded`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..backend import module_of
 from ..parallel import for_blocks, matmul, num_threads
 from . import _recurrent
 
-__all__ = ["rnn_sequence", "lstm_sequence", "gru_sequence"]
+__all__ = ["rnn_sequence", "lstm_sequence", "gru_sequence", "reverse_padded"]
 
 
 def _check(who, xw, w_hh, gates, carries):
@@ -224,9 +225,11 @@ def _lstm_backward_steps(gates, tanh_c, out, c0, g, dhc, d, weights, reverse, ne
             np.matmul(dt, weights[:H].T, out=dh)
 
 
-def _lstm_passes(xp):
-    """The (forward, backward) passes for arrays of `xp`."""
-    if xp is np and _recurrent.HAS_GEMM:
+def _lstm_passes(xp, dtype):
+    """The (forward, backward) passes for arrays of `xp` and `dtype`: C's for NumPy's float32
+    and float64, the array-API ones otherwise (float16 then computes in float16, as the RNN's
+    and the GRU's passes do)."""
+    if xp is np and _recurrent.HAS_GEMM and dtype in (np.float32, np.float64):
         return _recurrent.lstm_forward_pass, _recurrent.lstm_backward_pass
     return _lstm_forward_steps, _lstm_backward_steps
 
@@ -258,7 +261,7 @@ def lstm_sequence(x, w_ih, b, w_hh, h0, c0, *, reverse=False, last_only=False):
     batch, seq, n_in = x.shape
     dtype = np.result_type(*(a for a in (x, w_ih, b, w_hh, h0, c0) if a is not None))
     h0, c0 = (_operand(a, dtype, xp) for a in (h0, c0))
-    forward_pass, backward_pass = _lstm_passes(xp)
+    forward_pass, backward_pass = _lstm_passes(xp, dtype)
     # each step's GEMM rows [h_prev | x_t | 1] (the 1 only with a bias), and the stacked weights
     width = H + n_in + (b is not None)
     inputs = xp.empty((batch, seq, width), dtype)
@@ -400,3 +403,24 @@ def gru_sequence(xw, w_hh, b_hh, h0, *, reverse=False, last_only=False):
         return d_in, gw, gb, dh
 
     return _result(hs, last_only, reverse), vjp
+
+
+@primitive
+def reverse_padded(x, lengths):
+    """Each sequence of `x` ``(batch, seq, ...)`` with its first ``lengths[b]`` steps in
+    reverse order and the steps after them in place: a padded sequence read from its own
+    last step. Its own inverse, and so its own VJP. `lengths` ``(batch,)`` integers in
+    ``[0, seq]``, of `x`'s backend.
+
+    >>> reverse_padded(np.arange(8.0).reshape(2, 4), np.array([4, 2])).tolist()
+    [[3.0, 2.0, 1.0, 0.0], [5.0, 4.0, 6.0, 7.0]]
+    """
+    xp = module_of(x)
+    steps = xp.arange(x.shape[1])
+    ends = lengths.reshape(-1, 1)
+    index = (xp.arange(x.shape[0]).reshape(-1, 1), xp.where(steps < ends, ends - 1 - steps, steps))
+
+    def vjp(g, needs):
+        return g[index], None
+
+    return x[index], vjp
