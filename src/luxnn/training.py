@@ -179,11 +179,13 @@ class _Lineage:
 
 
 def _check_not_consumed(ts: TrainState, who: str) -> None:
-    if ts._version != ts._lineage.updates:
+    behind = ts._lineage.updates - ts._version
+    if behind:
         raise ValueError(
-            f"{who}: this TrainState was consumed by {ts._lineage.last}, which wrote the new parameters and optimizer "
-            "state into its arrays; use the TrainState that call returned "
-            "(grads, loss, stats, ts = lx.single_train_step_(...); ts = lx.apply_gradients_(ts, grads))"
+            f"{who}: this TrainState was consumed: an in-place verb wrote new parameters and optimizer state into "
+            f"its arrays ({behind} update{'s' if behind > 1 else ''} since, the last by {ts._lineage.last}); use the "
+            "TrainState that call returned (grads, loss, stats, ts = lx.single_train_step_(...), "
+            "ts = lx.apply_gradients_(ts, grads))"
         )
 
 

@@ -410,16 +410,15 @@ def check_learning_rate(name: str, learning_rate: ScalarOrSchedule) -> ScalarOrS
     return check_float(name, learning_rate)
 
 
-def check_schedule_value(name: str, value: Any, count: Any) -> Any:
-    """`value`, what a schedule gave at step `count`, once checked to be a finite number
-    (a ValueError naming `name` otherwise). A value on a GPU is not read back for the
-    check: that would wait for the device on every update."""
+def check_schedule_value(name: str, value: Any, count: Any) -> None:
+    """A ValueError naming `name` unless `value`, what a schedule gave at step `count`, is
+    a finite number. A value on a GPU is not read back for the check: that would wait for
+    the device on every update."""
     if isinstance(value, (int, float, np.generic, np.ndarray)):
         number = value.item() if isinstance(value, np.ndarray) and value.size == 1 else value
         if isinstance(number, np.ndarray) or not math.isfinite(number):
             raise ValueError(f"{name}: the schedule gave {value!r} at step {count}; "
                              "a schedule must give a finite number")
-    return value
 
 
 def check_steps(name: str, value: Any, *, positive: bool) -> int:

@@ -302,7 +302,8 @@ class _ScaleBySchedule:
         return state
 
     def folded_factor(self, state: ScaleByScheduleState) -> tuple[Any, ScaleByScheduleState]:
-        factor = check_schedule_value("scale_by_schedule (a learning rate schedule)", self.step_size_fn(state.count), state.count)
+        factor = self.step_size_fn(state.count)
+        check_schedule_value("scale_by_schedule (a learning rate schedule)", factor, state.count)
         return factor, ScaleByScheduleState(next_count(state.count))
 
     def precheck(self, state: ScaleByScheduleState) -> None:
