@@ -215,7 +215,7 @@ def _compute_gradients(objective: Objective, data: Any, ts: TrainState) -> tuple
                 "compute it from the ps the objective is given (model(x, ps, st)), not from ts.parameters, and "
                 "return it as an array, not float(loss)"
             )
-        problem = _structure_problem(ts.states, st, ())
+        problem = None if st is ts.states else _structure_problem(ts.states, st)
         if problem:
             raise ValueError(f"compute_gradients: the state the objective returned does not have the structure of "
                              f"ts.states: {problem}; return the st the model returned (y, st = model(x, ps, st))")
@@ -230,26 +230,41 @@ def _compute_gradients(objective: Objective, data: Any, ts: TrainState) -> tuple
     return grads, loss, stats, ts.replace(states=states)
 
 
-def _structure_problem(expected: Any, got: Any, path: tuple) -> str | None:
+_CONTAINERS = (dict, list, tuple)
+
+
+def _structure_problem(expected: Any, got: Any) -> str | None:
     """Where `got` differs from `expected` in containers (dicts with the same keys, sequences
     of the same length), or None: a layer's state leaves may change, its containers not."""
-    where = f"at '{'/'.join(map(str, path))}'" if path else "at the root"
+    found = _first_difference(expected, got)
+    if found is None:
+        return None
+    path, what = found
+    return f"at '{'/'.join(map(str, reversed(path)))}' {what}" if path else f"at the root {what}"
+
+
+def _first_difference(expected: Any, got: Any) -> tuple[list, str] | None:
+    """(the path, innermost key first, and what differs there) or None. It runs every
+    step: a subtree the layer passed through unchanged (the same object) is not walked,
+    and a path is built only once something differs."""
     if isinstance(expected, dict):
         if not isinstance(got, dict):
-            return f"{where} expected a dict with keys {sorted(map(str, expected))}, got {describe(got)}"
+            return [], f"expected a dict with keys {sorted(map(str, expected))}, got {describe(got)}"
         if expected.keys() != got.keys():
-            return f"{where} expected keys {sorted(map(str, expected))}, got {sorted(map(str, got))}"
-        pairs: Any = ((k, expected[k], got[k]) for k in expected)
+            return [], f"expected keys {sorted(map(str, expected))}, got {sorted(map(str, got))}"
+        pairs: Any = ((k, e, got[k]) for k, e in expected.items())
     elif isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(expected):
-            return f"{where} expected a sequence of length {len(expected)}, got {describe(got)}"
+            return [], f"expected a sequence of length {len(expected)}, got {describe(got)}"
         pairs = zip(range(len(expected)), expected, got)
     else:
-        return f"{where} expected a leaf, got {describe(got)}" if isinstance(got, (dict, list, tuple)) else None
+        return ([], f"expected a leaf, got {describe(got)}") if isinstance(got, _CONTAINERS) else None
     for key, e, g in pairs:
-        problem = _structure_problem(e, g, (*path, key))
-        if problem:
-            return problem
+        if e is not g and (isinstance(e, _CONTAINERS) or isinstance(g, _CONTAINERS)):
+            found = _first_difference(e, g)
+            if found is not None:
+                found[0].append(key)
+                return found
     return None
 
 

@@ -501,12 +501,13 @@ def check_match(expected: Any, expected_name: str, got: Any, got_name: str) -> N
         raise ValueError(f"{got_name} do not match {expected_name} {problem}")
 
 
-def check_gradients(who: str, params: Params, grads: Updates) -> None:
-    """A ValueError naming `who` and the first path where `grads` do not match `params`
-    in structure and shapes, or hold something that is no array (a Python float)."""
-    check_match(params, "params", grads, "grads")
-    for i, g in enumerate(tree.leaves(grads)):
-        if not (hasattr(g, "dtype") and hasattr(g, "shape")):
+def check_gradients(who: str, params: Params, grads: Updates, leaves: list | None = None) -> None:
+    """A ValueError naming `who` and the first path of `params` whose gradient is no array
+    (a Python float: the optimisers compute on arrays). `leaves`: those of `grads`, if
+    already at hand. Structure and shapes are checked where the gradients are used."""
+    for i, g in enumerate(tree.leaves(grads) if leaves is None else leaves):
+        if type(g) is not np.ndarray and not (hasattr(g, "dtype") and hasattr(g, "shape")):
+            check_match(params, "params", grads, "grads")  # else the paths of params are not the gradients'
             path, p = tree.paths(params)[i]
             raise ValueError(f"{who}: the gradient at '{path}' is a {type(g).__name__}; expected an array "
                              f"of shape {tuple(getattr(p, 'shape', ()))} like its parameter")
@@ -588,8 +589,8 @@ def update_and_apply_(optimizer: GradientTransformation, grads: Updates, opt_sta
     array([0.5, 0.5])
     """
     targets = tree.leaves(params)
-    check_gradients("update_and_apply_", params, grads)
-    _in_place_pairs("update_and_apply_", params, targets, grads, "grads")  # updates have the gradients' dtypes
+    pairs = _in_place_pairs("update_and_apply_", params, targets, grads, "grads")  # updates have the gradients' dtypes
+    check_gradients("update_and_apply_", params, grads, [g for _, g in pairs])
     check_separate("update_and_apply_", params, targets)
     precheck(optimizer, opt_state)
     return update_into(optimizer, grads, opt_state, params, targets)
