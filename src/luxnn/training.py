@@ -149,7 +149,7 @@ class TrainState:
         from .devices import get_device
 
         cache = get_allocator_cache(get_device(state["parameters"])) if state["allocator_cache"] else None
-        self.__dict__.update(_lineage=_Lineage(), _version=0)  # a pickle made before states were consumed
+        self.__dict__.update(_lineage=_Lineage(), _version=0)  # for a pickled state that carries none
         self.__dict__.update(state, allocator_cache=cache)
 
     def __repr__(self) -> str:
