@@ -132,6 +132,25 @@ def test_trainmode_and_testmode_return_new_states_at_every_depth():
     assert trained == ["bn/training", "blocks/0/drop/training", "pair/0/training"]
 
 
+def test_testmode_and_trainmode_of_a_train_state_set_its_states():
+    model = lx.Chain(lx.Dense(2, 2), lx.Dropout(0.5))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    ts = lx.TrainState(model, ps, st, lx.optim.sgd(0.1), allocator_cache=None)
+    evaluated = lx.testmode(ts)
+    assert isinstance(evaluated, lx.TrainState) and evaluated.states["layer_2"]["training"] is False
+    assert ts.states["layer_2"]["training"] is True and evaluated.parameters is ts.parameters
+    x = np.ones((3, 2), np.float32)
+    np.testing.assert_array_equal(lx.apply(model, x, evaluated.parameters, evaluated.states)[0],
+                                  lx.apply(model, x, ps, lx.testmode(st))[0])  # dropout off
+    assert lx.trainmode(evaluated).states["layer_2"]["training"] is True
+
+
+@pytest.mark.parametrize("fn", [lx.testmode, lx.trainmode])
+def test_testmode_and_trainmode_refuse_what_is_no_state(fn):
+    with pytest.raises(TypeError, match=f"{fn.__name__}: expected a model state .* or a TrainState, got Chain"):
+        fn(lx.Chain(lx.Dense(2, 2)))
+
+
 def test_layer_error_paths_compose():
     err = lx.LayerError("Dense(2 => 3): bad").within("layer_2").within("encoder")
     assert isinstance(err, ValueError) and err.path == ("encoder", "layer_2")

@@ -211,6 +211,30 @@ def test_state_of_another_optimizer_is_rejected():
     params = {"w": np.ones(2)}
     with pytest.raises(ValueError, match="chain of 2 transformations"):
         optim.adam().update(params, optim.sgd(0.1).init(params), params)
+    momentum = optim.sgd(0.1, momentum=0.9).init(params)
+    for update, state in [(optim.adam().update, momentum), (optim.adam().update_, momentum),
+                          (optim.scale_by_adam().update, momentum[0])]:
+        with pytest.raises(ValueError, match=r"expected an optimizer state of type ScaleByAdamState, got one of type "
+                                             r"TraceState: it was made by another optimizer"):
+            update(params, state, params)
+
+
+@pytest.mark.parametrize("make", [lambda lr: optim.adam(lr), lambda lr: optim.sgd(lr, momentum=0.9),
+                                  lambda lr: optim.scale_by_learning_rate(lr)])
+def test_a_schedule_that_gives_a_value_that_is_not_finite_is_refused(make):
+    params = {"w": np.ones(2)}
+    opt = make(lambda count: float("nan") if count >= 1 else 0.1)
+    state = opt.init(params)
+    _, state = opt.update({"w": np.ones(2)}, state, params)
+    with pytest.raises(ValueError, match=r"the schedule gave nan at step 1; a schedule must give a finite number"):
+        opt.update({"w": np.ones(2)}, state, params)
+
+
+def test_a_hyperparameter_given_as_a_string_is_refused():
+    with pytest.raises(ValueError, match=r"adam: learning_rate must be a real number, got '0.1'"):
+        optim.adam("0.1")
+    with pytest.raises(ValueError, match=r"sgd: momentum must be a real number, got '0.9'"):
+        optim.sgd(0.1, momentum="0.9")
 
 
 def test_add_decayed_weights_needs_params():

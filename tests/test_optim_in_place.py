@@ -293,3 +293,56 @@ def test_set_hyperparams_refuses_a_value_that_is_not_finite(value):
     state = opt.init({"w": np.zeros(2)})
     with pytest.raises(ValueError, match="set_hyperparams: learning_rate must be a finite number"):
         optim.set_hyperparams(state, learning_rate=value)
+
+
+def _trace_then_injected_adam_with_b1_5():
+    opt = optim.chain(optim.trace(0.9), optim.inject_hyperparams(optim.adam)(learning_rate=0.1))
+    return opt, lambda params: optim.set_hyperparams(opt.init(params), b1=5.0)  # a bare state: checked at its update
+
+
+def _trace_then_adam_given_two_traces():
+    opt = optim.chain(optim.trace(0.9), optim.scale_by_adam())
+    return opt, lambda params: (optim.trace(0.9).init(params),) * 2
+
+
+def _with_init(opt):
+    return opt, opt.init
+
+
+@pytest.mark.parametrize("make, params_of, grads_of, fragment", [
+    (_trace_then_injected_adam_with_b1_5, None, None, r"b1 must be in \[0.0, 1.0\), got 5.0"),
+    (lambda: _with_init(optim.sgd(lambda count: float("nan"), momentum=0.9)), None, None,
+     r"the schedule gave nan at step 0; a schedule must give a finite number"),
+    (lambda: _with_init(optim.chain(optim.trace(0.9), optim.MultiSteps(optim.sgd(0.1), lambda n: 0))), None, None,
+     r"MultiSteps: every_k_schedule gave 0 after 0 inner updates; it must give an integer >= 1"),
+    (_trace_then_adam_given_two_traces, None, None,
+     r"expected an optimizer state of type ScaleByAdamState, got one of type TraceState"),
+    (lambda: _with_init(optim.sgd(0.1)), None, lambda g: {**g, "a": 0.5},
+     r"update_and_apply_: the gradient at 'a' is a float; expected an array of shape \(3,\)"),
+    (lambda: _with_init(optim.sgd(0.1)), lambda p: {"a": p["a"], "b": p["a"]}, None,
+     r"the parameters at 'a' and 'b' share memory"),
+    (lambda: _with_init(optim.sgd(0.1)), lambda p: {"a": p["b"][:3], "b": p["b"][2:]}, None,
+     r"the parameters at 'a' and 'b' share memory"),
+])  # fmt: skip
+def test_update_and_apply_refuses_bad_input_of_a_later_stage_before_the_first_writes(make, params_of, grads_of, fragment):
+    opt, init = make()
+    params = {"a": np.ones(3), "b": np.full(5, 2.0)}
+    params = params_of(params) if params_of else params
+    grads = tree.map(np.ones_like, params)
+    grads = grads_of(grads) if grads_of else grads
+    state = init(params)
+    before = copy.deepcopy((params, state))
+    with pytest.raises(ValueError, match=fragment):
+        optim.update_and_apply_(opt, grads, state, params)
+    for now, then in zip(tree.leaves((params, state)), tree.leaves(before)):
+        np.testing.assert_array_equal(now, then)
+
+
+def test_views_that_share_no_memory_are_updated_as_the_pure_update_does():
+    w = np.arange(6.0)
+    params = {"even": w[::2], "odd": w[1::2]}  # interleaved: their spans overlap, their elements do not
+    grads = {"even": np.ones(3), "odd": np.full(3, 2.0)}
+    opt = optim.sgd(0.1)
+    expected = optim.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
+    optim.update_and_apply_(opt, grads, opt.init(params), params)
+    np.testing.assert_allclose(w, np.ravel(np.column_stack([expected["even"], expected["odd"]])))

@@ -253,6 +253,38 @@ def test_set_hyperparams_errors_name_the_hyperparameter():
         optim.set_hyperparams(ts, b1=1.5)
 
 
+def test_set_hyperparams_checks_an_injected_stage_nested_in_a_chain_before_the_state_changes():
+    model = lx.Dense(2, 1)
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    opt = optim.chain(optim.trace(0.9), optim.inject_hyperparams(optim.adam)(learning_rate=0.1))
+    ts = lx.TrainState(model, ps, st, opt, allocator_cache=None)
+    with pytest.raises(ValueError, match=r"b1 must be in \[0.0, 1.0\), got 5.0"):
+        optim.set_hyperparams(ts, b1=5.0)
+    assert float(ts.optimizer_state[1].hyperparams["b1"]) == 0.9
+    ts = optim.set_hyperparams(ts, b1=0.5)
+    assert float(ts.optimizer_state[1].hyperparams["b1"]) == 0.5
+
+
+@pytest.mark.parametrize("every_k, given", [(lambda n: 0, "0"), (lambda n: -1, "-1"), (lambda n: 2.5, "2.5"),
+                                            (lambda n: float("nan"), "nan")])
+def test_multi_steps_refuses_a_schedule_value_below_one_or_not_whole(every_k, given):
+    params = {"w": np.ones(2)}
+    opt = optim.MultiSteps(optim.sgd(0.1), every_k)
+    with pytest.raises(ValueError, match=f"MultiSteps: every_k_schedule gave {given} after 0 inner updates; "
+                                         "it must give an integer >= 1"):
+        opt.update({"w": np.ones(2)}, opt.init(params), params)
+
+
+def test_multi_steps_takes_a_schedule_of_numpy_integers():
+    params = {"w": np.ones(2)}
+    opt = optim.MultiSteps(optim.sgd(1.0), lambda n: np.int64(2))
+    state = opt.init(params)
+    first, state = opt.update({"w": np.ones(2)}, state, params)
+    second, state = opt.update({"w": np.full(2, 3.0)}, state, params)
+    np.testing.assert_array_equal(first["w"], [-0.0, -0.0])
+    np.testing.assert_array_equal(second["w"], [-2.0, -2.0])
+
+
 def test_inject_hyperparams_keeps_a_mask_function_static_and_schedules_a_learning_rate():
     rng = np.random.default_rng(0)
     params = make_params(rng)

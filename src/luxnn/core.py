@@ -187,11 +187,16 @@ def call_layer(layer: Layer, x: Any, ps: Any, st: Any) -> tuple[Any, Any]:
     intercept = _interceptor.get()
     out = layer(x, ps, st) if intercept is None else intercept(layer, x, ps, st)
     if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], (dict, type(st))):
-        raise LayerError(f"{type(layer).__name__} returned {_describe(out)}: a layer returns a pair (y, st)")
+        raise LayerError(f"{type(layer).__name__} returned {describe(out)}: a layer returns a pair (y, st)")
     return out
 
 
-def _describe(out: Any) -> str:
+def describe(out: Any) -> str:
+    """What `out` is, for messages about what a function returned.
+
+    >>> describe((1.0, {}))
+    'a tuple of 2 (float, dict)'
+    """
     if isinstance(out, tuple):
         return f"a tuple of {len(out)} ({', '.join(type(v).__name__ for v in out)})"
     shape = getattr(out, "shape", None)
@@ -287,11 +292,41 @@ def _set_training(st: Any, training: bool) -> Any:
     return st
 
 
-def trainmode(st: dict[str, Any]) -> dict[str, Any]:
-    """A copy of state `st` with every layer in training mode (batch statistics, dropout on)."""
-    return _set_training(st, True)
+def _with_training(who: str, st: Any, training: bool) -> Any:
+    """`st` (a state tree, or a `TrainState` whose states are set) with every layer's
+    ``training`` flag set; a TypeError for anything else, which has no layer to set."""
+    from .training import TrainState  # training builds on this module
+
+    if isinstance(st, TrainState):
+        return st.replace(states=_set_training(st.states, training))
+    if not isinstance(st, (dict, list, tuple)):
+        raise TypeError(f"{who}: expected a model state (the st of lx.setup) or a TrainState, got {type(st).__name__}")
+    return _set_training(st, training)
 
 
-def testmode(st: dict[str, Any]) -> dict[str, Any]:
-    """A copy of state `st` with every layer in test mode (running statistics, dropout off)."""
-    return _set_training(st, False)
+def trainmode(st: Any) -> Any:
+    """A copy of state `st` with every layer in training mode (batch statistics, dropout
+    on); given a `TrainState`, a copy of it whose states are in training mode.
+
+    >>> import luxnn as lx
+    >>> trainmode({"layer_1": {"training": False}})
+    {'layer_1': {'training': True}}
+    """
+    return _with_training("trainmode", st, True)
+
+
+def testmode(st: Any) -> Any:
+    """A copy of state `st` with every layer in test mode (running statistics, dropout
+    off); given a `TrainState`, a copy of it whose states are in test mode (sharing its
+    arrays, as `TrainState.replace` does).
+
+    >>> import luxnn as lx
+    >>> model = lx.Chain(lx.Dense(2, 2), lx.Dropout(0.5))
+    >>> ps, st = lx.setup(np.random.default_rng(0), model)
+    >>> testmode(st)["layer_2"]["training"]
+    False
+    """
+    return _with_training("testmode", st, False)
+
+
+testmode.__test__ = False  # pytest, which collects src/luxnn for its doctests, would take it for a test

@@ -18,13 +18,15 @@ because a block is reused only after its last array dies.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable
 
-from . import optim
-from .ad import AutoTape, value_and_grad
-from .core import Layer
+from . import optim, tree
+from .ad import AutoTape, Traced, value_and_grad
+from .core import Layer, describe
 from .devices import check_same_device
 from .memory import cached, get_allocator_cache, step
+from .optim.base import check_gradients
 
 __all__ = [
     "TrainState", "compute_gradients", "apply_gradients", "apply_gradients_",
@@ -43,7 +45,18 @@ class TrainState:
     ``TrainState(model, parameters, states, optimizer)`` initialises the optimizer state,
     starts at step 0 and picks the allocator cache for the parameters' device
     (`luxnn.get_allocator_cache`); pass ``allocator_cache=`` your own `AllocCache` or None.
-    `step` counts applied updates.
+
+    `step` counts the gradients applied (calls of `apply_gradients` and of the
+    ``single_train_step`` verbs). Under `luxnn.optim.MultiSteps` the optimizer updates
+    once every k of them: its schedules run on its own count,
+    ``ts.optimizer_state.gradient_step`` (``ts.step // k`` for an int k), so the learning
+    rate of its next update is ``schedule(ts.optimizer_state.gradient_step)``.
+
+    An in-place verb (`apply_gradients_`, `single_train_step_`) consumes the state it is
+    given, and every copy sharing its arrays (made by `replace` or `copy.copy`, or by
+    `luxnn.optim.set_hyperparams`): any verb given one of them again raises `ValueError`
+    (use the returned state). A copy given both new ``parameters`` and a new
+    ``optimizer_state`` (as `luxnn.load` and the pure verbs make) is a state of its own.
     """
 
     model: Layer
@@ -89,25 +102,41 @@ class TrainState:
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+        self.__dict__.update(_lineage=_Lineage(), _version=0)
 
     def replace(self, **changes: Any) -> "TrainState":
-        """A copy with some fields changed (no re-validation: it runs every step)."""
-        unknown = changes.keys() - self.__dict__.keys()
+        """A copy with some fields changed (no re-validation: it runs every step). It
+        shares this state's arrays, and so is consumed with it, unless it is given both
+        new ``parameters`` and a new ``optimizer_state``."""
+        unknown = changes.keys() - _FIELDS
         if unknown:
             raise TypeError(f"TrainState has no fields {sorted(unknown)}")
         new = object.__new__(TrainState)
         new.__dict__.update(self.__dict__, **changes)
+        if "parameters" in changes and "optimizer_state" in changes:
+            new.__dict__.update(_lineage=_Lineage(), _version=0)
         return new
+
+    @property
+    def consumed(self) -> bool:
+        """Whether an in-place verb has updated this state's arrays since it was made
+        (then only the state that verb returned is valid)."""
+        return self._version != self._lineage.updates
 
     def to_device(self, device: Any) -> "TrainState":
         """This state's arrays on `device`, with a fresh allocator cache for that device
-        (a cache serves one device)."""
-        return self.replace(
+        (a cache serves one device). On the device the arrays are already on, they are
+        the same arrays: the copy is then consumed with this state."""
+        _check_not_consumed(self, "to_device")
+        moved = self.replace(
             parameters=device(self.parameters),
             states=device(self.states),
             optimizer_state=device(self.optimizer_state),
             allocator_cache=get_allocator_cache(device) if self.allocator_cache is not None else None,
         )
+        if any(map(operator.is_, tree.leaves(moved.parameters)[:1], tree.leaves(self.parameters)[:1])):
+            moved.__dict__.update(_lineage=self._lineage, _version=self._version)
+        return moved
 
     # Pickling and copy.copy/deepcopy leave the allocator cache behind (its C core and its
     # blocks belong to this process and this state): the pickled form says only whether
@@ -120,6 +149,7 @@ class TrainState:
         from .devices import get_device
 
         cache = get_allocator_cache(get_device(state["parameters"])) if state["allocator_cache"] else None
+        self.__dict__.update(_lineage=_Lineage(), _version=0)  # for a pickled state that carries none
         self.__dict__.update(state, allocator_cache=cache)
 
     def __repr__(self) -> str:
@@ -128,6 +158,34 @@ class TrainState:
         return (
             f"TrainState(model={type(self.model).__name__}, parameters={parameter_count(self.parameters)}, "
             f"step={self.step}, allocator_cache={self.allocator_cache!r})"
+        )
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainState))
+
+
+class _Lineage:
+    """What a `TrainState` shares with its copies holding the same arrays: how many
+    in-place updates those arrays have had, and which verb made the last one, at which
+    step. A state is consumed when its own count (``_version``) is behind."""
+
+    def __init__(self) -> None:
+        self.updates, self.last = 0, ""
+
+    def advance(self, who: str, step: int) -> int:
+        self.updates += 1
+        self.last = f"{who} at step {step}"
+        return self.updates
+
+
+def _check_not_consumed(ts: TrainState, who: str) -> None:
+    behind = ts._lineage.updates - ts._version
+    if behind:
+        raise ValueError(
+            f"{who}: this TrainState was consumed: an in-place verb wrote new parameters and optimizer state into "
+            f"its arrays ({behind} update{'s' if behind > 1 else ''} since, the last by {ts._lineage.last}); use the "
+            "TrainState that call returned (grads, loss, stats, ts = lx.single_train_step_(...), "
+            "ts = lx.apply_gradients_(ts, grads))"
         )
 
 
@@ -146,7 +204,21 @@ def _compute_gradients(objective: Objective, data: Any, ts: TrainState) -> tuple
     check_same_device("compute_gradients", ts.parameters, data, "parameters", "data")
 
     def loss_fn(ps: Any) -> tuple[Any, tuple[Any, Any]]:
-        loss, st, stats = objective(ts.model, ps, ts.states, data)
+        out = objective(ts.model, ps, ts.states, data)
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise ValueError(f"compute_gradients: the objective returned {describe(out)}; an objective returns "
+                             "(loss, st, stats), e.g. return loss, st, {}")
+        loss, st, stats = out
+        if not isinstance(loss, Traced) and tree.leaves(ps):
+            raise ValueError(
+                f"compute_gradients: the objective's loss ({describe(loss)}) does not depend on the parameters: "
+                "compute it from the ps the objective is given (model(x, ps, st)), not from ts.parameters, and "
+                "return it as an array, not float(loss)"
+            )
+        problem = None if st is ts.states else _structure_problem(ts.states, st)
+        if problem:
+            raise ValueError(f"compute_gradients: the state the objective returned does not have the structure of "
+                             f"ts.states: {problem}; return the st the model returned (y, st = model(x, ps, st))")
         return loss, (st, stats)
 
     # An optimizer with `listen(params)` (a `ListeningTransformation`, such as
@@ -158,10 +230,53 @@ def _compute_gradients(objective: Objective, data: Any, ts: TrainState) -> tuple
     return grads, loss, stats, ts.replace(states=states)
 
 
-def _apply_gradients(ts: TrainState, grads: Any, in_place: bool) -> TrainState:
-    if in_place:
+_CONTAINERS = (dict, list, tuple)
+
+
+def _structure_problem(expected: Any, got: Any) -> str | None:
+    """Where `got` differs from `expected` in containers (dicts with the same keys, sequences
+    of the same length), or None: a layer's state leaves may change, its containers not."""
+    found = _first_difference(expected, got)
+    if found is None:
+        return None
+    path, what = found
+    return f"at '{'/'.join(map(str, reversed(path)))}' {what}" if path else f"at the root {what}"
+
+
+def _first_difference(expected: Any, got: Any) -> tuple[list, str] | None:
+    """(the path, innermost key first, and what differs there) or None. It runs every
+    step: a subtree the layer passed through unchanged (the same object) is not walked,
+    and a path is built only once something differs."""
+    if isinstance(expected, dict):
+        if not isinstance(got, dict):
+            return [], f"expected a dict with keys {sorted(map(str, expected))}, got {describe(got)}"
+        if expected.keys() != got.keys():
+            return [], f"expected keys {sorted(map(str, expected))}, got {sorted(map(str, got))}"
+        pairs: Any = ((k, e, got[k]) for k, e in expected.items())
+    elif isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+            return [], f"expected a sequence of length {len(expected)}, got {describe(got)}"
+        pairs = zip(range(len(expected)), expected, got)
+    else:
+        return ([], f"expected a leaf, got {describe(got)}") if isinstance(got, _CONTAINERS) else None
+    for key, e, g in pairs:
+        if e is not g and (isinstance(e, _CONTAINERS) or isinstance(g, _CONTAINERS)):
+            found = _first_difference(e, g)
+            if found is not None:
+                found[0].append(key)
+                return found
+    return None
+
+
+def _apply_gradients(ts: TrainState, grads: Any, who: str | None) -> TrainState:
+    """The optimizer's update of `ts` with `grads`: pure, or in place when `who` (the
+    verb) is given, which consumes `ts`."""
+    if who is not None:
         opt_state = optim.update_and_apply_(ts.optimizer, grads, ts.optimizer_state, ts.parameters)
-        return ts.replace(optimizer_state=opt_state, step=ts.step + 1)
+        new = ts.replace(optimizer_state=opt_state, step=ts.step + 1)
+        new.__dict__["_version"] = ts._lineage.advance(who, ts.step)
+        return new
+    check_gradients("apply_gradients", ts.parameters, grads)
     updates, opt_state = ts.optimizer.update(grads, ts.optimizer_state, ts.parameters)
     return ts.replace(parameters=optim.apply_updates(ts.parameters, updates), optimizer_state=opt_state,
                       step=ts.step + 1)
@@ -173,6 +288,7 @@ def compute_gradients(ad: AutoTape, objective: Objective, data: Any, ts: TrainSt
     Parameters and `data` must be on one device (`ValueError` naming both otherwise).
     """
     _check_ad(ad)
+    _check_not_consumed(ts, "compute_gradients")
     with step(ts.allocator_cache, ends=False):
         return _compute_gradients(objective, data, ts)
 
@@ -181,8 +297,9 @@ def apply_gradients(ts: TrainState, grads: Any) -> TrainState:
     """One optimizer update with `grads`; returns a new `TrainState` with new parameter
     and optimizer-state arrays (optax's pure update: `ts` is left untouched and stays
     valid, e.g. for a retried step)."""
+    _check_not_consumed(ts, "apply_gradients")
     with step(ts.allocator_cache, begins=False):
-        return _apply_gradients(ts, grads, False)
+        return _apply_gradients(ts, grads, None)
 
 
 def apply_gradients_(ts: TrainState, grads: Any) -> TrainState:
@@ -191,25 +308,30 @@ def apply_gradients_(ts: TrainState, grads: Any) -> TrainState:
     (`luxnn.optim.update_and_apply_`), with the numbers of `apply_gradients`.
 
     It consumes `ts`: use the returned `TrainState` from then on (`ts`, and every copy
-    sharing its arrays, such as ``ts.replace(...)``, sees the new values). `grads` are not
-    written. Bad input (gradients that do not match the parameters, a read-only
-    parameter) raises `ValueError` before anything is written."""
+    sharing its arrays, such as ``ts.replace(...)``, sees the new values, and any verb
+    given one of them raises `ValueError`). `grads` are not written. Bad input
+    (gradients that do not match the parameters, a read-only parameter, parameters that
+    share memory, an optimizer state or hyperparameter the optimizer refuses) raises
+    `ValueError` before anything is written."""
+    _check_not_consumed(ts, "apply_gradients_")
     with step(ts.allocator_cache, begins=False):
-        return _apply_gradients(ts, grads, True)
+        return _apply_gradients(ts, grads, "apply_gradients_")
 
 
 def single_train_step(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
     """`compute_gradients` then `apply_gradients`: ``(grads, loss, stats, ts)``."""
     _check_ad(ad)
+    _check_not_consumed(ts, "single_train_step")
     with step(ts.allocator_cache):
         grads, loss, stats, ts = _compute_gradients(objective, data, ts)
-        return grads, loss, stats, _apply_gradients(ts, grads, False)
+        return grads, loss, stats, _apply_gradients(ts, grads, None)
 
 
 def single_train_step_(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
     """`compute_gradients` then `apply_gradients_`: parameters and optimizer state updated
     in place, `ts` consumed (see `apply_gradients_`)."""
     _check_ad(ad)
+    _check_not_consumed(ts, "single_train_step_")
     with step(ts.allocator_cache):
         grads, loss, stats, ts = _compute_gradients(objective, data, ts)
-        return grads, loss, stats, _apply_gradients(ts, grads, True)
+        return grads, loss, stats, _apply_gradients(ts, grads, "single_train_step_")

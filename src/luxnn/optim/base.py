@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import operator
+import typing
+import weakref
 from types import ModuleType
 from typing import Any, Callable, NamedTuple, Union
 
@@ -107,6 +109,55 @@ def transformation(stage: Any) -> GradientTransformation:
 #   the updates multiplied by `factor`, folded into its last product. `chain` folds the first
 #   into the second when they follow each other (Adam's direction and the learning rate:
 #   one pass over memory fewer per leaf).
+# - ``precheck(state)``: raise what ``update`` of `state` would raise for another reason than
+#   the gradients (a hyperparameter or a schedule's value out of its domain), and pass it on
+#   to the inner transformations with their states (`precheck`): what lets
+#   `update_and_apply_` refuse bad input before its first stage writes anything.
+
+
+def state_type(stage: Any) -> type | None:
+    """The NamedTuple class of the states that `stage`'s ``init`` is annotated to return
+    (None when it is not annotated with one): what its update reads fields of."""
+    cls = type(stage)
+    found = _STATE_TYPES.get(cls, _UNKNOWN)
+    if found is _UNKNOWN:
+        try:
+            found = typing.get_type_hints(cls.init).get("return")
+        except Exception:  # no init, or annotations that do not resolve: nothing to check
+            found = None
+        if not (isinstance(found, type) and issubclass(found, tuple) and hasattr(found, "_fields")):
+            found = None
+        _STATE_TYPES[cls] = found
+    return found
+
+
+_STATE_TYPES: dict = {}
+_UNKNOWN = object()
+
+
+def check_state_type(stage: Any, state: Any) -> None:
+    """A ValueError unless `state` is of the type `stage`'s ``init`` makes (a state made by
+    another optimizer would otherwise fail on a missing field, after earlier stages wrote)."""
+    expected = state_type(stage)
+    if expected is not None and not isinstance(state, expected):
+        raise ValueError(
+            f"expected an optimizer state of type {expected.__name__}, got one of type {type(state).__name__}: "
+            "it was made by another optimizer; pass the state this optimizer's init made (opt.init(params))"
+        )
+
+
+def precheck(transformation: GradientTransformation, state: OptState) -> None:
+    """Raise, before anything is written, what `transformation`'s update of `state` would
+    raise for another reason than its gradients: a state made by another optimizer, a
+    hyperparameter or a schedule's value out of its domain (see ``precheck`` above).
+    `update_and_apply_` runs it first."""
+    stage = getattr(transformation.update, "__self__", None)
+    if stage is None:
+        return
+    check_state_type(stage, state)
+    own = getattr(stage, "precheck", None)
+    if own is not None:
+        own(state)
 
 
 class Stateless:
@@ -129,12 +180,15 @@ class InPlace:
         raise NotImplementedError
 
     def update(self, grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
+        check_state_type(self, state)
         return self.compute(grads, state, params, False)
 
     def update_in_place(self, grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
+        check_state_type(self, state)
         return self.compute(grads, state, params, True)
 
     def update_into(self, grads: Updates, state: OptState, params: Params, into: list) -> OptState:
+        check_state_type(self, state)
         updates, state = self.compute(grads, state, params, True, into)
         if updates is not None:
             add_into(into, updates, grads)
@@ -329,6 +383,8 @@ def check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.i
     range (an infinite or NaN hyperparameter is never meant: it turns every update into
     inf or NaN)."""
     try:
+        if isinstance(value, (str, bytes)):  # float("0.1") parses: a typo or a config left unparsed
+            raise TypeError
         number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a real number, got {value!r}") from None
@@ -352,6 +408,17 @@ def check_learning_rate(name: str, learning_rate: ScalarOrSchedule) -> ScalarOrS
     if callable(learning_rate):
         return learning_rate
     return check_float(name, learning_rate)
+
+
+def check_schedule_value(name: str, value: Any, count: Any) -> None:
+    """A ValueError naming `name` unless `value`, what a schedule gave at step `count`, is
+    a finite number. A value on a GPU is not read back for the check: that would wait for
+    the device on every update."""
+    if isinstance(value, (int, float, np.generic, np.ndarray)):
+        number = value.item() if isinstance(value, np.ndarray) and value.size == 1 else value
+        if isinstance(number, np.ndarray) or not math.isfinite(number):
+            raise ValueError(f"{name}: the schedule gave {value!r} at step {count}; "
+                             "a schedule must give a finite number")
 
 
 def check_steps(name: str, value: Any, *, positive: bool) -> int:
@@ -434,6 +501,18 @@ def check_match(expected: Any, expected_name: str, got: Any, got_name: str) -> N
         raise ValueError(f"{got_name} do not match {expected_name} {problem}")
 
 
+def check_gradients(who: str, params: Params, grads: Updates, leaves: list | None = None) -> None:
+    """A ValueError naming `who` and the first path of `params` whose gradient is no array
+    (a Python float: the optimisers compute on arrays). `leaves`: those of `grads`, if
+    already at hand. Structure and shapes are checked where the gradients are used."""
+    for i, g in enumerate(tree.leaves(grads) if leaves is None else leaves):
+        if type(g) is not np.ndarray and not (hasattr(g, "dtype") and hasattr(g, "shape")):
+            check_match(params, "params", grads, "grads")  # else the paths of params are not the gradients'
+            path, p = tree.paths(params)[i]
+            raise ValueError(f"{who}: the gradient at '{path}' is a {type(g).__name__}; expected an array "
+                             f"of shape {tuple(getattr(p, 'shape', ()))} like its parameter")
+
+
 def check_params(name: str, params: Params) -> None:
     if params is None:
         raise ValueError(f"{name} needs the parameters: call update(grads, opt_state, params)")
@@ -466,7 +545,10 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
     >>> apply_updates_({"w": w}, {"w": np.full(2, -0.5)})["w"] is w
     True
     """
-    for p, u in _in_place_pairs("apply_updates_", params, tree.leaves(params), updates, "updates"):
+    targets = tree.leaves(params)
+    pairs = _in_place_pairs("apply_updates_", params, targets, updates, "updates")
+    check_separate("apply_updates_", params, targets)
+    for p, u in pairs:
         p += u
     return params
 
@@ -507,8 +589,70 @@ def update_and_apply_(optimizer: GradientTransformation, grads: Updates, opt_sta
     array([0.5, 0.5])
     """
     targets = tree.leaves(params)
-    _in_place_pairs("update_and_apply_", params, targets, grads, "grads")  # updates have the gradients' dtypes
+    pairs = _in_place_pairs("update_and_apply_", params, targets, grads, "grads")  # updates have the gradients' dtypes
+    check_gradients("update_and_apply_", params, grads, [g for _, g in pairs])
+    check_separate("update_and_apply_", params, targets)
+    precheck(optimizer, opt_state)
     return update_into(optimizer, grads, opt_state, params, targets)
+
+
+def check_separate(who: str, params: Params, targets: list) -> None:
+    """A ValueError naming `who` and two paths of `params` whose arrays (`targets`, its
+    leaves) share memory, the same array twice or overlapping views: an in-place update
+    would change that memory once for each, where `apply_updates` gives each its own
+    new array. Arrays that own their memory are told apart by identity alone; views are
+    compared by their memory once, and the verdict kept for the same arrays."""
+    if len(set(map(id, targets))) == len(targets) and all(getattr(t, "base", None) is None for t in targets):
+        return
+    last = _SEPARATE[0]
+    if len(last) == len(targets) and all(ref() is t for ref, t in zip(last, targets)):
+        return
+    pair = _sharing_pair(targets)
+    if pair is not None:
+        paths = tree.paths(params)
+        raise ValueError(
+            f"{who}: the parameters at '{paths[pair[0]][0]}' and '{paths[pair[1]][0]}' share memory (the same array, "
+            "or overlapping views of one), so an in-place update would change it once for each; give each "
+            "parameter its own array (e.g. lx.tree.map(np.copy, ps)); nothing was updated"
+        )
+    _SEPARATE[0] = [weakref.ref(t) for t in targets]  # weak: the check keeps no parameter alive
+
+
+_SEPARATE: list = [[]]  # the last parameter arrays found to share no memory
+
+
+def _sharing_pair(arrays: list) -> tuple[int, int] | None:
+    """The positions of two of `arrays` that share memory, or None. Only views of one
+    owner can; within each owner's views, those whose byte spans overlap are compared."""
+    by_owner: dict[int, list] = {}
+    for i, a in enumerate(arrays):
+        owner = a
+        while getattr(owner, "base", None) is not None:
+            owner = owner.base
+        by_owner.setdefault(id(owner), []).append(i)
+    for members in by_owner.values():
+        spans = sorted((_byte_span(arrays[i]), i) for i in members)
+        for k, ((_, high), i) in enumerate(spans):
+            for (low, _), j in spans[k + 1:]:
+                if low >= high:
+                    break
+                if module_of(arrays[i]).shares_memory(arrays[i], arrays[j]):
+                    return min(i, j), max(i, j)
+    return None
+
+
+def _byte_span(a: Any) -> tuple[int, int]:
+    """The addresses ``[low, high)`` that array `a` may touch."""
+    interface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    low = high = interface["data"][0]
+    if a.size == 0:
+        return low, high
+    for n, stride in zip(a.shape, a.strides):
+        if stride < 0:
+            low += stride * (n - 1)
+        else:
+            high += stride * (n - 1)
+    return low, high + a.itemsize
 
 
 def _in_place_problem(p: Any, u: Any) -> str | None:
@@ -614,13 +758,26 @@ class _Chain(InPlace):
     def init(self, params: Params) -> tuple:
         return tuple(t.init(params) for t in self.transforms)
 
-    def compute(self, grads: Updates, state: tuple, params: Params, in_place: bool,
-                into: list | None = None) -> tuple[Updates, tuple]:
+    def _check_state(self, state: Any) -> list:
+        """The stages, once `state` is checked to hold one state of the right type per stage."""
         transforms = self.transforms
         if not isinstance(state, tuple) or len(state) != len(transforms):
             size = len(state) if isinstance(state, tuple) else type(state).__name__
             raise ValueError(f"chain of {len(transforms)} transformations got an optimizer state of {size} entries")
         stages = [getattr(t.update, "__self__", None) for t in transforms]
+        for stage, s in zip(stages, state):
+            check_state_type(stage, s)
+        return stages
+
+    def precheck(self, state: tuple) -> None:
+        self._check_state(state)
+        for t, s in zip(self.transforms, state):
+            precheck(t, s)
+
+    def compute(self, grads: Updates, state: tuple, params: Params, in_place: bool,
+                into: list | None = None) -> tuple[Updates, tuple]:
+        transforms = self.transforms
+        stages = self._check_state(state)
         new_states: list = []
         owned = False  # whether `grads` are arrays the previous stage made and nothing else holds
         i, n = 0, len(transforms)

@@ -25,7 +25,8 @@ from luxnn.backend import module_of
 
 from .base import (
     EmptyState, GradientTransformation, InPlace, Params, ScalarOrSchedule, Schedule, Stateless, Updates, Workspace,
-    cast_like, check_decay, global_norm, check_float, check_learning_rate, check_match, check_params, check_steps,
+    cast_like, check_decay, global_norm, check_float, check_learning_rate, check_match, check_params,
+    check_schedule_value, check_steps,
     compute_dtype, identity, leafwise, map_arrays, next_count, out_buffer, scalar_as, transformation, upcast,
     zero_count, zeros_for, zeros_like_tree,
 )  # fmt: skip
@@ -301,7 +302,12 @@ class _ScaleBySchedule:
         return state
 
     def folded_factor(self, state: ScaleByScheduleState) -> tuple[Any, ScaleByScheduleState]:
-        return self.step_size_fn(state.count), ScaleByScheduleState(next_count(state.count))
+        factor = self.step_size_fn(state.count)
+        check_schedule_value("scale_by_schedule (a learning rate schedule)", factor, state.count)
+        return factor, ScaleByScheduleState(next_count(state.count))
+
+    def precheck(self, state: ScaleByScheduleState) -> None:
+        self.folded_factor(state)
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:

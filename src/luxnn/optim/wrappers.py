@@ -25,8 +25,8 @@ from luxnn.backend import module_of
 
 from .base import (
     GradientTransformation, InPlace, Params, Updates, cast_like, check_match, check_steps, check_transformation,
-    map_arrays, module_of_tree, next_count, out_buffer, scalar_as, shaped_like, transformation, update_into, upcast,
-    where, zero_count, zeros_like_tree,
+    map_arrays, module_of_tree, next_count, out_buffer, precheck, scalar_as, shaped_like, transformation, update_into,
+    upcast, where, zero_count, zeros_like_tree,
 )  # fmt: skip
 
 __all__ = [
@@ -205,6 +205,9 @@ class _Masked(InPlace):
     def init(self, params: Params) -> MaskedState:
         return MaskedState(inner_state=self.inner.init(_hide(self._selected(params), tree.leaves(params), params)))
 
+    def precheck(self, state: MaskedState) -> None:
+        precheck(self.inner, state.inner_state)
+
     def compute(self, grads: Updates, state: MaskedState, params: Params, in_place: bool,
                 into: list | None = None) -> tuple[Updates, MaskedState]:
         leaves = tree.leaves(grads)
@@ -259,11 +262,19 @@ class _MultiTransform(InPlace):
             for name, t in self.transforms.items()
         })  # fmt: skip
 
-    def compute(self, grads: Updates, state: MultiTransformState, params: Params, in_place: bool,
-                into: list | None = None):
+    def _check_state(self, state: Any) -> None:
         if not isinstance(state, MultiTransformState) or state.inner_states.keys() != self.transforms.keys():
             raise ValueError(f"multi_transform of labels {sorted(map(str, self.transforms))} got another "
                              f"optimizer's state ({type(state).__name__})")
+
+    def precheck(self, state: MultiTransformState) -> None:
+        self._check_state(state)
+        for name, t in self.transforms.items():
+            precheck(t, state.inner_states[name].inner_state)
+
+    def compute(self, grads: Updates, state: MultiTransformState, params: Params, in_place: bool,
+                into: list | None = None):
+        self._check_state(state)
         labels, leaves = self._labels_of(grads), tree.leaves(grads)
         params_leaves = _params_leaves(params, grads, len(leaves))
         inner_states = {}
@@ -304,8 +315,24 @@ class _MultiSteps(InPlace):
     def __init__(self, opt: GradientTransformation, every_k_schedule: Any, use_grad_mean: bool) -> None:
         self.opt, self.every_k_schedule, self.use_grad_mean = opt, every_k_schedule, use_grad_mean
 
-    def _k(self, gradient_step: Any) -> Any:
-        return self.every_k_schedule(gradient_step) if callable(self.every_k_schedule) else self.every_k_schedule
+    def _k(self, gradient_step: Any) -> int:
+        """The k of the current accumulation: the int given, or the schedule's value at
+        `gradient_step` read on the host and checked to be an integer >= 1."""
+        if not callable(self.every_k_schedule):
+            return self.every_k_schedule
+        k = self.every_k_schedule(gradient_step)
+        try:
+            number = float(k)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not (number >= 1 and number.is_integer()):
+            raise ValueError(f"MultiSteps: every_k_schedule gave {k!r} after {gradient_step} inner updates; "
+                             "it must give an integer >= 1 (the number of gradients to accumulate)")
+        return int(number)
+
+    def precheck(self, state: MultiStepsState) -> None:
+        self._k(state.gradient_step)
+        precheck(self.opt, state.inner_opt_state)
 
     def init(self, params: Params) -> MultiStepsState:
         return MultiStepsState(mini_step=zero_count(params), gradient_step=zero_count(params),
@@ -394,6 +421,9 @@ class _ApplyIfFinite(InPlace):
         return ApplyIfFiniteState(notfinite_count=zero_count(params), last_finite=xp.asarray(True),
                                   total_notfinite=zero_count(params), inner_state=self.inner.init(params))
 
+    def precheck(self, state: ApplyIfFiniteState) -> None:
+        precheck(self.inner, state.inner_state)
+
     def compute(self, grads: Updates, state: ApplyIfFiniteState, params: Params, in_place: bool,
                 into: list | None = None):
         xp = module_of(state.notfinite_count)
@@ -453,11 +483,11 @@ class _Injected(InPlace):
         inner_state = self.inner({**hyperparams, **scheduled}).init(params)
         return InjectHyperparamsState(count, hyperparams, scheduled, inner_state)
 
+    def precheck(self, state: InjectHyperparamsState) -> None:
+        precheck(self.inner({**state.hyperparams, **self._scheduled(state.count)}), state.inner_state)
+
     def compute(self, grads: Updates, state: InjectHyperparamsState, params: Params, in_place: bool,
                 into: list | None = None):
-        if not isinstance(state, InjectHyperparamsState):
-            raise ValueError(f"inject_hyperparams({getattr(self.factory, '__name__', self.factory)}) got another "
-                             f"optimizer's state ({type(state).__name__})")
         scheduled = self._scheduled(state.count)
         inner = self.inner({**state.hyperparams, **scheduled})
         updates, inner_state = _inner_update(inner, grads, state.inner_state, params, in_place, into)
@@ -528,7 +558,9 @@ def set_hyperparams(target: Any, **values: float) -> Any:
 
     Raises `ValueError` naming the hyperparameter when the optimizer was not made with
     `inject_hyperparams`, has no such hyperparameter, has it from a schedule, or (for a
-    TrainState whose optimizer is the injected one) when the value is outside its domain.
+    TrainState, whose optimizer checks every injected stage, nested ones too) when the
+    value is outside its domain. An optimizer state alone is checked at its next update,
+    which (in place) raises before anything is written.
 
     >>> import numpy as np, luxnn as lx
     >>> opt = lx.optim.inject_hyperparams(lx.optim.adam)(learning_rate=1e-3)
@@ -557,12 +589,11 @@ def set_hyperparams(target: Any, **values: float) -> Any:
             known = sorted({k for s in found for k in s.hyperparams})
             raise ValueError(f"set_hyperparams: the optimizer has no hyperparameter {name!r}; it has {known}")
         values[name] = number
-    if is_train_state:
-        stage = getattr(target.optimizer.update, "__self__", None)
-        if isinstance(stage, _Injected) and isinstance(state, InjectHyperparamsState):
-            stage.inner({**state.hyperparams, **state.scheduled, **values})  # raises naming a bad value
     new_state = _set_injected(state, values)
-    return target.replace(optimizer_state=new_state) if is_train_state else new_state
+    if is_train_state:
+        precheck(target.optimizer, new_state)  # every injected stage, nested ones too, checks its new values
+        return target.replace(optimizer_state=new_state)
+    return new_state
 
 
 def _collect_injected(state: Any, found: list) -> None:
