@@ -445,8 +445,8 @@ def _blocks_and_products():
 # workers (single_threaded_blas and step are C's, with no point inside to land on). The
 # pool's hand-over (submit, _workers) is left out: a trace event there can fall before a
 # with-statement's exit, where CPython delivers no signal.
-HOLDING = {"for_blocks", "matmul", "part", "_share_out", "_run_blocks", "_cuttable", "_product_madds", "_blas_matmul", "cut",
-           "_wait_for_all", "wait", "_poll"}
+HOLDING = {"for_blocks", "matmul", "part", "_share_out", "_run_blocks", "_cuttable", "_product_madds", "cut", "_wait_for_all",
+           "wait", "_poll"}
 
 
 def _interrupt_at(event_number):

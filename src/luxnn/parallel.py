@@ -94,8 +94,9 @@ def num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Run kernels and cut products on `n` threads from now on (1: on the calling thread,
-    products threaded by the BLAS as it is set, but for attention's stacks of per-head
-    products, which its threads only slow down), as ``torch.set_num_threads``. Call it
+    products threaded by the BLAS as it is set, but for small products and attention's
+    stacks of per-head products, which its threads only slow down), as
+    ``torch.set_num_threads``. Call it
     while no other thread runs kernels: their shares may be handed to the retired threads,
     which run what they were handed before they go, but a share handed over after that
     would wait for good.
@@ -154,9 +155,9 @@ def cut(n: int, rows: int) -> list[tuple[int, int]]:
 
 def matmul(a: Any, b: Any, out: Any = None) -> Any:
     """``a @ b`` (as ``np.matmul``, into `out` if given). A small product of NumPy arrays
-    (each of a stack's, fewer than `_ONE_THREAD_MADDS` multiply-adds) runs with the BLAS on
-    one thread, so that a busy machine slows it in proportion (see "The BLAS's threads on
-    a busy machine"). A large product is cut into one part per thread, each a
+    (each of a stack's fewer than `_ONE_THREAD_MADDS` multiply-adds, and more than the
+    BLAS runs on one thread itself) runs with the BLAS held to one thread, so that a busy
+    machine slows it in proportion (see "The BLAS's threads on a busy machine"). A large product is cut into one part per thread, each a
     single-threaded BLAS call: by the leading axis of stacked products when every thread
     gets some of it, else by rows of `a`. Anything else (large broadcast stacks and
     vectors, CuPy arrays, a BLAS whose threads cannot be set) is ``np.matmul`` itself.
@@ -166,11 +167,12 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     >>> matmul(np.ones((2, 3)), np.ones((3, 4))).tolist()
     [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
-    if a.size * b.shape[-1] < _CUT_MADDS or not _cuttable(a, b):
-        if type(a) is np.ndarray and _BLAS_ONE_THREAD_MADDS < _product_madds(a, b) < _ONE_THREAD_MADDS:
+    madds = a.size * b.shape[-1]  # the whole call's (at least one product's): the tiny leave at once
+    if madds < _CUT_MADDS or not _cuttable(a, b):
+        if madds > _BLAS_ONE_THREAD_MADDS and type(a) is np.ndarray and _BLAS_ONE_THREAD_MADDS < _product_madds(a, b) < _ONE_THREAD_MADDS:
             with single_threaded_blas():
-                return _blas_matmul(a, b, out)
-        return _blas_matmul(a, b, out)
+                return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
+        return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)  # the first: faster
     if out is None:
         out = np.empty((*a.shape[:-1], b.shape[-1]), np.result_type(a, b))
     axis = 0 if out.ndim > 2 and out.shape[0] >= _threads else out.ndim - 2
@@ -184,10 +186,6 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     with single_threaded_blas():
         _share_out(part, [(n * i // parts, n * (i + 1) // parts) for i in range(parts)])
     return out
-
-
-def _blas_matmul(a: Any, b: Any, out: Any) -> Any:
-    return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)  # the first: faster
 
 
 def _product_madds(a: Any, b: Any) -> int:
