@@ -209,17 +209,19 @@ def test_matmul_writes_into_a_strided_out_and_falls_back_for_what_it_cannot_cut(
         assert_product_close(parallel.matmul(x, y), x, y)
 
 
-def test_products_cut_in_several_threads_at_once_restore_the_blas_threads(threads, monkeypatch):
+def test_products_cut_or_held_in_several_threads_at_once_restore_the_blas_threads(threads, monkeypatch):
     threads(2)
     monkeypatch.setattr(parallel, "_CUT_MADDS", 1)
     before = blas_threads()
     a, b = np.ones((256, 64)), np.ones((64, 64))
+    v, m = np.ones(1024), np.ones((1024, 512))  # a vector: not cut, held to one thread
     errors = []
 
     def products():
         try:
             for _ in range(200):
                 assert parallel.matmul(a, b)[0, 0] == 64
+                assert parallel.matmul(v, m)[0] == 1024
         except AssertionError as e:
             errors.append(e)
 
@@ -229,7 +231,7 @@ def test_products_cut_in_several_threads_at_once_restore_the_blas_threads(thread
     for w in workers:
         w.join()
     assert not errors
-    assert blas_threads() == before
+    assert blas_threads() == before and _blas.holds() == 0
 
 
 def test_a_step_holds_the_blas_to_one_thread_from_its_first_threaded_kernel_to_its_end(threads):
