@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -113,6 +114,53 @@ def test_compare_plain_text_is_aligned(tmp_path, capsys):
     assert [c.strip() for c in table[0].strip("|").split("|")] == ["name", "base", "new", "base / new"]
     assert len({len(line) for line in table}) == 1  # padded to equal widths
     assert "2.00 ± 0.50 faster" in table[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_busy_row_is_timed_beside_its_processes_and_the_quiet_row_alone(monkeypatch):
+    from luxnn.bench import load, runner, suite
+
+    opened, live_per_sample = [], []
+    busy_processes, sample = load.busy_processes, runner.sample
+
+    @contextlib.contextmanager
+    def recording_processes(count):
+        with busy_processes(count) as pids:
+            opened.append(pids)
+            yield pids
+
+    def recording_sample(*args):
+        live_per_sample.append(sum(_alive(pid) for pids in opened for pid in pids))
+        return sample(*args)
+
+    monkeypatch.setattr(load, "busy_processes", recording_processes)
+    monkeypatch.setattr(runner, "sample", recording_sample)
+    selection = suite.select(True, "training/autoencoder")
+    timing = runner.timing_for(True, 2)
+    (doc,) = runner.run(selection, [runner.this_side()], [runner.LocalWorker(True, timing)], quick=True, timing=timing, progress=False)
+    quiet, busy = doc["rows"]
+    assert (quiet["name"], busy["name"]) == ("training/autoencoder (quiet)", "training/autoencoder (2 busy processes)")
+    assert quiet["error"] is None and busy["error"] is None and len(busy["times"]) == 2
+    assert busy["params"]["busy_processes"] == 2 and busy["memory"] is None  # the quiet row's step: counted there
+    assert sorted(live_per_sample) == [0, 0, 2, 2]  # each round: one sample quiet, one beside two processes
+    assert len(opened) == 3 and not any(_alive(pid) for pids in opened for pid in pids)  # calibration, 2 rounds
+
+
+def test_busy_processes_end_when_the_body_raises():
+    from luxnn.bench.load import busy_processes
+
+    with pytest.raises(KeyError):
+        with busy_processes(2) as pids:
+            assert len(set(pids)) == 2 and all(_alive(pid) for pid in pids)
+            raise KeyError("the measured code failed")
+    assert not any(_alive(pid) for pid in pids)
 
 
 @pytest.mark.parametrize(

@@ -209,17 +209,19 @@ def test_matmul_writes_into_a_strided_out_and_falls_back_for_what_it_cannot_cut(
         assert_product_close(parallel.matmul(x, y), x, y)
 
 
-def test_products_cut_in_several_threads_at_once_restore_the_blas_threads(threads, monkeypatch):
+def test_products_cut_or_held_in_several_threads_at_once_restore_the_blas_threads(threads, monkeypatch):
     threads(2)
     monkeypatch.setattr(parallel, "_CUT_MADDS", 1)
     before = blas_threads()
     a, b = np.ones((256, 64)), np.ones((64, 64))
+    v, m = np.ones(1024), np.ones((1024, 512))  # a vector: not cut, held to one thread
     errors = []
 
     def products():
         try:
             for _ in range(200):
                 assert parallel.matmul(a, b)[0, 0] == 64
+                assert parallel.matmul(v, m)[0] == 1024
         except AssertionError as e:
             errors.append(e)
 
@@ -229,7 +231,7 @@ def test_products_cut_in_several_threads_at_once_restore_the_blas_threads(thread
     for w in workers:
         w.join()
     assert not errors
-    assert blas_threads() == before
+    assert blas_threads() == before and _blas.holds() == 0
 
 
 def test_a_step_holds_the_blas_to_one_thread_from_its_first_threaded_kernel_to_its_end(threads):
@@ -296,6 +298,68 @@ def test_a_kernel_that_calls_the_blas_runs_its_blocks_in_order_when_the_blas_can
     assert {name for _, name in order} == {threading.current_thread().name}
 
 
+# ---- small products on one BLAS thread ----------------------------------------------------
+
+SETTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+
+
+@pytest.fixture
+def blas_sets(monkeypatch):
+    """The thread counts luxnn sets NumPy's BLAS to, in order, recorded by a stand-in for
+    OpenBLAS's setter that reports 4 threads before the first set (the BLAS itself untouched)."""
+    sets, count = [], [4]
+
+    def setter(n):
+        sets.append(n)
+        count[0], before = n, count[0]
+        return before
+
+    stand_in = SETTER(setter)
+    real = parallel._set_blas_threads
+    _blas.use(ctypes.cast(stand_in, ctypes.c_void_p).value)
+    monkeypatch.setattr(parallel, "_set_blas_threads", stand_in)
+    try:
+        yield sets
+    finally:
+        _blas.use(ctypes.cast(real, ctypes.c_void_p).value if real is not None else 0)
+
+
+def test_a_small_product_runs_on_one_blas_thread_and_a_large_one_on_the_threads_set(blas_sets, threads):
+    threads(1)  # nothing cut: each product is one BLAS call
+    rng = np.random.default_rng(0)
+    large = parallel._ONE_THREAD_MADDS // (512 * 256)  # rows of a product of exactly that many multiply-adds
+    own = parallel._BLAS_ONE_THREAD_MADDS // (512 * 256)  # rows of a product the BLAS runs on one thread itself
+    for rows, want in ((64, [1, 4]), (large - 1, [1, 4]), (large, []), (own + 1, [1, 4]), (own, [])):
+        a, b = rng.standard_normal((rows, 512)), rng.standard_normal((512, 256))
+        blas_sets.clear()
+        assert_product_close(parallel.matmul(a, b), a, b)
+        assert blas_sets == want, f"{rows} x 512 x 256"
+    stack = rng.standard_normal((8, 64, 512)), rng.standard_normal((8, 512, 64))  # each 2 M multiply-adds
+    blas_sets.clear()
+    out = np.empty((8, 64, 64))
+    assert parallel.matmul(*stack, out=out) is out
+    assert_product_close(out, *stack)
+    assert blas_sets == [1, 4]
+
+
+def test_small_products_inside_a_hold_set_no_threads_again(blas_sets, threads):
+    threads(1)
+    a, b = np.ones((64, 512)), np.ones((512, 256))
+    with parallel.single_threaded_blas():
+        for _ in range(3):
+            parallel.matmul(a, b)
+    assert blas_sets == [1, 4]
+
+
+def test_a_small_models_gradient_runs_every_product_on_one_blas_thread(blas_sets, threads):
+    threads(2)
+    model = lx.Chain(lx.Dense(256, 128, activation="relu"), lx.Dense(128, 64))
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    x = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
+    lx.value_and_grad(lambda ps: model(x, ps, st)[0].sum())(ps)
+    assert blas_sets == [1, 4] * 5  # two forward, then three backward (x needs no gradient)
+
+
 # ---- the blocked kernels give the same bits on one thread and on several ---------------
 
 
@@ -356,7 +420,8 @@ running_lock = threading.Lock()
 
 
 def _blocks_and_products():
-    """A step with a cut product and a BLAS kernel on threads, then a hold of its own."""
+    """A step with a cut product, a small one and a BLAS kernel on threads, then a hold of
+    its own."""
     a, b = np.ones((64, 32)), np.ones((32, 16))
     like = np.empty((8, MiB // 8))
 
@@ -372,6 +437,7 @@ def _blocks_and_products():
 
     with parallel.step():
         parallel.matmul(a, b)
+        parallel.matmul(np.ones(1024), np.ones((1024, 512)))  # not cut: held to one thread
         parallel.for_blocks(kernel, like, rows=2, blas=True)
     with parallel.single_threaded_blas():
         np.matmul(a, b)
@@ -381,7 +447,8 @@ def _blocks_and_products():
 # workers (single_threaded_blas and step are C's, with no point inside to land on). The
 # pool's hand-over (submit, _workers) is left out: a trace event there can fall before a
 # with-statement's exit, where CPython delivers no signal.
-HOLDING = {"for_blocks", "matmul", "part", "_share_out", "_run_blocks", "_cuttable", "cut", "_wait_for_all", "wait", "_poll"}
+HOLDING = {"for_blocks", "matmul", "part", "_share_out", "_run_blocks", "_cuttable", "_product_madds", "cut", "_wait_for_all",
+           "wait", "_poll"}
 
 
 def _interrupt_at(event_number):

@@ -10,10 +10,12 @@ The BLAS threads its own products, but its idle threads spin for a while after e
 (OpenBLAS: about 0.1 s), taking the cores from whatever runs next, so that a kernel
 threaded by `for_blocks` right after a product ran no faster than on one thread. So
 `matmul` cuts large products itself, across the same threads, with the BLAS on one thread
-in each; no BLAS thread is left spinning. luxnn's own idle threads poll for 2 ms before
-they sleep, which bridges the gaps between a step's kernels (waking a sleeping thread
-costs tens of microseconds, far more on a virtual machine after a pause) and gives the
-cores back as soon as the step is over.
+in each; no BLAS thread is left spinning. Small products run with the BLAS on one
+thread, which a busy machine slows in proportion, where the BLAS's threads would wait for
+the scheduler at every product (see "The BLAS's threads on a busy machine"). luxnn's own
+idle threads poll for 2 ms before they sleep, which bridges the gaps between a step's
+kernels (waking a sleeping thread costs tens of microseconds, far more on a virtual
+machine after a pause) and gives the cores back as soon as the step is over.
 
 Kernels write into arrays made beforehand; arrays a kernel makes for itself come from the
 allocator of the caller's context (the luxnn cache inside ``cached``), because each block
@@ -56,9 +58,29 @@ Kernel = Callable[[int, int], None]
 # NumPy calls is noise, small enough that a kernel's temporaries for it stay in L2. Arrays
 # of one block run on the calling thread: handing work to another one costs tens of us.
 _BLOCK_BYTES = 1 << 20
-# Products of fewer multiply-adds are left to the BLAS, for which cutting them into parts
-# costs more than it saves (the MLP benchmark's products are smaller than this).
+# Products of fewer multiply-adds are not cut: cutting them into parts costs more than it
+# saves (the MLP benchmark's products are smaller than this).
 _CUT_MADDS = 1 << 26
+
+# ---- The BLAS's threads on a busy machine ----------------------------------------------
+# A product on the BLAS's threads ends when its slowest thread does. On a machine with
+# more runnable threads than cores (other processes, other jobs), one of the BLAS's threads
+# waits for the scheduler's next turn, about a millisecond or more, whatever the product's
+# size: measured on a 2-core machine beside two busy processes, a 26 M multiply-add product
+# took 0.5 ms on one thread and 16 ms on two, and small models' steps, all such products,
+# ran 6-17x slower than quiet (10-150x in the trial that found it). On one thread the same
+# product slows only as much as the machine is shared. So every product shorter than such a turn, under `_ONE_THREAD_MADDS`
+# multiply-adds (about 1.4 ms on one core at the 48 G multiply-adds/s measured there),
+# runs with the BLAS on one thread; on a quiet machine that costs it at most the BLAS's
+# threads' speed-up, 1.9x at that size on two cores. Longer products are threaded: cut
+# here across the kernel threads (the BLAS on one thread in each) or, where they cannot
+# be cut, on the BLAS's threads; a turn lost is then in proportion to their length.
+# OpenBLAS itself runs products of at most `_BLAS_ONE_THREAD_MADDS` on one thread
+# (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD, 65536 * 4, in its gemm interface), so
+# those are left as they are: holding the BLAS costs about 0.3 us, a third of a tiny
+# product's call.
+_ONE_THREAD_MADDS = 1 << 26
+_BLAS_ONE_THREAD_MADDS = 1 << 18
 
 _threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _pool: _Workers | None = None
@@ -73,11 +95,11 @@ def num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Run kernels and cut products on `n` threads from now on (1: on the calling thread,
-    products threaded by the BLAS as it is set, but for attention's stacks of per-head
-    products, which its threads only slow down), as ``torch.set_num_threads``. Call it
-    while no other thread runs kernels: their shares may be handed to the retired threads,
-    which run what they were handed before they go, but a share handed over after that
-    would wait for good.
+    products threaded by the BLAS as it is set, but for small products and attention's
+    stacks of per-head products, which its threads only slow down), as
+    ``torch.set_num_threads``. Call it while no other thread runs kernels: their shares
+    may be handed to the retired threads, which run what they were handed before they go,
+    but a share handed over after that would wait for good.
 
     >>> set_num_threads(num_threads())  # unchanged
     """
@@ -132,16 +154,27 @@ def cut(n: int, rows: int) -> list[tuple[int, int]]:
 
 
 def matmul(a: Any, b: Any, out: Any = None) -> Any:
-    """``a @ b`` (as ``np.matmul``, into `out` if given), a large product cut into one part
-    per thread, each a single-threaded BLAS call: by the leading axis of stacked products
-    when every thread gets some of it, else by rows of `a`. Anything else (small products,
-    broadcast stacks, vectors, CuPy arrays, a BLAS whose threads cannot be set) is
-    ``np.matmul`` itself.
+    """``a @ b`` (as ``np.matmul``, into `out` if given). A small product of NumPy arrays
+    (each of a stack's fewer than `_ONE_THREAD_MADDS` multiply-adds, and more than the
+    BLAS runs on one thread itself) runs with the BLAS held to one thread, so that a busy
+    machine slows it in proportion (see "The BLAS's threads on a busy machine"). A large
+    product is cut into one part per thread, each a single-threaded BLAS call: by the
+    leading axis of stacked products when every thread gets some of it, else by rows of
+    `a`. Anything else (large broadcast stacks and vectors, CuPy arrays, a BLAS whose
+    threads cannot be set) is ``np.matmul`` itself.
+
+    Shapes: as ``np.matmul``, e.g. a ``(..., m, k)``, b ``(..., k, n)`` -> ``(..., m, n)``.
 
     >>> matmul(np.ones((2, 3)), np.ones((3, 4))).tolist()
     [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
-    if a.size * b.shape[-1] < _CUT_MADDS or not _cuttable(a, b):
+    madds = a.size * b.shape[-1]  # the whole call's, at least one product's: tiny ones leave at once
+    if madds < _CUT_MADDS or not _cuttable(a, b):
+        if madds > _BLAS_ONE_THREAD_MADDS and type(a) is np.ndarray and (
+            _BLAS_ONE_THREAD_MADDS < _product_madds(a, b) < _ONE_THREAD_MADDS
+        ):
+            with single_threaded_blas():
+                return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
         return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)  # the first: faster
     if out is None:
         out = np.empty((*a.shape[:-1], b.shape[-1]), np.result_type(a, b))
@@ -156,6 +189,11 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     with single_threaded_blas():
         _share_out(part, [(n * i // parts, n * (i + 1) // parts) for i in range(parts)])
     return out
+
+
+def _product_madds(a: Any, b: Any) -> int:
+    """The multiply-adds of one BLAS call of ``a @ b``: of one matrix product of a stack."""
+    return (a.shape[-2] if a.ndim > 1 else 1) * a.shape[-1] * (b.shape[-1] if b.ndim > 1 else 1)
 
 
 def _cuttable(a: Any, b: Any) -> bool:
@@ -372,7 +410,8 @@ class step(_blas.Step):
     training verb): from the first kernel or product that runs on several threads until the
     scope ends, the BLAS stays on one thread, so that no BLAS thread woken by a small
     product in between (a dense head, a bias gradient) spins on a core the next kernel's
-    threads need. A pass with no such kernel (a small MLP's) keeps the BLAS's own threading.
+    threads need. A pass with no such kernel (a small MLP's) keeps the BLAS's threading
+    as it is set, for the products `matmul` does not hold to one thread itself.
     Opening and closing are one C call each, as for `single_threaded_blas`.
 
     >>> with step():

@@ -373,6 +373,28 @@ class LSTM:
         return torch_train_step(model, torch.optim.Adam(model.parameters(), lr=self.lr), nn.CrossEntropyLoss(), x, y)
 
 
+@dataclass(frozen=True)
+class Autoencoder:
+    """``training/autoencoder``: a VAE's layers without its sampling, 784 -> 400 (relu) ->
+    20 -> 400 (relu) -> 784, batch 64, MSE against its input, Adam: a small model's step,
+    all small products (20 M multiply-adds and fewer), timed quiet and beside busy processes."""
+
+    batch: int = 64
+    sizes: tuple[int, ...] = (784, 400, 20, 400, 784)
+    lr: float = 1e-3
+
+    def luxnn_model(self) -> lx.Layer:
+        last = len(self.sizes) - 2
+        return lx.Chain(*[
+            lx.Dense(n_in, n_out, activation=None if i in (1, last) else "relu")
+            for i, (n_in, n_out) in enumerate(zip(self.sizes, self.sizes[1:]))
+        ])  # fmt: skip
+
+    def luxnn(self, cache: Any = "default") -> Step:
+        x = np.random.default_rng(1).standard_normal((self.batch, self.sizes[0])).astype(np.float32)
+        return luxnn_train_step(self.luxnn_model(), lx.optim.adam(self.lr), lx.losses.MSELoss(), (x, x), cache)
+
+
 # ---- optimisers ------------------------------------------------------------------------
 
 

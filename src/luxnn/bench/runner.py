@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 
-from . import BenchError, machine, suite
+from . import BenchError, load, machine, suite
 from .stats import format_allocs, format_bytes, format_count, format_ratio, format_time, ratio, summarize
 
 FORMAT, SCHEMA = "luxnn-bench", 1
@@ -187,7 +187,8 @@ class Session:
         for name in names:
             try:
                 step = group.variant(name).build("default")
-                self.plan[name] = calibrate(step, timing, group.warmup_calls)
+                with self._load(name):
+                    self.plan[name] = calibrate(step, timing, group.warmup_calls)
                 self.steps[name] = step
             except Exception as e:  # noqa: BLE001 - any failure of the measured code is the row's result
                 self.errors[name] = _describe(e)
@@ -203,8 +204,14 @@ class Session:
         out = {}
         for name in names[k:] + names[:k]:
             gc.collect()
-            out[name] = sample(self.steps[name], *self.plan[name][:2])
+            with self._load(name):
+                out[name] = sample(self.steps[name], *self.plan[name][:2])
         return out
+
+    def _load(self, name: str) -> contextlib.AbstractContextManager:
+        """The busy processes `name` is timed beside, if any."""
+        busy = self.group.variant(name).busy
+        return load.busy_processes(busy) if busy else contextlib.nullcontext()
 
     def memory(self) -> dict[str, Any]:
         from luxnn import memory

@@ -11,6 +11,9 @@ A `Group` is set up once in a process and its variants are timed in interleaved 
 - ``training/resnet``, ``training/lm``, ``training/lm-buckets`` (the allocator issue's
   models: BatchNorm and skip connections; embedding and causal attention; its length drawn
   from 4 buckets each step): luxnn's cache on and off only;
+- ``training/autoencoder (quiet)``, ``(2 busy processes)``: a small model's step (a
+  VAE's layers) timed alone and beside two processes that spin on a core each
+  (`load.busy_processes`), in the same rounds: how much a shared machine slows it;
 - ``training/transformer-quick`` and ``training/large-activations-quick``: ``--quick``'s
   smaller sizes (their rows are never compared with the full ones);
 - ``distributed/allreduce-25MiB (...)`` and ``distributed/mlp (...)``: steps run in the
@@ -44,13 +47,16 @@ class Variant:
     the `AllocCache` the TrainState must use, or "default" for its own choice; the other
     variants ignore it. memory: "own" (counted by the cache the step runs in), "wrapped"
     (counted by a counting cache around each call: NumPy's default allocator otherwise) or
-    None (not NumPy arrays: PyTorch). needs: a module that must be importable.
+    None (not counted: not NumPy arrays, as PyTorch's, or another row's step). needs: a
+    module that must be importable. busy: processes spinning on a core each while the
+    variant is calibrated and timed (`load.busy_processes`).
     """
 
     name: str
     build: Callable[[Any], models.Step]
     memory: str | None
     needs: str | None = None
+    busy: int = 0
 
     @property
     def available(self) -> bool:
@@ -90,6 +96,13 @@ def _training(name: str, model: Any, params: dict, *, warmup_calls: int = 4) -> 
     if hasattr(model, "torch"):
         variants.append(Variant(f"{name} (pytorch eager)", lambda _cache: model.torch(), None, needs="torch"))
     return Group(name, tuple(variants), params, warmup_calls=warmup_calls)
+
+
+def _busy(name: str, model: Any, params: dict, busy: int) -> Group:
+    """The step of `model` quiet, then beside `busy` spinning processes."""
+    variants = (Variant(f"{name} (quiet)", model.luxnn, "own"),
+                Variant(f"{name} ({busy} busy processes)", model.luxnn, None, busy=busy))
+    return Group(name, variants, {**params, "busy_processes": busy})
 
 
 def _optim(model: models.OptimAdam, suffix: str) -> Group:
@@ -163,6 +176,7 @@ def groups(quick: bool) -> list[Group]:
             {"batch": lstm.batch, "length": lstm.length, "inputs": lstm.inputs, "hidden": lstm.hidden,
              "classes": lstm.classes, "optimizer": "adam"},
         ),  # fmt: skip
+        _busy("training/autoencoder", models.Autoencoder(), {"batch": 64, "sizes": [784, 400, 20, 400, 784], "optimizer": "adam"}, 2),
         _optim(models.OptimAdam(transformer), suffix),
         *_distributed(),
     ]
