@@ -23,7 +23,8 @@ the parameters and batch, while the cache counts its own), and peaks are taken:
                  (c) the cache's peak_reserved plus what lives outside it
 
 Driver allocations of a fresh state: during its first step, its second and third, and per
-step from the fourth on (target for (c): 0; DESIGN.md's budget). The last lines give the ratios of (c) to (a) and (b). The script
+step from the fourth on (target for (c): 0; DESIGN.md's budget); a line per model under the
+table gives the cache's driver allocations step by step and its plans' figures. The last lines give the ratios of (c) to (a) and (b). The script
 exits 1 if a model failed (its row says why), after printing the table.
 """
 
@@ -119,6 +120,7 @@ class Row:
     peak_live: int = 0
     peak_reserved: int = 0
     error: str = ""
+    note: str = ""
 
 
 def _train_state(make: Callable, cache: Any, cupy: Any) -> tuple[Any, Any]:
@@ -192,6 +194,10 @@ def measure(name: str, make: Callable, allocator: str, steps: int, warmup: int, 
     else:
         s = lx_cache.stats()
         row.peak_live, row.peak_reserved = s.peak_live + meter.peak, s.peak_reserved + meter.peak
+        row.note = (
+            f"driver allocations by step {per_step[:8]}...; plans {s.plans}, {s.plan_hits} of {s.hits} hits "
+            f"planned, {s.plan_misses} plan misses, {meter.count} driver allocations outside the cache (the state and batch's included)"
+        )
     del ts, batch, lx_cache
     gc.collect()
     pool.free_all_blocks()
@@ -220,6 +226,7 @@ def table(rows: list[Row], gpu_name: str) -> str:
             f"{'/'.join(map(str, r.allocs_warm_up)):>8} "
             f"{_mib(r.peak_live):>14} {_mib(r.peak_reserved):>18} {r.peak_reserved / max(r.peak_live, 1):13.2f}"
         )
+    lines += [f"{r.model:<10} {r.allocator}: {r.note}" for r in rows if r.note]
     lines.append("")
     lines.append("ratios of (c) luxnn cache to (a) no pool and (b) CuPy pool: step time, peak reserved")
     by = {(r.model, r.allocator): r for r in rows if not r.error}
