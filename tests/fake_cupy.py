@@ -12,7 +12,7 @@ previous setting), ``cuda.alloc(size)``, ``cuda.MemoryPointer(mem, offset)``,
 ``cuda.memory.CFunctionAllocator(param, malloc_func, free_func, owner)`` (below),
 ``get_default_memory_pool()``, ``cuda.runtime.getDevice()``, ``cuda.Device(i)`` and
 ``cuda.Stream()`` as context managers that make a device or a stream current (per thread;
-streams per device), ``cuda.get_current_stream().ptr``, and the C function
+streams per device; ``cuda.Stream.ptds``, the per-thread default stream, of device 0), ``cuda.get_current_stream().ptr``, and the C function
 ``get_current_stream_ptr`` in ``cuda.stream.__pyx_capi__`` (a capsule named, as Cython
 names it, by its signature ``intptr_t (void)``); and ``empty(shape, dtype=float)``, whose
 arrays take their memory from ``cuda.alloc`` and hold it (views share it): ``data``,
@@ -181,6 +181,16 @@ class Stream:
 
     def __exit__(self, *exc):
         _streams()[self.device_id] = self._before
+
+
+class _PerThreadStream(Stream):
+    """``Stream.ptds``: CUDA's per-thread default stream, one handle in every thread."""
+
+    def __init__(self):
+        self.ptr, self.device_id = 2, 0
+
+
+Stream.ptds = _PerThreadStream()
 
 
 def _streams():

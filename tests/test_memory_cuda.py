@@ -461,6 +461,27 @@ def test_other_devices_and_streams_get_the_outside_allocator(fake_gpu):
     assert cache.stats().bytes_live == live and driver.errors == []
 
 
+def test_the_per_thread_default_stream_is_served_in_the_binding_thread_alone(fake_gpu):
+    # Its handle is the same in every thread, but each thread's is another stream.
+    cache, driver, _, _ = fake_gpu
+    with cupy.cuda.Stream.ptds, memory.cached(cache):
+        mine = cupy.empty(10)
+    arrays = []
+
+    def other_thread():  # its allocator outside the scope: CuPy's global one
+        with cupy.cuda.Stream.ptds, memory.cached(cache):
+            arrays.append(cupy.empty(20))
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert mine.data.ptr in driver.buffers and arrays[0].data.ptr not in driver.buffers
+    assert cache.stats().bytes_live == memory.bin_size(80)  # mine alone
+    with cupy.cuda.Stream.ptds, memory.cached(cache):
+        again = cupy.empty(10)
+    assert cache.stats().bytes_live == 2 * memory.bin_size(80)  # the binding thread's again
+
+
 def test_outside_pointers_live_as_long_as_cupys_memory_for_them(fake_gpu):
     cache, driver, _, _ = fake_gpu
     alive = []
@@ -487,6 +508,20 @@ def test_outside_pointers_live_as_long_as_cupys_memory_for_them(fake_gpu):
         assert sorted(alive) == [64, 128]  # the view holds CuPy's memory
         del view, b
         assert alive == []
+
+
+def test_an_error_of_the_outside_allocator_reaches_the_caller(fake_gpu):
+    cache, _, _, _ = fake_gpu
+
+    def failing(size):
+        raise MemoryError(f"outside: no {size} bytes")
+
+    with cupy.cuda.using_allocator(failing), memory.cached(cache):
+        with cupy.cuda.Device(1), pytest.raises(MemoryError, match="outside: no 800 bytes"):
+            cupy.empty(100)
+        kept = cupy.empty(100)  # the cache's device still served
+    assert cache.stats().bytes_live == memory.bin_size(800)
+    del kept
 
 
 def test_out_of_device_memory_trims_retries_and_raises_cupys_error_with_the_figures(fake_gpu):

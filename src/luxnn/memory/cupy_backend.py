@@ -17,7 +17,8 @@ argument: the hook asks CuPy's own C function for the current stream,
 ``malloc``'s argument. Requests on another device or stream are made by the allocator that
 was active before the scope, so a block never crosses devices, and one freed by work queued
 on one stream is never handed to another stream while that work may still run (CuPy's pool
-keys by stream for the same reason).
+keys by stream for the same reason). The per-thread default stream has the same handle in
+every thread: a cache bound to it serves the thread that bound it alone.
 
 Upstream: raw ``cuMemAlloc`` / ``cuMemFree`` (the CUDA driver API, called from the C core,
 ``csrc/upstream_cuda.c``), so the cache is the only pool between CuPy and the driver: its
@@ -56,6 +57,9 @@ __all__ = ["CupyFrontEnd", "bind_driver", "stream_query"]
 
 # The signature CuPy's Cython gives `get_current_stream_ptr` in its capsule.
 _STREAM_QUERY_SIGNATURE = "intptr_t (void)"
+# CUDA's handle of the per-thread default stream (cudaStreamPerThread), the same in every
+# thread (CuPy's with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1).
+_PER_THREAD_STREAM = 2
 
 
 def stream_query() -> int:
@@ -145,6 +149,7 @@ class CupyFrontEnd(FrontEnd):
         self.device_id = device_id
         self.stream: int | None = None  # the stream served: the one current at first use
         self._current_stream = 0  # CuPy's stream query (`stream_query`), once bound
+        self._thread = 0  # the thread served, for the per-thread default stream (0: any)
         # Replaced by tests that plug a host-memory fake into the same code path.
         self.bind: Callable[[Any, int], None] = bind_driver
 
@@ -160,7 +165,11 @@ class CupyFrontEnd(FrontEnd):
                 query = stream_query()
                 self.bind(self.core, self.device_id)
                 self._current_stream = query
-                self.stream = ctypes.PYFUNCTYPE(ctypes.c_ssize_t)(query)()
+                stream = ctypes.PYFUNCTYPE(ctypes.c_ssize_t)(query)()
+                # The per-thread default stream has one handle in every thread: served
+                # in the binding thread alone.
+                self._thread = threading.get_ident() if stream == _PER_THREAD_STREAM else 0
+                self.stream = stream  # last: other threads' `install` reads it unlocked
 
     def _route(self) -> tuple[Any, Any]:
         import cupy
@@ -168,6 +177,7 @@ class CupyFrontEnd(FrontEnd):
         previous = cupy.cuda.get_allocator()
         hook = _core.CupyHook(
             self.core, self.device_id, self.stream, self._current_stream, previous, _release_cupy_pool, self._refuse,
+            self._thread,
         )  # fmt: skip
         allocator = cupy.cuda.memory.CFunctionAllocator(*hook.functions, hook)
         return self._switch(allocator.malloc), previous

@@ -51,6 +51,8 @@ Core_bind_cuda(CoreObject *self, PyObject *args)
  * stream comes from CuPy's own C function (the hook's current_stream), the
  * block from the core.
  *
+ * - The per-thread default stream has one handle in every thread: a hook that
+ *   serves it serves the thread that bound the cache (`thread`) alone.
  * - A request on another device or stream than the cache's, or one the core's
  *   bookkeeping has no memory for, is made by the allocator the scope replaced
  *   (fallback, a Python callable size -> MemoryPointer); its MemoryPointer is
@@ -71,6 +73,7 @@ typedef struct {
     CoreObject *core;
     int device_id;
     intptr_t stream;                 /* the stream served */
+    unsigned long thread;            /* the per-thread default stream: whose (0: any) */
     intptr_t (*current_stream)(void); /* CuPy's: -1 with a Python error set on failure */
     PyObject *fallback;
     PyObject *release;
@@ -116,7 +119,7 @@ hook_malloc(void *param, size_t size, int device_id)
     if (stream == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (stream != h->stream) {
+    if (stream != h->stream || (h->thread && PyThread_get_thread_ident() != h->thread)) {
         return hook_fallback(h, size);
     }
     lx_core *c = h->core->core;
@@ -163,15 +166,16 @@ hook_free(void *param, void *ptr, int Py_UNUSED(device_id))
 static PyObject *
 Hook_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"core", "device_id", "stream", "current_stream",
-                             "fallback", "release", "refuse", NULL};
+    static char *kwlist[] = {"core",     "device_id", "stream",  "current_stream",
+                             "fallback", "release",   "refuse",  "thread", NULL};
     PyObject *core, *fallback, *release, *refuse;
     int device_id;
     Py_ssize_t stream;
     unsigned long long current_stream;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OinKOOO:CupyHook", kwlist, &core,
+    unsigned long thread = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OinKOOO|k:CupyHook", kwlist, &core,
                                      &device_id, &stream, &current_stream, &fallback,
-                                     &release, &refuse)) {
+                                     &release, &refuse, &thread)) {
         return NULL;
     }
     if (!PyObject_TypeCheck(core, &CoreType) || !((CoreObject *)core)->cuda) {
@@ -194,6 +198,7 @@ Hook_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->core = (CoreObject *)Py_NewRef(core);
     self->device_id = device_id;
     self->stream = (intptr_t)stream;
+    self->thread = thread;
     self->current_stream = (intptr_t (*)(void))(uintptr_t)current_stream;
     self->fallback = Py_NewRef(fallback);
     self->release = Py_NewRef(release);
@@ -240,12 +245,13 @@ PyTypeObject HookType = {
     .tp_name = "luxnn.memory._core.CupyHook",
     .tp_basicsize = sizeof(HookObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "CupyHook(core, device_id, stream, current_stream, fallback, release, refuse): "
-              "a CUDA core's blocks for cupy.cuda.memory.CFunctionAllocator(*hook.functions, "
-              "hook), serving requests on device_id and stream (current_stream: the address "
-              "of a C function intptr_t (void) returning the current stream); the others "
-              "go to fallback(size); out of memory, release() then refuse(size), the "
-              "exception to raise.",
+    .tp_doc = "CupyHook(core, device_id, stream, current_stream, fallback, release, refuse, "
+              "thread=0): a CUDA core's blocks for cupy.cuda.memory.CFunctionAllocator("
+              "*hook.functions, hook), serving requests on device_id and stream "
+              "(current_stream: the address of a C function intptr_t (void) returning the "
+              "current stream), and if thread is not 0 only in that thread "
+              "(threading.get_ident()); the others go to fallback(size); out of memory, "
+              "release() then refuse(size), the exception to raise.",
     .tp_new = Hook_new,
     .tp_dealloc = (destructor)Hook_dealloc,
     .tp_getset = Hook_getset,
