@@ -482,6 +482,17 @@ def test_the_per_thread_default_stream_is_served_in_the_binding_thread_alone(fak
     assert cache.stats().bytes_live == 2 * memory.bin_size(80)  # the binding thread's again
 
 
+def test_a_cache_serves_its_own_devices_stream_whatever_device_is_current_at_first(fake_gpu):
+    _, driver, _, outside = fake_gpu
+    cache = memory.AllocCache(lx.CUDADevice(1))
+    cache.front_end.bind = driver.bind
+    with cupy.cuda.Stream(), memory.cached(cache):  # device 0's stream is current: not device 1's
+        with cupy.cuda.Device(1):
+            on_1 = cupy.empty(10)
+    assert cache.stats().bytes_live == memory.bin_size(80) and outside == []
+    del on_1
+
+
 def test_outside_pointers_live_as_long_as_cupys_memory_for_them(fake_gpu):
     cache, driver, _, _ = fake_gpu
     alive = []

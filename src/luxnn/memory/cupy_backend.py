@@ -9,8 +9,8 @@ device_id)`` for every request and ``free(param, ptr, device_id)`` when the memo
 it made for the pointer dies, so a block goes back to the cache's free lists exactly when
 CuPy's memory object for it dies, never before. A hit runs no Python.
 
-Keys. A cache serves one device and one stream: the device of its `CUDADevice` and the
-stream current at its first use (usually the null stream). ``malloc`` has no stream
+Keys. A cache serves one device and one stream: the device of its `CUDADevice` and that
+device's stream current at the cache's first scope (usually the null stream). ``malloc`` has no stream
 argument: the hook asks CuPy's own C function for the current stream,
 ``get_current_stream_ptr`` of ``cupy.cuda.stream`` (exported by its Cython module in
 ``__pyx_capi__``; looked up once, on the cache's first scope), and the device is
@@ -159,13 +159,17 @@ class CupyFrontEnd(FrontEnd):
         return super().install()
 
     def _bind(self) -> None:
-        # The first use: the core to the driver, and the cache to the stream current now.
+        # The first use: the core to the driver, and the cache to its device's stream
+        # current now.
+        import cupy
+
         with _binding:
             if self.stream is None:  # no other thread bound it meanwhile
                 query = stream_query()
                 self.bind(self.core, self.device_id)
                 self._current_stream = query
-                stream = ctypes.PYFUNCTYPE(ctypes.c_ssize_t)(query)()
+                with cupy.cuda.Device(self.device_id):
+                    stream = ctypes.PYFUNCTYPE(ctypes.c_ssize_t)(query)()
                 # The per-thread default stream has one handle in every thread: served
                 # in the binding thread alone.
                 self._thread = threading.get_ident() if stream == _PER_THREAD_STREAM else 0
