@@ -3,6 +3,7 @@
     python benchmarks/allocator.py              # sections 1-3 (about 2 minutes on 2 cores)
     python benchmarks/allocator.py --section 1  # one of them
     python benchmarks/allocator.py --sweep      # 4: the bin rounding and evict_after choices
+    python benchmarks/allocator.py --gpu        # 5: alloc+free on a GPU (needs CuPy and one)
 
 1. alloc+free (np.empty + del) through the cache's handler and NumPy's default handler, at
    64 B (also inside a step, as in the training verbs), 1 MiB and 64 MiB, against the
@@ -23,6 +24,10 @@
    splitting of blocks above 64 KiB) on a fixed-shape and a variable-length workload; its
    "real core misses" column is the real core, splitting included, so the two columns
    differ by what splitting saves.
+5. (--gpu) alloc+free of device memory (``cupy.cuda.alloc`` + del, and ``cupy.empty`` + del
+   at 512 B) through CuPy's default memory pool and through the cache's C hook (a
+   `cached` scope on the `CUDADevice`), at 512 B, 64 KiB, 1 MiB and 64 MiB: host CPU time
+   per pair (neither launches work on the device).
 
 Times are medians over rounds; lower is better.
 """
@@ -140,6 +145,58 @@ def section_alloc_free(rounds: int) -> None:
     after = planned.stats()
     print(f"   (the planned steps: {after.plan_hits - before.plan_hits} arrays at their planned place, "
           f"{after.plan_misses - before.plan_misses} plan misses, {after.upstream_allocs - before.upstream_allocs} upstream)")
+
+
+# ---- 5. alloc + free on the GPU -------------------------------------------------------------
+
+
+def section_gpu(rounds: int, cupy: object, cache: memory.AllocCache) -> None:
+    """Section 5 with `cupy` (the module) and a cache on its current device."""
+    print(f"\n5. alloc+free of device memory, ns of CPU time per pair, median of {rounds} interleaved rounds")
+    print(f"   {'request':>24} {'CuPy pool':>10} {'cache':>10} {'cache / pool':>13}")
+    pool = cupy.cuda.MemoryPool()
+    alloc, empty, uint8 = cupy.cuda.alloc, cupy.empty, cupy.uint8
+
+    def pairs(make, nbytes: int, reps: int) -> float:
+        t = cpu_ns()
+        for _ in range(reps):
+            a = make(nbytes)
+            del a
+        return (cpu_ns() - t) / reps
+
+    rows = (
+        ("cuda.alloc 512 B", alloc, 512, 100_000), ("cupy.empty 512 B", lambda n: empty(n, uint8), 512, 50_000),
+        ("cuda.alloc 64 KiB", alloc, 64 << 10, 100_000), ("cuda.alloc 1 MiB", alloc, MiB, 20_000),
+        ("cuda.alloc 64 MiB", alloc, 64 * MiB, 2_000),
+    )  # fmt: skip
+    for label, make, nbytes, reps in rows:
+        theirs, ours = [], []
+        for _ in range(rounds):
+            with cupy.cuda.using_allocator(pool.malloc):
+                pairs(make, nbytes, 10)  # the block is cached from here on
+                theirs.append(pairs(make, nbytes, reps))
+            with memory.cached(cache):
+                pairs(make, nbytes, 10)
+                ours.append(pairs(make, nbytes, reps))
+        t, o = statistics.median(theirs), statistics.median(ours)
+        print(f"   {label:>24} {t:10.0f} {o:10.0f} {o / t:13.2f}")
+    pool.free_all_blocks()
+    stats = cache.stats()
+    print(f"   (the cache: {stats.hits} hits, {stats.upstream_allocs} driver allocations)")
+
+
+def gpu_section(rounds: int) -> None:
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no CUDA device")
+    except Exception as err:  # CuPy missing, or no driver
+        print(f"\n5. alloc+free on the GPU: skipped, it needs CuPy and a CUDA GPU ({err})")
+        return
+    from luxnn import CUDADevice
+
+    section_gpu(rounds, cupy, memory.AllocCache(CUDADevice(cupy.cuda.runtime.getDevice())))
 
 
 # ---- 2. training-like steps, one process per configuration --------------------------------
@@ -355,6 +412,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per round after the first (default 4)")
     parser.add_argument("--section", type=int, choices=(1, 2, 3), help="only this section")
     parser.add_argument("--sweep", action="store_true", help="only section 4, the policy choices")
+    parser.add_argument("--gpu", action="store_true", help="only section 5, alloc+free on a GPU")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -365,6 +423,9 @@ def main() -> None:
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}")  # fmt: skip
     if args.sweep:
         section_sweep()
+        return
+    if args.gpu:
+        gpu_section(args.rounds)
         return
     sections = {1: lambda: section_alloc_free(args.rounds), 2: lambda: section_steps(args.rounds, args.steps), 3: section_chain}
     for number, section in sections.items():

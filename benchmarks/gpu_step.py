@@ -7,7 +7,8 @@ runs under:
 
   (a) no pool      cupy.cuda.set_allocator(None): every allocation is a cudaMalloc
   (b) CuPy pool    CuPy's default MemoryPool
-  (c) luxnn cache  the TrainState's AllocCache on the CUDADevice (upstream: cuMemAlloc)
+  (c) luxnn cache  the TrainState's AllocCache on the CUDADevice (upstream: cuMemAlloc),
+                   served to CuPy by its C hook
 
 Two passes per allocator, each from a fresh TrainState and after warm-up steps: a timing
 pass with the allocator as it is (step time = wall time of N synchronised steps / N), and
@@ -21,8 +22,9 @@ the parameters and batch, while the cache counts its own), and peaks are taken:
   peak reserved  bytes held from the driver: (a) = live, (b) the pool's upstream bytes,
                  (c) the cache's peak_reserved plus what lives outside it
 
-Driver allocations are per step after warm-up (target for (c): 0) and during the first
-step of a fresh state. The last lines give the ratios of (c) to (a) and (b). The script
+Driver allocations of a fresh state: during its first step, its second and third, and per
+step from the fourth on (target for (c): 0; DESIGN.md's budget); a line per model under the
+table gives the cache's driver allocations step by step and its plans' figures. The last lines give the ratios of (c) to (a) and (b). The script
 exits 1 if a model failed (its row says why), after printing the table.
 """
 
@@ -114,9 +116,11 @@ class Row:
     ms_per_step: float = float("nan")
     allocs_per_step: float = float("nan")
     allocs_first_step: int = -1
+    allocs_warm_up: tuple[int, ...] = ()
     peak_live: int = 0
     peak_reserved: int = 0
     error: str = ""
+    note: str = ""
 
 
 def _train_state(make: Callable, cache: Any, cupy: Any) -> tuple[Any, Any]:
@@ -171,17 +175,18 @@ def measure(name: str, make: Callable, allocator: str, steps: int, warmup: int, 
     ts, batch = _train_state(make, cache, cupy)
     lx_cache = ts.allocator_cache
     driver = (lambda: meter.count + lx_cache.stats().upstream_allocs) if lx_cache is not None else (lambda: meter.count)
-    before = driver()
-    ts = _steps(ts, batch, 1, sync)
-    row.allocs_first_step = driver() - before
-    ts = _steps(ts, batch, warmup, sync)
-    meter.reset_peak()
-    used_peak[0] = pool.used_bytes() if allocator == "CuPy pool" else 0
-    if lx_cache is not None:
-        lx_cache.reset_peaks()
-    before = driver()
-    ts = _steps(ts, batch, steps, sync)
-    row.allocs_per_step = (driver() - before) / steps
+    per_step = []
+    for step in range(1 + warmup + steps):
+        if step == 1 + warmup:  # the peaks of the steps after warm-up
+            meter.reset_peak()
+            used_peak[0] = pool.used_bytes() if allocator == "CuPy pool" else 0
+            if lx_cache is not None:
+                lx_cache.reset_peaks()
+        before = driver()
+        ts = _steps(ts, batch, 1, sync)
+        per_step.append(driver() - before)
+    row.allocs_first_step, row.allocs_warm_up = per_step[0], tuple(per_step[1:3])
+    row.allocs_per_step = sum(per_step[3:]) / len(per_step[3:])  # from step 4 (DESIGN.md's budget)
     if allocator == "no pool":
         row.peak_live = row.peak_reserved = meter.peak
     elif allocator == "CuPy pool":
@@ -189,6 +194,10 @@ def measure(name: str, make: Callable, allocator: str, steps: int, warmup: int, 
     else:
         s = lx_cache.stats()
         row.peak_live, row.peak_reserved = s.peak_live + meter.peak, s.peak_reserved + meter.peak
+        row.note = (
+            f"driver allocations by step {per_step[:8]}...; plans {s.plans}, {s.plan_hits} of {s.hits} hits "
+            f"planned, {s.plan_misses} plan misses, {meter.count} driver allocations outside the cache (the state and batch's included)"
+        )
     del ts, batch, lx_cache
     gc.collect()
     pool.free_all_blocks()
@@ -201,11 +210,11 @@ def _mib(n: int) -> str:
 
 
 def table(rows: list[Row], gpu_name: str) -> str:
-    head = f"GPU training steps on {gpu_name} (float32, Adam; per step after warm-up)"
+    head = f"GPU training steps on {gpu_name} (float32, Adam; time per step after warm-up, driver allocations per step from the fourth)"
     lines = [
         head,
         "",
-        f"{'model':<10} {'allocator':<12} {'ms/step':>9} {'driver allocs/step':>19} {'first step':>10} "
+        f"{'model':<10} {'allocator':<12} {'ms/step':>9} {'driver allocs/step':>19} {'first step':>10} {'2nd/3rd':>8} "
         f"{'peak live MiB':>14} {'peak reserved MiB':>18} {'reserved/live':>13}",
     ]
     for r in rows:
@@ -214,8 +223,10 @@ def table(rows: list[Row], gpu_name: str) -> str:
             continue
         lines.append(
             f"{r.model:<10} {r.allocator:<12} {r.ms_per_step:9.3f} {r.allocs_per_step:19.2f} {r.allocs_first_step:10d} "
+            f"{'/'.join(map(str, r.allocs_warm_up)):>8} "
             f"{_mib(r.peak_live):>14} {_mib(r.peak_reserved):>18} {r.peak_reserved / max(r.peak_live, 1):13.2f}"
         )
+    lines += [f"{r.model:<10} {r.allocator}: {r.note}" for r in rows if r.note]
     lines.append("")
     lines.append("ratios of (c) luxnn cache to (a) no pool and (b) CuPy pool: step time, peak reserved")
     by = {(r.model, r.allocator): r for r in rows if not r.error}
@@ -237,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--models", default=",".join(MODELS))
     args = parser.parse_args(argv)
+    if args.warmup < 2 or args.steps < 1:
+        parser.error(f"expected --warmup of 2 steps or more and --steps of 1 or more, got {args.warmup} and {args.steps}")
     try:
         import cupy
 

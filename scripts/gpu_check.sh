@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-side of luxnn in one go, in at most 5.5 minutes, on a machine with an NVIDIA
+# Everything GPU-side of luxnn in one go, in at most 6.5 minutes, on a machine with an NVIDIA
 # GPU and CuPy already installed, without network:
 #
 #   bash scripts/gpu_check.sh            # PYTHON=/path/to/python to choose the interpreter
@@ -14,9 +14,11 @@
 #   demo-cnn  luxnn demo --device gpu --model cnn
 #   nccl      luxnn.distributed's NCCL backend on one GPU (mpiexec -n 1): collectives, start_allreduce,
 #             blocking and overlapped DistributedOptimizer steps (skipped, with the reason, without mpi4py)
+#   alloc     benchmarks/allocator.py --gpu: alloc+free of device memory through CuPy's pool
+#             and through the luxnn cache's C hook
 #   table     benchmarks/gpu_step.py: time, driver allocations, peak live and reserved
 #             per training step without a pool, with CuPy's pool and with the luxnn cache
-# The table comes last. Exit status: 0 all stages passed, 1 a stage failed, 2 no usable GPU.
+# The alloc figures and the table come last. Exit status: 0 all stages passed, 1 a stage failed, 2 no usable GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,6 +68,7 @@ stage match 45 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py 
 stage demo-mlp 30 "$PYTHON" -m luxnn.cli demo --device gpu --model mlp --epochs 5 --no-progress
 stage demo-cnn 30 "$PYTHON" -m luxnn.cli demo --device gpu --model cnn --epochs 2 --no-progress
 stage nccl 30 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_distributed.py -k nccl_on_one_gpu
+stage alloc 60 "$PYTHON" benchmarks/allocator.py --gpu --rounds 3
 stage table 60 "$PYTHON" benchmarks/gpu_step.py
 
 for name in tests match nccl; do  # the pytest summaries: counts and skip reasons
@@ -80,6 +83,8 @@ else
     echo "gpu_check: all stages passed"
 fi
 echo
-# The table last (what the table stage printed, even if some model failed in it).
+# The figures last (what the alloc and table stages printed, even if a model failed in them).
+sed -n '/^5\. alloc+free/,$p' "$LOGS/alloc.log" || true
+echo
 grep -v "^gpu_step: " "$LOGS/table.log" | sed -n '/^GPU training steps on/,$p' || true
 [ ${#failed[@]} -eq 0 ]

@@ -56,10 +56,12 @@ def _host(x):
     return lx.cpu_device()(x)
 
 
-def _relative_error(got, want) -> float:
+def _relative_error(got, want, scale: float | None = None) -> float:
+    """The largest difference relative to `scale` (default: `want`'s largest magnitude)."""
     got, want = np.asarray(_host(got), np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape
-    return float(np.max(np.abs(got - want), initial=0.0) / max(np.max(np.abs(want), initial=0.0), 1e-30))
+    scale = np.max(np.abs(want), initial=0.0) if scale is None else scale
+    return float(np.max(np.abs(got - want), initial=0.0) / max(scale, 1e-30))
 
 
 TOLERANCE = {np.float64: 1e-10, np.float32: 1e-4}
@@ -204,7 +206,11 @@ MODELS = {
 @needs_gpu
 def test_models_on_the_gpu_match_the_cpu(model_name, dtype):
     """Outputs and gradients of the same model and inputs: float64 to 1e-10, float32 to
-    1e-4, relative to each array's largest magnitude."""
+    1e-4; the output and the loss relative to their largest magnitude, each gradient
+    relative to the largest magnitude in the whole gradient tree. (Not to the gradient's
+    own: a gradient that is zero in exact arithmetic, as an attention key's bias is since
+    softmax ignores a shift shared by every score, holds rounding noise on both devices,
+    and noise relative to noise cannot match.)"""
     make, shape = MODELS[model_name]
     model = make()
     rng = np.random.default_rng(2)
@@ -224,9 +230,10 @@ def test_models_on_the_gpu_match_the_cpu(model_name, dtype):
     tol = TOLERANCE[dtype]
     assert _relative_error(out_gpu, out_cpu) < tol
     assert _relative_error(loss_gpu, loss_cpu) < tol
+    scale = max(float(np.max(np.abs(g))) for g in lx.tree.leaves(g_cpu))
     for (path, got), (_, want) in zip(lx.tree.paths(g_gpu), lx.tree.paths(g_cpu)):
         assert got.dtype == want.dtype, path
-        assert _relative_error(got, want) < tol, path
+        assert _relative_error(got, want, scale) < tol, path
 
 
 @needs_gpu
@@ -274,9 +281,38 @@ def test_train_state_on_the_gpu_gets_a_device_cache_and_steps_stop_reaching_the_
         grads, loss, _, ts = lx.single_train_step_(lx.AutoTape(), loss_fn, batch, ts)
         after = cache.stats()
         assert lx.get_device(grads) == lx.CUDADevice(0) and isinstance(loss, cupy.ndarray)
-        if step >= 2:
+        # From the fourth step (DESIGN.md's budget). This model's requests are all of 64 KiB
+        # or less, so no plan is made for it (nor on the CPU); its slabs may still grow once
+        # in the third step, where the blocks kept from the second sit elsewhere.
+        if step >= 3:
             assert after.upstream_allocs == before.upstream_allocs, step
     assert cache.stats().peak_reserved <= 1.1 * cache.stats().peak_live
+    cache._core.audit()
+
+
+@pytest.mark.parametrize("name", DEVICES)
+def test_a_planned_training_loop_stops_reaching_the_system_from_step_4(name):
+    # Requests above 64 KiB, which step plans place: on either device the plan is made
+    # and served, no step from the fourth on reaches the system (the driver on a GPU), and
+    # peak reserved stays at the step's working set once planned.
+    dev = _device(name)
+    model = lx.Chain(lx.Dense(128, 512, activation="relu"), lx.Dense(512, 512, activation="relu"), lx.Dense(512, 10))
+    rng = np.random.default_rng(0)
+    ps, st = lx.setup(rng, model)
+    ts = dev(lx.TrainState(model, ps, st, lx.optim.adam(1e-3)))
+    cache = ts.allocator_cache
+    batch = dev((rng.standard_normal((128, 128)).astype(np.float32), rng.integers(0, 10, 128)))
+    loss_fn = lx.losses.CrossEntropyLoss()
+    for step in range(10):
+        if step == 3:
+            cache.reset_peaks()
+        before = cache.stats().upstream_allocs
+        _, _, _, ts = lx.single_train_step_(lx.AutoTape(), loss_fn, batch, ts)
+        if step >= 3:
+            assert cache.stats().upstream_allocs == before, step
+    stats = cache.stats()
+    assert stats.plans >= 1 and stats.plan_hits > 0 and stats.plan_misses == 0
+    assert stats.peak_reserved <= 1.05 * stats.peak_live
     cache._core.audit()
 
 
@@ -311,15 +347,25 @@ def test_cached_device_memory_is_real_and_from_the_driver():
 @needs_gpu
 def test_out_of_device_memory_trims_retries_and_raises_cupys_error():
     cache = memory.AllocCache(lx.CUDADevice(0))
+    # Twice the device's memory: the driver refuses it, so the cache trims and retries. (A
+    # request above 128 TiB, which no device has, is refused without the trim: it would
+    # throw the cache away for nothing.)
+    too_much = 2 * cupy.cuda.runtime.memGetInfo()[1]
     with memory.cached(cache):
         keep = cupy.ones(1 << 20)
         dropped = cupy.ones(1 << 20)
         del dropped
+        assert cache.stats().bytes_cached == 8 << 20
         with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as info:
+            cupy.empty(too_much, cupy.uint8)
+        with pytest.raises(cupy.cuda.memory.OutOfMemoryError):
             cupy.empty(1 << 50, cupy.uint8)  # 1 PiB
     assert isinstance(info.value, memory.CacheMemoryError)
-    assert "Cache figures" in str(info.value) and "out of memory" in str(info.value)
-    assert cache.stats().bytes_cached == 0  # trimmed before giving up
+    assert f"Out of memory allocating {too_much:,} bytes" in str(info.value)
+    assert "Cache figures: live 8.0 MiB" in str(info.value) and "out of memory" in str(info.value)
+    assert cache.stats().bytes_cached == 0 and cache.stats().bytes_live == 8 << 20  # trimmed, nothing leaked
+    with memory.cached(cache):  # the next request is served
+        assert float(cupy.ones(10).sum()) == 10
     limited = memory.AllocCache(lx.CUDADevice(0), limit=1 << 20)
     with memory.cached(limited), pytest.raises(cupy.cuda.memory.OutOfMemoryError, match="limit"):
         cupy.empty(2 << 20, cupy.uint8)

@@ -533,6 +533,26 @@ def test_limit_of_the_wrong_type_is_a_type_error(bad):
         memory.AllocCache(limit=bad)
 
 
+def test_a_limit_set_later_is_checked_and_holds_from_the_next_request():
+    cache = memory.AllocCache()
+    with memory.cached(cache):
+        keep = np.empty(2 * MiB, np.uint8)  # held already: stays
+    cache.limit = MiB
+    assert cache.limit == MiB and "limit=1.0 MiB" in repr(cache)
+    with pytest.raises(memory.CacheMemoryError, match="limit of 1.0 MiB"):
+        with memory.cached(cache):
+            np.empty(2 * MiB, np.uint8)
+    for bad, error in ((0, ValueError), (1 << 60, ValueError), (1.5, TypeError), ("1GiB", TypeError)):
+        with pytest.raises(error, match="limit"):
+            cache.limit = bad
+        assert cache.limit == MiB  # unchanged
+    cache.limit = None
+    with memory.cached(cache):
+        big = np.empty(2 * MiB, np.uint8)
+    assert cache.limit is None and cache.stats().bytes_live >= 4 * MiB
+    del keep, big
+
+
 def test_evict_after_must_be_positive():
     with pytest.raises(ValueError, match="evict_after"):
         memory.AllocCache(evict_after=0)

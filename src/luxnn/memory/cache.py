@@ -222,7 +222,8 @@ class AllocCache:
     limit: bytes the cache may hold. Before taking a new block from the system would pass
     it, whole free blocks and segments are released, least recently used first; arrays in
     use are never refused, except a single request larger than the limit (`MemoryError`),
-    and the free pieces of a segment in use stay with it.
+    and the free pieces of a segment in use stay with it. It can be changed later
+    (``cache.limit = ...``, see `limit`).
     evict_after: scopes a size bin (above 64 KiB: a free segment) may go unused before its
     free blocks are released (default `DEFAULT_EVICT_AFTER`).
     record: keep a timeline for `plot_timeline`: the last 65536 events, and every step's
@@ -258,7 +259,7 @@ class AllocCache:
         plan: bool = True,
     ) -> None:
         self.device = _check_device(device)
-        self.limit = _check_limit(limit)
+        self._limit = _check_limit(limit)
         self.evict_after = _check_evict_after(evict_after)
         self.record = bool(record)
         if not isinstance(plan, bool):
@@ -267,7 +268,7 @@ class AllocCache:
         self._created_ns = time.monotonic_ns()  # the core's clock is CLOCK_MONOTONIC too
         device_id = getattr(self.device, "device_id", None)
         self._core = _core.Core(
-            limit=self.limit or 0,
+            limit=self._limit or 0,
             evict_after=self.evict_after,
             timeline_capacity=TIMELINE_CAPACITY if self.record else 0,
             upstream="host" if device_id is None else "cuda",
@@ -279,7 +280,26 @@ class AllocCache:
         else:
             from .cupy_backend import CupyFrontEnd  # it imports CuPy on the first scope, not here
 
-            self.front_end = CupyFrontEnd(self._core, device_id, self.limit)
+            self.front_end = CupyFrontEnd(self._core, device_id)
+
+    @property
+    def limit(self) -> int | None:
+        """The bytes the cache may hold (None: no limit). Assigning it checks the value and
+        applies to the requests from then on: blocks held already stay (free ones go as a
+        later request needs their room, or with `trim`).
+
+        >>> cache = AllocCache(limit=1 << 20)
+        >>> cache.limit = 4 << 20
+        >>> cache.limit
+        4194304
+        """
+        return self._limit
+
+    @limit.setter
+    def limit(self, limit: int | None) -> None:
+        checked = _check_limit(limit)
+        self._core.set_limit(checked or 0)
+        self._limit = checked
 
     def open_scope(self) -> OpenScope:
         """Count a scope of the cache from now on (`cached` does, its front end installed)."""

@@ -1,37 +1,45 @@
 """The CuPy front end of the allocator (`luxnn.memory.frontend`): device memory for
 `AllocCache(device=CUDADevice(k))`.
 
-Inside ``cached(cache)`` every CuPy allocation of the current thread on device k goes
-through CuPy's allocator hook (``cupy.cuda.using_allocator``, thread-local) to the cache's
-``malloc``, which takes a block from the cache's C core and hands CuPy a ``MemoryPointer``
-over it. The block's owner is a `_core.Block`: when CuPy's memory object for the block
-dies, the block returns to the cache's free lists, as a NumPy array's block does.
+Inside ``cached(cache)`` every CuPy allocation of the current thread goes through CuPy's
+allocator hook (``cupy.cuda.using_allocator``, thread-local) to C functions of the cache's
+core: ``cupy.cuda.memory.CFunctionAllocator(param, malloc, free, owner)`` with the core's
+``CupyHook`` (``csrc/py_cuda.c``, "CuPy hook"). CuPy calls ``malloc(param, size,
+device_id)`` for every request and ``free(param, ptr, device_id)`` when the memory object
+it made for the pointer dies, so a block goes back to the cache's free lists exactly when
+CuPy's memory object for it dies, never before. A hit runs no Python.
+
+Keys. A cache serves one device and one stream: the device of its `CUDADevice` and that
+device's stream current at the cache's first scope (usually the null stream). ``malloc`` has no stream
+argument: the hook asks CuPy's own C function for the current stream,
+``get_current_stream_ptr`` of ``cupy.cuda.stream`` (exported by its Cython module in
+``__pyx_capi__``; looked up once, on the cache's first scope), and the device is
+``malloc``'s argument. Requests on another device or stream are made by the allocator that
+was active before the scope, so a block never crosses devices, and one freed by work queued
+on one stream is never handed to another stream while that work may still run (CuPy's pool
+keys by stream for the same reason). The per-thread default stream has the same handle in
+every thread: a cache bound to it serves the thread that bound it alone.
 
 Upstream: raw ``cuMemAlloc`` / ``cuMemFree`` (the CUDA driver API, called from the C core,
 ``csrc/upstream_cuda.c``), so the cache is the only pool between CuPy and the driver: its
 figures are the driver's, ``upstream_allocs`` counts driver allocations, and a trimmed or
-evicted block really goes back to the device. The alternative, CuPy's default pool as the
-upstream, was not built: the pool would keep every block the cache trims or evicts, so
-memory would be cached twice and peak reserved would be the pool's, not the cache's; and
-the pool's own figures are what ``scripts/gpu_check.sh`` measures side by side with the
-cache (``benchmarks/gpu_step.py``).
+evicted block really goes back to the device. (CuPy's default pool as the upstream would
+keep every block the cache trims or evicts: memory cached twice.) The driver functions are
+looked up in ``libcuda.so.1`` with ctypes and the device's primary context retained (the one
+the CUDA runtime and CuPy use; it stays retained for the life of the process, as the
+runtime's does) on the first scope; constructing the cache touches nothing.
 
-Keys. A cache serves one device and one stream: the device of its `CUDADevice` and the
-stream current at its first use (usually the null stream). Requests on another device
-or stream are passed to the allocator that was active before the scope, so a block
-never crosses devices, and one freed by work queued on one stream is never handed to
-another stream while that work may still run (CuPy's pool keys by stream for the same
-reason).
+Out of device memory: the core releases its whole free blocks and retries; then the hook
+has CuPy's default pool release its free blocks and the core retries once more; then it
+raises CuPy's ``OutOfMemoryError`` (also a `CacheMemoryError`) naming the request, the
+cache's live and reserved bytes and its limit (`luxnn.memory.errors`): CuPy's Cython checks
+for a Python error after ``malloc``. A request over the cache's limit raises the same at
+once.
 
-Binding. Constructing the cache touches nothing: the driver functions are looked up in
-``libcuda.so.1`` with ctypes and the device's primary context retained (the one the CUDA
-runtime and CuPy use; it stays retained for the life of the process, as the runtime's
-does) on the first scope.
-
-Out of device memory: the core releases its whole free blocks and retries; then the front end
-releases the free blocks of CuPy's default pool and retries once more; then it raises
-CuPy's ``OutOfMemoryError`` (also a `CacheMemoryError`) with the cache's figures
-(`luxnn.memory.errors`).
+Lifetimes and processes. Every pointer handed to CuPy holds the hook, which holds the core:
+a cache dropped while its arrays live keeps their memory valid, and the core goes back to
+the driver when the last of them dies. A forked child never calls the driver through the
+cache (``csrc/upstream_cuda.c``): the parent's context is not the child's.
 """
 
 from __future__ import annotations
@@ -41,27 +49,42 @@ import os
 import threading
 from typing import Any, Callable
 
+from . import _core
 from .errors import cupy_out_of_memory_error, last_failure
 from .frontend import FrontEnd, Installed
 
-__all__ = ["CupyFrontEnd", "bind_driver"]
+__all__ = ["CupyFrontEnd", "bind_driver", "stream_query"]
+
+# The signature CuPy's Cython gives `get_current_stream_ptr` in its capsule.
+_STREAM_QUERY_SIGNATURE = "intptr_t (void)"
+# CUDA's handle of the per-thread default stream (cudaStreamPerThread), the same in every
+# thread (CuPy's with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1).
+_PER_THREAD_STREAM = 2
 
 
-# What the hook asks on every request: the current device and stream (the stream's
-# handle). Set on first use; tests without a GPU set them to fakes beforehand.
-_current_device: Callable[[], int] | None = None
-_current_stream: Callable[[], int] | None = None
-
-
-def _resolve_queries() -> None:
-    global _current_device, _current_stream
+def stream_query() -> int:
+    """The address of CuPy's C function ``intptr_t get_current_stream_ptr(void)`` (the
+    current stream of the current device; call it with the GIL held), from the capsule that
+    the Cython module ``cupy.cuda.stream`` exports in ``__pyx_capi__``."""
     import cupy
 
-    if _current_device is None:
-        _current_device = cupy.cuda.runtime.getDevice
-    if _current_stream is None:
-        get_current_stream = cupy.cuda.get_current_stream
-        _current_stream = lambda: get_current_stream().ptr  # noqa: E731
+    try:
+        capsule = cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]
+    except (AttributeError, KeyError) as err:
+        raise RuntimeError(
+            f"AllocCache: CuPy {getattr(cupy, '__version__', '?')} does not export "
+            "cupy.cuda.stream.get_current_stream_ptr to C, which the cache's hook needs"
+        ) from err
+    get_name, get_pointer = ctypes.pythonapi.PyCapsule_GetName, ctypes.pythonapi.PyCapsule_GetPointer
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    name = get_name(capsule)
+    if name is None or not name.decode().startswith(_STREAM_QUERY_SIGNATURE):
+        raise RuntimeError(
+            f"AllocCache: expected CuPy's get_current_stream_ptr to be {_STREAM_QUERY_SIGNATURE!r}, "
+            f"its capsule says {name!r}"
+        )
+    return get_pointer(capsule, name)
 
 
 def _driver_library() -> Any:
@@ -110,16 +133,23 @@ def _new_binding_lock() -> None:
 os.register_at_fork(after_in_child=_new_binding_lock)
 
 
+def _release_cupy_pool() -> None:
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
 class CupyFrontEnd(FrontEnd):
-    """CuPy's: the cache's ``malloc`` in CuPy's thread-local allocator hook, for one
-    `AllocCache` on a `CUDADevice`. CuPy's memory objects hold their blocks, which hold the
+    """CuPy's: the core's `CupyHook` in CuPy's thread-local allocator hook, for one
+    `AllocCache` on a `CUDADevice`. CuPy's memory objects hold the hook, which holds the
     core: memory outlives the cache while arrays use it."""
 
-    def __init__(self, core: Any, device_id: int, limit: int | None) -> None:
+    def __init__(self, core: Any, device_id: int) -> None:
         self.core = core  # not the AllocCache: no cycle keeps a dropped cache alive
         self.device_id = device_id
-        self.limit = limit
         self.stream: int | None = None  # the stream served: the one current at first use
+        self._current_stream = 0  # CuPy's stream query (`stream_query`), once bound
+        self._thread = 0  # the thread served, for the per-thread default stream (0: any)
         # Replaced by tests that plug a host-memory fake into the same code path.
         self.bind: Callable[[Any, int], None] = bind_driver
 
@@ -129,18 +159,32 @@ class CupyFrontEnd(FrontEnd):
         return super().install()
 
     def _bind(self) -> None:
-        # The first use: the core to the driver, and the cache to the stream current now.
+        # The first use: the core to the driver, and the cache to its device's stream
+        # current now.
+        import cupy
+
         with _binding:
             if self.stream is None:  # no other thread bound it meanwhile
-                _resolve_queries()
+                query = stream_query()
                 self.bind(self.core, self.device_id)
-                self.stream = _current_stream()
+                self._current_stream = query
+                with cupy.cuda.Device(self.device_id):
+                    stream = ctypes.PYFUNCTYPE(ctypes.c_ssize_t)(query)()
+                # The per-thread default stream has one handle in every thread: served
+                # in the binding thread alone.
+                self._thread = threading.get_ident() if stream == _PER_THREAD_STREAM else 0
+                self.stream = stream  # last: other threads' `install` reads it unlocked
 
     def _route(self) -> tuple[Any, Any]:
         import cupy
 
         previous = cupy.cuda.get_allocator()
-        return self._switch(self._malloc(previous)), previous
+        hook = _core.CupyHook(
+            self.core, self.device_id, self.stream, self._current_stream, previous, _release_cupy_pool, self._refuse,
+            self._thread,
+        )  # fmt: skip
+        allocator = cupy.cuda.memory.CFunctionAllocator(*hook.functions, hook)
+        return self._switch(allocator.malloc), previous
 
     @classmethod
     def _switch(cls, allocator: Any) -> Any:
@@ -154,34 +198,9 @@ class CupyFrontEnd(FrontEnd):
     def _switch_back(cls, undo: Any) -> None:
         undo.__exit__(None, None, None)
 
-    def _malloc(self, fallback: Callable[[int], Any]) -> Callable[[int], Any]:
-        # CuPy's allocator function for the cache, ``malloc(size) -> MemoryPointer``;
-        # requests the cache must not serve go to `fallback`. Out of memory, it raises
-        # CuPy's error itself, so `refusal` has nothing to relabel.
-        import cupy
-
-        block_of = self.core.block
-        device_id = self.device_id
-        memory, pointer = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer
-
-        def malloc(size: int) -> Any:
-            if _current_device() != device_id or _current_stream() != self.stream:
-                return fallback(size)
-            try:
-                block = block_of(size)
-            except MemoryError:
-                # The core released its own free blocks already; CuPy's pool may hold
-                # free device memory from outside the scope.
-                cupy.get_default_memory_pool().free_all_blocks()
-                try:
-                    block = block_of(size)
-                except MemoryError:
-                    raise self._out_of_memory(size) from None
-            if block is None:  # the bookkeeping itself is out of host memory
-                return fallback(size)
-            return pointer(memory(block.ptr, size, block, device_id), 0)
-
-        return malloc
-
-    def _out_of_memory(self, size: int) -> MemoryError:
-        return cupy_out_of_memory_error(size, last_failure(), self.core.stats().bytes_reserved, self.limit or 0)
+    def _refuse(self, size: int) -> MemoryError:
+        # The hook's error for a request the core refused (it raises it in CuPy's malloc,
+        # so `refusal` has nothing to relabel).
+        failure = last_failure()
+        reserved = self.core.stats().bytes_reserved
+        return cupy_out_of_memory_error(size, failure, reserved, failure.limit if failure is not None else 0)

@@ -332,6 +332,16 @@ lx_trim(lx_core *c, size_t max_cached)
     return released;
 }
 
+/* The limit of the requests from now on (0: none); what the core holds stays,
+ * and the next request that needs room makes it (lx_alloc). */
+void
+lx_set_limit(lx_core *c, size_t limit)
+{
+    lock_take(&c->lock);
+    c->limit = limit;
+    lock_give(&c->lock);
+}
+
 /* Release every whole free block and segment now, and every other when its
  * last array dies (an orphan). Blocks allocated afterwards are cached as usual. */
 void

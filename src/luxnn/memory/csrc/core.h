@@ -31,7 +31,7 @@
  *                     ("CUDA upstream")
  *   numpy_handler.c   the NEP 49 handler whose ctx is a core ("NumPy front end")
  *   py.h, py_module.c the Core type and the module; py_plan.c the planner's
- *                     interface; py_cuda.c bind_cuda and the Block type
+ *                     interface; py_cuda.c bind_cuda and the CuPy hook ("CuPy hook")
  *
  * Locking: every mutable field of lx_core is guarded by core->lock. Functions
  * named lx_* take the lock; functions named *_locked expect it held. Nothing
@@ -389,7 +389,7 @@ lock_give(lx_lock *l)
 typedef struct lx_core {
     lx_lock lock;
     lx_upstream up;             /* constant after creation */
-    size_t limit;               /* 0: none */
+    size_t limit;               /* 0: none (lx_set_limit) */
     uint64_t evict_after;       /* 0: never */
     lx_figures fig;
     lx_bin quick[LX_NBINS];     /* the quick lists: free small blocks of bins below quick_bin */
@@ -552,6 +552,7 @@ void *lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *st
 int lx_free(lx_core *c, void *ptr);
 size_t lx_live_size(lx_core *c, void *ptr);
 size_t lx_trim(lx_core *c, size_t max_cached);
+void lx_set_limit(lx_core *c, size_t limit);
 void lx_release_all(lx_core *c);
 long lx_scope_enter(lx_core *c);
 int lx_scope_exit(lx_core *c, size_t slot, lx_scope_figures *figures);

@@ -16,11 +16,12 @@
 typedef struct {
     PyObject_HEAD
     lx_core *core;
-    int cuda;        /* 1: device memory (upstream_cuda.c), served through Block objects */
+    int cuda;        /* 1: device memory (upstream_cuda.c), served to CuPy by a CupyHook */
     lx_cuda_api api; /* the CUDA upstream's functions, once bound */
 } CoreObject;
 
-/* py_module.c: fill a new structseq with n new references (NULL: an error, all released) */
+/* py_module.c: the Core type; fill a new structseq with n new references (NULL: an error, all released) */
+extern PyTypeObject CoreType;
 PyObject *filled(PyObject *seq, PyObject **items, size_t n);
 
 /* py_plan.c: the planner's interface */
@@ -29,10 +30,9 @@ extern PyTypeObject RecordType;
 PyObject *Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored));
 PyObject *Core_install_plan(CoreObject *self, PyObject *args, PyObject *kwargs);
 
-/* py_cuda.c: a CUDA core's binding and blocks */
-extern PyTypeObject BlockType;
+/* py_cuda.c: a CUDA core's binding, and the hook that serves its blocks to CuPy */
+extern PyTypeObject HookType;
 PyObject *Core_bind_cuda(CoreObject *self, PyObject *args);
-PyObject *Core_block(CoreObject *self, PyObject *arg);
 
 /* numpy_handler.c: the NEP 49 handler */
 int import_numpy(void);

@@ -1,18 +1,13 @@
 /*
  * A CUDA core's Python side: bind_cuda (the driver's functions, for
- * upstream_cuda.c) and the Block type, the blocks handed to CuPy. Runs with
- * the GIL held; the core's lock is taken by the lx_* calls and around binding.
+ * upstream_cuda.c) and the CupyHook type, the C functions that CuPy's
+ * cupy.cuda.memory.CFunctionAllocator calls for every allocation of a cached
+ * scope ("CuPy hook", below). Runs with the GIL held; the core's lock is taken
+ * by the lx_* calls and around binding.
  */
 #include "py.h"
 
-/* A block of a CUDA core handed to CuPy: CuPy's memory object for the block
- * owns it, and the block goes back to the core when that object dies. */
-typedef struct {
-    PyObject_HEAD
-    CoreObject *owner; /* the core outlives its blocks */
-    void *ptr;
-    size_t size;
-} BlockObject;
+#include <unistd.h>
 
 /* bind_cuda(mem_alloc, mem_free, ctx_push, ctx_pop, context): the addresses of
  * the driver's functions (upstream_cuda.c) and of the retained primary context. */
@@ -37,6 +32,7 @@ Core_bind_cuda(CoreObject *self, PyObject *args)
         self->api.ctx_push = (int (*)(void *))(uintptr_t)f[2];
         self->api.ctx_pop = (int (*)(void **))(uintptr_t)f[3];
         self->api.context = (void *)(uintptr_t)f[4];
+        self->api.pid = getpid();
         self->api.mem_alloc = (int (*)(unsigned long long *, size_t))(uintptr_t)f[0];
     }
     lock_give(&c->lock);
@@ -46,76 +42,217 @@ Core_bind_cuda(CoreObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* block(size) -> a Block of at least size bytes from a CUDA core; None when the
- * bookkeeping is out of memory (allocate elsewhere); MemoryError over the limit
- * or out of device memory even after releasing the free blocks (the reason
- * and figures in last_failure()). */
-PyObject *
-Core_block(CoreObject *self, PyObject *arg)
+/* ---- CuPy hook ------------------------------------------------------------
+ *
+ * CuPy calls malloc(param, size, device_id) from CFunctionAllocator.malloc and
+ * free(param, ptr, device_id) when the memory object it made for ptr dies
+ * (cupy/cuda/memory.pyx: CFunctionAllocatorMemory), both with the GIL held;
+ * param is a CupyHook. A hit costs no Python: the device is the argument, the
+ * stream comes from CuPy's own C function (the hook's current_stream), the
+ * block from the core.
+ *
+ * - The per-thread default stream has one handle in every thread: a hook that
+ *   serves it serves the thread that bound the cache (`thread`) alone.
+ * - A request on another device or stream than the cache's, or one the core's
+ *   bookkeeping has no memory for, is made by the allocator the scope replaced
+ *   (fallback, a Python callable size -> MemoryPointer); its MemoryPointer is
+ *   kept in `foreign` until CuPy frees the pointer.
+ * - Out of device memory (the core has already released its whole free blocks
+ *   and retried), `release` lets CuPy's default pool give its free blocks back,
+ *   and the core tries once more; a request still refused, or one over the
+ *   limit, raises what `refuse(size)` makes: CuPy's Cython checks for a Python
+ *   error after malloc (`except *`) and raises it, and a memory object whose
+ *   malloc raised is never freed.
+ * - Every pointer handed out holds a reference to the hook (so to the core):
+ *   a cache dropped while its arrays live keeps their blocks valid, and the
+ *   core goes when the last of them dies.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    CoreObject *core;
+    int device_id;
+    intptr_t stream;                 /* the stream served */
+    unsigned long thread;            /* the per-thread default stream: whose (0: any) */
+    intptr_t (*current_stream)(void); /* CuPy's: -1 with a Python error set on failure */
+    PyObject *fallback;
+    PyObject *release;
+    PyObject *refuse;
+    PyObject *foreign; /* dict: pointer (int) -> the fallback's MemoryPointer */
+} HookObject;
+
+static void *
+hook_fallback(HookObject *h, size_t size)
 {
-    Py_ssize_t size = PyLong_AsSsize_t(arg);
-    if (size == -1 && PyErr_Occurred()) {
+    PyObject *memptr = PyObject_CallFunction(h->fallback, "n", (Py_ssize_t)size);
+    if (memptr == NULL) {
         return NULL;
     }
-    if (!self->cuda || size < 0) {
-        return PyErr_Format(PyExc_ValueError, "block(%zd): %s", size,
-                            self->cuda ? "negative size" : "this core serves host memory");
+    void *ptr = NULL;
+    PyObject *address = PyObject_GetAttrString(memptr, "ptr");
+    if (address != NULL) {
+        ptr = PyLong_AsVoidPtr(address);
+        if (ptr == NULL && !PyErr_Occurred()) {
+            PyErr_Format(PyExc_RuntimeError, "the allocator outside the cache returned a null "
+                                             "pointer for %zu bytes", size);
+        }
+        else if (ptr != NULL && PyDict_SetItem(h->foreign, address, memptr) < 0) {
+            ptr = NULL;
+        }
+        Py_DECREF(address);
     }
-    BlockObject *block = PyObject_New(BlockObject, &BlockType);
-    if (block == NULL) {
+    Py_DECREF(memptr);
+    if (ptr != NULL) {
+        Py_INCREF(h);
+    }
+    return ptr;
+}
+
+static void *
+hook_malloc(void *param, size_t size, int device_id)
+{
+    HookObject *h = param;
+    if (device_id != h->device_id) {
+        return hook_fallback(h, size);
+    }
+    intptr_t stream = h->current_stream();
+    if (stream == -1 && PyErr_Occurred()) {
         return NULL;
     }
+    if (stream != h->stream || (h->thread && PyThread_get_thread_ident() != h->thread)) {
+        return hook_fallback(h, size);
+    }
+    lx_core *c = h->core->core;
     int zero_filled;
     lx_status status;
-    block->ptr = lx_alloc(self->core, (size_t)size, 0, &zero_filled, &status);
-    if (block->ptr == NULL) {
-        block->owner = NULL;
-        Py_DECREF(block);
-        if (status == LX_FALLBACK) {
-            Py_RETURN_NONE;
+    void *ptr = lx_alloc(c, size, 0, &zero_filled, &status);
+    if (ptr == NULL && status == LX_OUT_OF_MEMORY) {
+        PyObject *done = PyObject_CallNoArgs(h->release);
+        if (done == NULL) {
+            return NULL;
         }
-        return PyErr_Format(PyExc_MemoryError, "the cache cannot allocate %zd bytes", size);
+        Py_DECREF(done);
+        ptr = lx_alloc(c, size, 0, &zero_filled, &status);
     }
-    block->size = bin_bytes(bin_of(size ? (size_t)size : 1)); /* served, so <= LX_MAX_REQUEST */
-    Py_INCREF(self);
-    block->owner = self;
-    return (PyObject *)block;
+    if (ptr != NULL) {
+        Py_INCREF(h);
+        return ptr;
+    }
+    if (status == LX_FALLBACK) {
+        return hook_fallback(h, size);
+    }
+    PyObject *error = PyObject_CallFunction(h->refuse, "n", (Py_ssize_t)size);
+    if (error != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+        Py_DECREF(error);
+    }
+    return NULL;
 }
 
 static void
-Block_dealloc(BlockObject *self)
+hook_free(void *param, void *ptr, int Py_UNUSED(device_id))
 {
-    if (self->owner != NULL) {
-        lx_free(self->owner->core, self->ptr);
-        Py_DECREF(self->owner);
+    HookObject *h = param;
+    if (!lx_free(h->core->core, ptr)) { /* the fallback's */
+        PyObject *address = PyLong_FromVoidPtr(ptr);
+        if (address == NULL || PyDict_DelItem(h->foreign, address) < 0) {
+            PyErr_WriteUnraisable((PyObject *)h);
+        }
+        Py_XDECREF(address);
     }
-    PyObject_Free(self);
+    Py_DECREF(h); /* may be the last reference: then the core's too */
 }
 
 static PyObject *
-Block_get_ptr(BlockObject *self, void *Py_UNUSED(closure))
+Hook_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    return PyLong_FromVoidPtr(self->ptr);
+    static char *kwlist[] = {"core",     "device_id", "stream",  "current_stream",
+                             "fallback", "release",   "refuse",  "thread", NULL};
+    PyObject *core, *fallback, *release, *refuse;
+    int device_id;
+    Py_ssize_t stream;
+    unsigned long long current_stream;
+    unsigned long thread = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OinKOOO|k:CupyHook", kwlist, &core,
+                                     &device_id, &stream, &current_stream, &fallback,
+                                     &release, &refuse, &thread)) {
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(core, &CoreType) || !((CoreObject *)core)->cuda) {
+        return PyErr_Format(PyExc_TypeError, "CupyHook: expected a CUDA core, got %R", core);
+    }
+    if (current_stream == 0 || !PyCallable_Check(fallback) || !PyCallable_Check(release) ||
+        !PyCallable_Check(refuse)) {
+        return PyErr_Format(PyExc_TypeError, "CupyHook: expected a stream query address and "
+                                             "three callables");
+    }
+    HookObject *self = (HookObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->foreign = PyDict_New();
+    if (self->foreign == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->core = (CoreObject *)Py_NewRef(core);
+    self->device_id = device_id;
+    self->stream = (intptr_t)stream;
+    self->thread = thread;
+    self->current_stream = (intptr_t (*)(void))(uintptr_t)current_stream;
+    self->fallback = Py_NewRef(fallback);
+    self->release = Py_NewRef(release);
+    self->refuse = Py_NewRef(refuse);
+    return (PyObject *)self;
+}
+
+static void
+Hook_dealloc(HookObject *self)
+{
+    Py_XDECREF(self->foreign);
+    Py_XDECREF(self->fallback);
+    Py_XDECREF(self->release);
+    Py_XDECREF(self->refuse);
+    Py_XDECREF(self->core);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* (param, malloc, free): the addresses CFunctionAllocator(param, malloc, free, owner) takes. */
+static PyObject *
+Hook_get_functions(HookObject *self, void *Py_UNUSED(closure))
+{
+    return Py_BuildValue("(NNN)", PyLong_FromVoidPtr(self),
+                         PyLong_FromVoidPtr((void *)(uintptr_t)hook_malloc),
+                         PyLong_FromVoidPtr((void *)(uintptr_t)hook_free));
 }
 
 static PyObject *
-Block_get_size(BlockObject *self, void *Py_UNUSED(closure))
+Hook_get_foreign(HookObject *self, void *Py_UNUSED(closure))
 {
-    return PyLong_FromSize_t(self->size);
+    return PyLong_FromSsize_t(PyDict_GET_SIZE(self->foreign));
 }
 
-static PyGetSetDef Block_getset[] = {
-    {"ptr", (getter)Block_get_ptr, NULL, "the block's address", NULL},
-    {"size", (getter)Block_get_size, NULL, "the block's bytes (its size bin's)", NULL},
+static PyGetSetDef Hook_getset[] = {
+    {"functions", (getter)Hook_get_functions, NULL,
+     "(param, malloc, free): addresses for cupy.cuda.memory.CFunctionAllocator", NULL},
+    {"foreign", (getter)Hook_get_foreign, NULL,
+     "pointers from the outside allocator still in use", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-PyTypeObject BlockType = {
+PyTypeObject HookType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "luxnn.memory._core.Block",
-    .tp_basicsize = sizeof(BlockObject),
+    .tp_name = "luxnn.memory._core.CupyHook",
+    .tp_basicsize = sizeof(HookObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A block of a CUDA core in use; it goes back to the core when it dies.",
-    .tp_dealloc = (destructor)Block_dealloc,
-    .tp_getset = Block_getset,
+    .tp_doc = "CupyHook(core, device_id, stream, current_stream, fallback, release, refuse, "
+              "thread=0): a CUDA core's blocks for cupy.cuda.memory.CFunctionAllocator("
+              "*hook.functions, hook), serving requests on device_id and stream "
+              "(current_stream: the address of a C function intptr_t (void) returning the "
+              "current stream), and if thread is not 0 only in that thread "
+              "(threading.get_ident()); the others go to fallback(size); out of memory, "
+              "release() then refuse(size), the exception to raise.",
+    .tp_new = Hook_new,
+    .tp_dealloc = (destructor)Hook_dealloc,
+    .tp_getset = Hook_getset,
 };

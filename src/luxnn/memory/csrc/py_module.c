@@ -142,6 +142,21 @@ Core_trim(CoreObject *self, PyObject *arg)
 }
 
 static PyObject *
+Core_set_limit(CoreObject *self, PyObject *arg)
+{
+    unsigned long long limit = PyLong_AsUnsignedLongLong(arg);
+    if (limit == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (limit > LX_MAX_REQUEST) {
+        return PyErr_Format(PyExc_ValueError, "limit %llu is above %zu bytes", limit,
+                            LX_MAX_REQUEST);
+    }
+    lx_set_limit(self->core, (size_t)limit);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 Core_release_all(CoreObject *self, PyObject *Py_UNUSED(ignored))
 {
     lx_release_all(self->core);
@@ -381,6 +396,8 @@ static PyMethodDef Core_methods[] = {
      "Set the peaks to the current figures."},
     {"trim", (PyCFunction)Core_trim, METH_O,
      "trim(max_cached_bytes) -> bytes released, least recently used first"},
+    {"set_limit", (PyCFunction)Core_set_limit, METH_O,
+     "set_limit(bytes): the limit of the requests from now on (0: none)"},
     {"release_all", (PyCFunction)Core_release_all, METH_NOARGS,
      "Release the free blocks now and the live ones when they die."},
     {"scope_enter", (PyCFunction)Core_scope_enter, METH_NOARGS,
@@ -421,9 +438,6 @@ static PyMethodDef Core_methods[] = {
      "bind_cuda(mem_alloc, mem_free, ctx_push, ctx_pop, context): a CUDA core's driver "
      "functions (addresses of cuMemAlloc_v2, cuMemFree_v2, cuCtxPushCurrent_v2, "
      "cuCtxPopCurrent_v2) and primary context; once, before its first block"},
-    {"block", (PyCFunction)Core_block, METH_O,
-     "block(size) -> Block from a CUDA core; None: allocate elsewhere; MemoryError: "
-     "over the limit or out of device memory (see last_failure())"},
     {"timeline", (PyCFunction)Core_timeline, METH_NOARGS,
      "(event bytes, events dropped); each event is 4 int64: t_ns, live, reserved, kind"},
     {"timeline_spans", (PyCFunction)Core_timeline_spans, METH_NOARGS,
@@ -432,7 +446,7 @@ static PyMethodDef Core_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject CoreType = {
+PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "luxnn.memory._core.Core",
     .tp_basicsize = sizeof(CoreObject),
@@ -545,7 +559,7 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC
 PyInit__core(void)
 {
-    if (import_numpy() < 0 || PyType_Ready(&CoreType) < 0 || PyType_Ready(&BlockType) < 0 ||
+    if (import_numpy() < 0 || PyType_Ready(&CoreType) < 0 || PyType_Ready(&HookType) < 0 ||
         (FiguresType.tp_name == NULL &&
          PyStructSequence_InitType2(&FiguresType, &figures_desc) < 0) ||
         (RecordType.tp_name == NULL &&
@@ -560,6 +574,7 @@ PyInit__core(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0 ||
+        PyModule_AddObjectRef(m, "CupyHook", (PyObject *)&HookType) < 0 ||
         PyModule_AddObjectRef(m, "Figures", (PyObject *)&FiguresType) < 0 ||
         PyModule_AddObjectRef(m, "Record", (PyObject *)&RecordType) < 0 ||
         PyModule_AddIntConstant(m, "BIN_DIVISIONS", LX_DIV) < 0 ||

@@ -33,6 +33,7 @@ typedef struct {
     int (*ctx_push)(void *context);                          /* cuCtxPushCurrent_v2 */
     int (*ctx_pop)(void **context);                          /* cuCtxPopCurrent_v2 */
     void *context; /* the device's primary context, retained by the front end */
+    int pid;       /* the process that bound them: a forked child never calls them */
 } lx_cuda_api;
 
 /* The driver's error code of this thread's last failed upstream allocation

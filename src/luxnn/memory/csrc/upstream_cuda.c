@@ -6,6 +6,7 @@
 #include "core.h"
 
 #include <stdint.h>
+#include <unistd.h>
 
 /* ---- CUDA upstream ------------------------------------------------------
  *
@@ -20,7 +21,14 @@
  *
  * The CuPy front end calls into the core with the GIL held, and the driver
  * functions never wait for it, so the lock order (core.h) holds.
+ *
+ * A forked child inherits the core but not a usable CUDA context: the driver
+ * is never called there (api->pid is the binding process). Its allocations
+ * fail, and a block released there is left alone: its memory is the parent's.
  */
+
+/* The driver's error for an allocation in a forked child (CUDA_ERROR_NOT_INITIALIZED). */
+#define LX_CUDA_FORKED 3
 
 /* The driver's error code of this thread's last failed upstream allocation
  * (0: none, or a host upstream), for the out-of-memory message. */
@@ -35,6 +43,10 @@ cuda_alloc(void *ctx, size_t size, int zeroed)
     (void)zeroed; /* the CuPy front end never asks for zero-filled blocks */
     if (api->mem_alloc == NULL) {
         tl_upstream_error = -1; /* not bound: the front end binds before any use */
+        return NULL;
+    }
+    if (getpid() != api->pid) {
+        tl_upstream_error = LX_CUDA_FORKED;
         return NULL;
     }
     int err = api->ctx_push(api->context);
@@ -53,7 +65,7 @@ cuda_free(void *ctx, void *ptr, size_t size)
     void *popped;
     (void)size;
     /* A failure here (the driver already shut down at exit) leaves nothing to do. */
-    if (api->ctx_push(api->context) == 0) {
+    if (getpid() == api->pid && api->ctx_push(api->context) == 0) {
         api->mem_free((unsigned long long)(uintptr_t)ptr);
         api->ctx_pop(&popped);
     }
