@@ -23,7 +23,7 @@ the parameters and batch, while the cache counts its own), and peaks are taken:
                  (c) the cache's peak_reserved plus what lives outside it
 
 Driver allocations of a fresh state: during its first step, its second and third, and per
-step from the fourth on (target for (c): 0; DESIGN.md's budget); a line per model under the
+step from the fourth on (target for (c): 0; docs/design.md's budget); a line per model under the
 table gives the cache's driver allocations step by step and its plans' figures. The last lines give the ratios of (c) to (a) and (b). The script
 exits 1 if a model failed (its row says why), after printing the table.
 """
@@ -186,7 +186,7 @@ def measure(name: str, make: Callable, allocator: str, steps: int, warmup: int, 
         ts = _steps(ts, batch, 1, sync)
         per_step.append(driver() - before)
     row.allocs_first_step, row.allocs_warm_up = per_step[0], tuple(per_step[1:3])
-    row.allocs_per_step = sum(per_step[3:]) / len(per_step[3:])  # from step 4 (DESIGN.md's budget)
+    row.allocs_per_step = sum(per_step[3:]) / len(per_step[3:])  # from step 4 (docs/design.md's budget)
     if allocator == "no pool":
         row.peak_live = row.peak_reserved = meter.peak
     elif allocator == "CuPy pool":

@@ -281,7 +281,7 @@ def test_train_state_on_the_gpu_gets_a_device_cache_and_steps_stop_reaching_the_
         grads, loss, _, ts = lx.single_train_step_(lx.AutoTape(), loss_fn, batch, ts)
         after = cache.stats()
         assert lx.get_device(grads) == lx.CUDADevice(0) and isinstance(loss, cupy.ndarray)
-        # From the fourth step (DESIGN.md's budget). This model's requests are all of 64 KiB
+        # From the fourth step (docs/design.md's budget). This model's requests are all of 64 KiB
         # or less, so no plan is made for it (nor on the CPU); its slabs may still grow once
         # in the third step, where the blocks kept from the second sit elsewhere.
         if step >= 3:

@@ -46,11 +46,11 @@ __all__ = ["place", "layout", "Layout", "Planner", "PlanStatus", "MAX_PLANS"]
 
 
 BUDGET = 1.10
-"""Peak reserved / peak live that the cache keeps to over a whole run (DESIGN.md)."""
+"""Peak reserved / peak live that the cache keeps to over a whole run (docs/design.md)."""
 STEADY_BUDGET = 1.05
 """The same, once the loop is planned."""
 SHAPES_BUDGET = 1.25
-"""The same for a loop whose shapes vary (DESIGN.md): a plan may grow the arena to this."""
+"""The same for a loop whose shapes vary (docs/design.md): a plan may grow the arena to this."""
 
 class PlanStatus(enum.IntEnum):
     """What became of a plan: installed by the core, to try again with the next step's
