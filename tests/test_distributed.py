@@ -95,6 +95,51 @@ def test_overlap_takes_one_path_on_every_rank_when_one_rank_replaces_its_gradien
     assert "rank 0: raised: RuntimeError: DistributedOptimizer: a rank abandoned this step's gradients" in done.stdout
 
 
+MISMATCH = "CallMismatch: luxnn.distributed: the ranks are in different calls: "
+AVERAGE = "DistributedOptimizer's average of the gradients"
+
+
+@needs_mpi
+def test_a_rank_whose_step_raises_makes_every_rank_skip_that_step_with_or_without_overlap():
+    done = run_workers("disagree.py", "raises", timeout=60)  # on the old code: a hang
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert passed(done.stdout, "the replicas stay equal"), done.stdout[-4000:]
+    for step, error in ((3, "ArithmeticError: rank 1 fails on purpose"), (5, "ValueError: MSELoss: empty batch")):
+        assert done.stdout.count(f"rank 1: step {step}: {error}") == 2, done.stdout[-4000:]  # both paths
+        assert done.stdout.count(f"rank 0: step {step}: RuntimeError: DistributedOptimizer: a rank abandoned this step's gradients") == 2
+    assert "after:" not in done.stdout and all(f"rank {r}: finished" in done.stdout for r in (0, 1))
+
+
+@needs_mpi
+@pytest.mark.parametrize("case, calls", [
+    ("allreduce", ("step 3", f"rank 0 in allreduce_, rank 1 in {AVERAGE}")),
+    ("allreduce-overlap", ("step 3", "rank 0 in allreduce_, rank 1 in DistributedOptimizer's backward pass (overlap=True)")),
+    ("save", ("save", "rank 0 in save, rank 1 in synchronize")),
+    ("extra-step", ("step 3", f"rank 0 in {AVERAGE}, rank 1 in save")),
+])  # fmt: skip
+def test_ranks_in_different_calls_raise_on_every_rank_and_every_later_call_raises(case, calls, tmp_path):
+    done = run_workers("disagree.py", case, str(tmp_path), timeout=60)  # on the old code: a hang, or one rank's error
+    assert done.returncode == 0, done.stdout[-4000:]
+    where, names = calls
+    for rank in (0, 1):
+        said = re.findall(rf"^rank {rank}: (.*?): (CallMismatch: .*)$", done.stdout, re.M)
+        assert said and said[0][1].startswith(MISMATCH + names), done.stdout[-4000:]
+        assert f"rank {rank}: after: CallMismatch" in done.stdout and f"rank {rank}: finished" in done.stdout
+    assert re.search(rf"^rank 0: {where}: CallMismatch", done.stdout, re.M), done.stdout[-4000:]
+    assert not os.path.exists(tmp_path / "ckpt.safetensors")
+
+
+@needs_mpi
+def test_a_rank_that_ends_its_program_makes_the_others_raise_with_the_reason_on_both():
+    done = run_workers("disagree.py", "exit", timeout=60)  # on the old code: rank 0 waits forever
+    assert done.returncode == 0, done.stdout[-4000:]
+    reason = f"luxnn.distributed: the ranks are in different calls: rank 0 in {AVERAGE}, rank 1 in the end of its program"
+    assert f"rank 0: step 3: CallMismatch: {reason}" in done.stdout, done.stdout[-4000:]  # rank 0 raises
+    assert f"rank 1: {reason}" in done.stdout, done.stdout[-4000:]  # rank 1 says it on its way out
+    assert "rank 0: step 5: CallMismatch" in done.stdout and "rank 0: finished" in done.stdout
+    assert "rank 1: finished" not in done.stdout
+
+
 @needs_mpi
 def test_initialize_shares_the_cores_unless_the_user_chose():
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
