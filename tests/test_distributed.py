@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from luxnn.distributed.launch import missing, mpiexec
+from luxnn.distributed.launch import launcher, missing
 
 WORKERS = os.path.join(os.path.dirname(__file__), "distributed_workers")
 ONE_BLAS_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -24,9 +24,9 @@ needs_mpi = pytest.mark.skipif(missing() is not None, reason=f"needs mpi4py and 
 
 
 def run_workers(worker: str, *args: str, ranks: int = 2, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``mpiexec -n RANKS python -m mpi4py WORKER ARGS``, output captured (stderr into stdout)."""
+    """``mpiexec -n RANKS python -m mpi4py WORKER ARGS`` (the launcher of mpi4py's MPI), output captured (stderr into stdout)."""
     environment = {**os.environ, **ONE_BLAS_THREAD} if env is None else env
-    command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", os.path.join(WORKERS, worker), *args]
+    command = [*launcher(ranks), sys.executable, "-m", "mpi4py", os.path.join(WORKERS, worker), *args]
     return subprocess.run(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
@@ -171,7 +171,7 @@ def test_bench_rows_run_their_steps_in_an_mpi_job():
 
 @needs_mpi
 def test_bench_prints_the_time_steps_spend_in_collectives():
-    command = [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "luxnn.bench.distributed", "collectives", "5", "mlp-overlap", "mlp-local"]
+    command = [*launcher(2), sys.executable, "-m", "mpi4py", "-m", "luxnn.bench.distributed", "collectives", "5", "mlp-overlap", "mlp-local"]
     env = {**os.environ, **ONE_BLAS_THREAD}
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:]
@@ -212,6 +212,38 @@ def test_luxnn_imports_without_mpi4py_and_initialize_names_the_extra():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "pip install 'luxnn[mpi]'" in done.stdout
+
+
+def test_the_launcher_is_that_of_mpi4pys_library_whatever_comes_first_on_path(tmp_path, monkeypatch):
+    from luxnn.distributed import launch
+
+    def install(name, says, library):  # a prefix with bin/mpiexec printing `says` and lib/`library`
+        (tmp_path / name / "bin").mkdir(parents=True)
+        (tmp_path / name / "lib").mkdir()
+        (tmp_path / name / "lib" / library).touch()
+        script = tmp_path / name / "bin" / "mpiexec"
+        script.write_text(f"#!/bin/sh\necho '{says}'\n")
+        script.chmod(0o755)
+        return str(script), str(tmp_path / name / "lib" / library)
+
+    openmpi, openmpi_lib = install("openmpi", "mpiexec (Open MPI) 4.1.2", "libmpi.so.40")
+    mpich, mpich_lib = install("mpich", "HYDRA build details:", "libmpi.so.12")
+    (tmp_path / "python").mkdir()
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python" / "python3"))  # nothing beside it
+    monkeypatch.setenv("PATH", f"{tmp_path / 'openmpi' / 'bin'}{os.pathsep}{tmp_path / 'mpich' / 'bin'}")
+    for uid, root in ((0, ["--allow-run-as-root"]), (1000, [])):
+        monkeypatch.setattr(os, "geteuid", lambda: uid)
+        monkeypatch.setattr(launch, "_library", lambda: (mpich_lib, "mpich"))
+        assert launch.launcher(2) == [mpich, "-n", "2"]  # Open MPI's comes first on PATH
+        monkeypatch.setattr(launch, "_library", lambda: (str(tmp_path / "elsewhere" / "libmpi.so.12"), "mpich"))
+        assert launch.launcher(1) == [mpich, "-n", "1"]  # found on PATH, past Open MPI's
+        monkeypatch.setattr(launch, "_library", lambda: (openmpi_lib, "openmpi"))
+        assert launch.launcher(2) == [openmpi, *root, "-n", "2"]
+    monkeypatch.setenv("PATH", str(tmp_path / "openmpi" / "bin"))
+    monkeypatch.setattr(launch, "_library", lambda: (str(tmp_path / "elsewhere" / "libmpi.so.12"), "mpich"))
+    assert "no mpich mpiexec found beside mpi4py's MPI library" in launch.missing()
+    with pytest.raises(RuntimeError, match="no mpich mpiexec found"):
+        launch.launcher(2)
 
 
 def test_anything_before_initialize_says_to_initialize():
