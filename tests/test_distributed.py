@@ -48,7 +48,8 @@ def passed(output: str, name: str) -> bool:
      "training equals one process, replicas bit-identical", "overlap: training equals one process, replicas bit-identical",
      "overlap: allreduces start in the backward pass, results as without overlap",
      "overlap: a backward pass that raises leaves nothing pending", "overlap: compute_gradients then apply_gradients, replaced gradients",
-     "shards disjoint and covering", "loader settings", "checkpoint"],
+     "shards disjoint and covering", "loader settings",
+     "batchnorm: states equal on every rank, sync=True equals one process on the whole batch", "checkpoint"],
 )  # fmt: skip
 def test_two_ranks(checks, name):
     assert passed(checks, name), checks[-4000:]
