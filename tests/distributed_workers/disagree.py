@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 
+import common
 import luxnn as lx
 from luxnn import distributed as dist
 
@@ -28,15 +29,10 @@ rank = backend.rank
 
 
 def say(message):
-    sys.stdout.write(f"rank {rank}: {message}\n")  # one write: the ranks' lines do not mix
-    sys.stdout.flush()
+    common.say(rank, message)
 
 
-model = lx.Chain(lx.Dense(3, 8, activation="tanh"), lx.Dense(8, 2))
-ps, st = lx.setup(np.random.default_rng(0), model)
-ps = lx.tree.map(lambda a: a.astype(np.float64), ps)
-rng = np.random.default_rng(1)
-x, y = rng.standard_normal((16, 3)), rng.standard_normal((16, 2))
+model, ps, st, x, y = common.small_problem(8, 16)
 ad, loss_fn = lx.AutoTape(), lx.losses.MSELoss()
 
 

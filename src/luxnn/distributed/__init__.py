@@ -19,12 +19,14 @@ that raises abort the whole job instead of leaving the others waiting)::
 
 - `backend`: `initialize`, `local_rank`, `total_workers`, the backends and their
   `CollectiveStats` (``backend.stats``: calls, bytes, seconds in collectives), `Pending`
-  (a collective in flight, from ``backend.start_allreduce``);
+  (a collective in flight, from ``backend.start_allreduce``), `CallMismatch` (ranks in
+  different calls: every call begins with the ranks' agreement, ``backend.call``);
 - `collectives`: `bcast_`, `allreduce_`, `reduce_` on trees of arrays, `synchronize`;
 - `optimizer`: `DistributedOptimizer` and its `GradientBuckets`; with ``overlap=True``
   the buckets' allreduces run during the backward pass (a `ListeningTransformation`);
-- `data`: `DistributedDataLoader`; `checkpoint`: `save`;
-- `launch`: finding ``mpiexec``, and ``luxnn demo --workers N``.
+- `data`: `DistributedDataLoader`; `checkpoint`: `save` (every rank calls it);
+- `norm`: batch statistics over the ranks, for `luxnn.BatchNorm` (``sync=True``);
+- `launch`: the ``mpiexec`` of mpi4py's MPI library, and ``luxnn demo --workers N``.
 
 luxnn imports without mpi4py; `initialize` then raises an error naming ``luxnn[mpi]``.
 
@@ -34,8 +36,8 @@ False
 """
 
 from .backend import (
-    OPS, Backend, CollectiveStats, MPIBackend, NCCLBackend, Pending, initialize, is_initialized, local_rank,
-    total_workers,
+    OPS, Backend, CallMismatch, CollectiveStats, MPIBackend, NCCLBackend, Pending, current, initialize, is_initialized,
+    local_rank, total_workers,
 )  # fmt: skip
 from .checkpoint import save
 from .collectives import allreduce_, bcast_, reduce_, synchronize
@@ -45,5 +47,6 @@ from .optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer, GradientBucke
 __all__ = [
     "initialize", "is_initialized", "local_rank", "total_workers", "bcast_", "allreduce_", "reduce_",
     "synchronize", "DistributedOptimizer", "GradientBuckets", "ListeningTransformation", "DistributedDataLoader",
-    "save", "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "Pending", "OPS", "DEFAULT_BUCKET_BYTES",
+    "save", "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "Pending", "CallMismatch", "current", "OPS",
+    "DEFAULT_BUCKET_BYTES",
 ]  # fmt: skip

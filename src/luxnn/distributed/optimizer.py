@@ -349,8 +349,9 @@ def DistributedOptimizer(backend: Backend, optimizer: optim.GradientTransformati
     raise `RuntimeError` once its next `compute_gradients` has finished the round, with
     nothing applied on any rank. ``overlap=False`` behaves alike: a rank whose
     `compute_gradients` raised makes the others' update of that step raise at its next
-    `compute_gradients`. Ranks in different calls (a step more on one rank, a rank ended)
-    raise `CallMismatch` on every rank (see `Backend.call`).
+    `compute_gradients`; so with either, every rank calls `compute_gradients` as often as
+    the others. Ranks in different calls (a step more on one rank, a rank ended) raise
+    `CallMismatch` on every rank (see `Backend.call`).
 
     >>> opt = dist.DistributedOptimizer(backend, lx.optim.adam(1e-3), overlap=True)  # doctest: +SKIP
     >>> ts = lx.TrainState(model, ps, st, opt)  # doctest: +SKIP
