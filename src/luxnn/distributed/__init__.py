@@ -17,7 +17,7 @@ that raises abort the whole job instead of leaving the others waiting)::
         grads, loss, stats, ts = lx.single_train_step_(lx.AutoTape(), loss_fn, (xb, yb), ts)
     dist.save(backend, "ckpt.safetensors", ts)   # rank 0 writes; every rank can lx.load it
 
-- `backend`: `initialize`, `local_rank`, `total_workers`, the backends and their
+- `backend`: `initialize`, `local_rank`, `total_workers`, the backends (`nccl`: NCCL's) and their
   `CollectiveStats` (``backend.stats``: calls, bytes, seconds in collectives), `Pending`
   (a collective in flight, from ``backend.start_allreduce``), `CallMismatch` (ranks in
   different calls: every call begins with the ranks' agreement, ``backend.call``);
@@ -36,10 +36,11 @@ False
 """
 
 from .backend import (
-    OPS, Backend, CallMismatch, CollectiveStats, MPIBackend, NCCLBackend, Pending, current, initialize, is_initialized,
-    local_rank, total_workers,
+    OPS, Backend, CallMismatch, CollectiveStats, MPIBackend, Pending, current, initialize, is_initialized, local_rank,
+    total_workers,
 )  # fmt: skip
 from .checkpoint import save
+from .nccl import NCCLBackend
 from .collectives import allreduce_, bcast_, reduce_, synchronize
 from .data import DistributedDataLoader
 from .optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer, GradientBuckets, ListeningTransformation
