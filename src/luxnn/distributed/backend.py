@@ -63,7 +63,9 @@ def _mpi() -> Any:
 @dataclass
 class CollectiveStats:
     """What a backend's array collectives did since the last `reset`: calls, bytes of the
-    arrays they carried, and seconds spent in them (waiting for the slowest rank included)."""
+    arrays they carried, and seconds spent in them (waiting for the slowest rank included)
+    and in the small agreement that begins each of the library's calls (`Backend.call`:
+    counted in seconds, not in calls or bytes), where a rank mostly waits for the others."""
 
     calls: int = 0
     bytes: int = 0
@@ -116,9 +118,8 @@ class Backend:
 
     Attributes: `kind` ("mpi" or "nccl"), `rank` and `size` in the world, `host_rank` and
     `ranks_on_host` among the ranks sharing this machine, `cores` (the CPUs this rank may
-    use, its share of those it shares with other ranks), `stats` (`CollectiveStats`, of
-    the array collectives; the calls' agreements are not counted), `comm` (the library's
-    own duplicate of the communicator it was made from).
+    use, its share of those it shares with other ranks), `stats` (`CollectiveStats`),
+    `comm` (the library's own duplicate of the communicator it was made from).
 
     Each public method is a call of its own (`call`), except `start_allreduce`, which
     belongs to the call that starts it (a `GradientBuckets` round).
@@ -175,7 +176,9 @@ class Backend:
             raise CallMismatch(self._broken, [])
         code = zlib.crc32(name.encode())
         check = np.array([code, -code], np.int64)
+        t0 = time.perf_counter()
         self.comm.Allreduce(self._in_place, check, op=self._min)
+        self.stats.seconds += time.perf_counter() - t0
         if check[0] == -check[1]:
             return None
         calls = self.comm.allgather(name)  # every rank is here: the check's result is shared
