@@ -383,6 +383,9 @@ for sync in (False, True):
                 np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
     if not sync:  # the ranks normalise with their own statistics: not one process's gradients
         assert not np.allclose(ts.parameters["layer_1"]["weight"], one_process[3].parameters["layer_1"]["weight"], rtol=1e-6)
+instance = lx.InstanceNorm(3, track_stats=True)  # its running statistics are averaged too
+_, instance_st = instance(np.random.default_rng(rank).standard_normal((2 + rank, 4, 3)), *lx.setup(np.random.default_rng(0), instance))
+assert same_on_every_rank(instance_st)
 say("PASS batchnorm: states equal on every rank, sync=True equals one process on the whole batch")
 
 # ---- a checkpoint written by rank 0 loads on both ----------------------------------------------------------
