@@ -8,7 +8,8 @@ CASE is one of
 - ``allreduce`` / ``allreduce-overlap``: rank 0 calls one ``allreduce_`` more in step 3;
 - ``save``: rank 0 alone calls ``dist.save``, then both call ``synchronize``;
 - ``extra-step``: rank 0 takes one step more, then both call ``dist.save``;
-- ``exit``: rank 1 ends its program (``sys.exit(0)``) after 2 steps while rank 0 goes on.
+- ``exit``: rank 1 ends its program (``sys.exit(0)``) after 2 steps while rank 0 goes on;
+  ``exit-overlap``: with ``overlap=True``, after its third backward pass.
 
 Each rank's loop catches what its calls raise and prints ``rank R: step S: ERROR``; a
 call of the backend after ranks disagreed raises at once. Ends with ``rank R: finished``.
@@ -57,7 +58,10 @@ def train(steps, overlap=False):
                 dist.allreduce_(backend, np.ones(2))
             if case == "exit" and rank == 1 and step == 3:
                 sys.exit(0)
-            _, _, _, ts = lx.single_train_step_(ad, objective, batch(step), ts)
+            grads, _, _, ts = lx.compute_gradients(ad, objective, batch(step), ts)
+            if case == "exit-overlap" and rank == 1 and step == 3:
+                sys.exit(0)  # its round's allreduces started, not ended
+            ts = lx.apply_gradients_(ts, grads)
         except Exception as err:  # noqa: BLE001 - the loop goes on, as a user's might
             say(f"step {step}: {type(err).__name__}: {err}")
     return ts
@@ -72,8 +76,8 @@ if case == "raises":
         np.testing.assert_allclose(a, b, rtol=1e-13, atol=0)
     assert results[0].step == results[1].step == 5, results[0].step  # steps 3 and 5 applied on no rank
     say("PASS the replicas stay equal")
-elif case in ("allreduce", "allreduce-overlap", "exit"):
-    train(5, overlap=case == "allreduce-overlap")
+elif case in ("allreduce", "allreduce-overlap", "exit", "exit-overlap"):
+    train(5, overlap=case.endswith("overlap"))
 elif case == "save":
     ts = train(1)
     if rank == 0:

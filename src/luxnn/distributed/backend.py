@@ -132,6 +132,7 @@ class Backend:
         self.comm = comm.Dup()  # no message of the user's own (or of another library) matches one of ours
         self._depth = 0  # calls open on this rank: only the outermost one agrees
         self._broken: str | None = None  # why no call can complete any more
+        self._open: set[Any] = set()  # what `hold_open` holds
         self._min = MPI.MIN
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -191,6 +192,17 @@ class Backend:
             f"extra step falls out of step). No collective can be trusted now: every later call raises this error"
         )
         raise CallMismatch(self._broken, calls)
+
+    def hold_open(self, opened: Any) -> None:
+        """Keep `opened` alive until `release`: an object whose collectives are in flight in
+        a call not ended (a `GradientBuckets` round, whose buffers they write). If this
+        rank's program ends first, ``opened.discard()`` ends them before its last call, as
+        the other ranks' end, so that the others then meet that last call."""
+        self._open.add(opened)
+
+    def release(self, opened: Any) -> None:
+        """`opened`'s collectives have ended (see `hold_open`)."""
+        self._open.discard(opened)
 
     # ---- one array, in place ----------------------------------------------------------------
 
@@ -375,6 +387,8 @@ def _at_exit(backend: Backend) -> None:
     if backend._broken is not None or backend.size == 1 or getattr(sys, "last_value", None) is not None:
         return
     try:
+        for opened in list(backend._open):
+            opened.discard()
         backend.agree(PROGRAM_END)
     except CallMismatch as err:
         sys.stderr.write(f"rank {backend.rank}: {err}\n")

@@ -143,6 +143,7 @@ class GradientBuckets:
         with self.backend.call(OVERLAPPED):
             self._layout(leaves, structure)
         self._round = _Round(self._members)
+        self.backend.hold_open(self)  # its buffers live while the round's allreduces write them
         return self._receive
 
     def _receive(self, position: int, gradient: Any) -> None:
@@ -193,6 +194,7 @@ class GradientBuckets:
         """Close the round: start its buckets not yet started, then the verdicts'
         allreduce (the lowest wins), and wait for all of them; returns the verdict."""
         round_, self._round = self._round, None
+        self.backend.release(self)
         round_.missing = [0] * len(round_.missing)
         self._start_full(round_)
         verdict = np.array([mine], np.int32)  # a NumPy array: through MPI on every backend
