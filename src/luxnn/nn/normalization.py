@@ -117,8 +117,9 @@ class _RunningNorm(_Norm):
     Under `luxnn.distributed` with several ranks, the running statistics updated in
     training mode are averaged over the ranks (weighted by their batch sizes), so that the
     replicas' states stay equal: an average rather than rank 0's (what PyTorch DDP
-    broadcasts) because it uses every rank's batch, for the same one small collective per
-    layer. ``sync`` (BatchNorm's) normalises with the global batch's statistics."""
+    broadcasts) because it uses every rank's batch, for one small allreduce per layer as
+    a broadcast would take. ``sync`` (BatchNorm's) normalises with the global batch's
+    statistics."""
 
     default_track_stats = True
     statistic_of = "channel"  # what one statistic is of, for messages
@@ -243,8 +244,9 @@ class BatchNorm(_RunningNorm):
     of the ranks' variances). ``sync=True`` makes the batch statistics those of the global
     batch, in the forward pass and in the gradient, as PyTorch's ``SyncBatchNorm``: the
     ranks then compute what one process would on the whole batch, running variance
-    included, for two small collectives per layer and step. Without several ranks, `sync`
-    changes nothing.
+    included, for two small allreduces per layer and step (one in the forward pass, one
+    in the backward) where the default takes one. Without several ranks, `sync` changes
+    nothing.
 
     >>> import luxnn as lx
     >>> bn = lx.BatchNorm(3, "relu")
