@@ -4,7 +4,8 @@ Ranks must be started by the ``mpiexec`` of the MPI library that mpi4py loads (M
 Hydra for MPICH, Open MPI's for Open MPI): another one starts N separate one-rank jobs or
 refuses to start. `launcher` asks mpi4py for its library (``python -m mpi4py
 --mpi-library`` and ``--mpi-lib-version``) and takes the first ``mpiexec`` of the same
-family beside that library, beside this Python, or on PATH, whatever comes first on PATH.
+family beside that library, beside this Python, or on PATH, whatever comes first on PATH
+(with mpi4py before 4.0, which cannot name its library, beside this Python or on PATH).
 Open MPI refuses to run as root unless told: `launcher` tells it when this process is root.
 
 ``luxnn demo --workers N`` runs ``LAUNCHER -n N python -m mpi4py -m
@@ -29,7 +30,8 @@ _NAMES = ("mpiexec", "mpirun", "mpiexec.hydra", "mpiexec.mpich", "mpiexec.openmp
 
 
 def _family(version: str) -> str | None:
-    """"openmpi" or "mpich" from a library's or a launcher's version text, or None."""
+    """The MPI family that a library's or a launcher's version text names ("openmpi" or
+    "mpich", Intel MPI's included), or None."""
     if any(word in version for word in ("Open MPI", "OpenRTE", "PRRTE", "prterun")):
         return "openmpi"
     if any(word in version for word in ("MPICH", "HYDRA", "Intel(R) MPI")):
@@ -37,18 +39,27 @@ def _family(version: str) -> str | None:
     return None
 
 
-@functools.cache
-def _library() -> tuple[str, str | None] | None:
-    """``(path, family)`` of the MPI library mpi4py loads in this Python, or None without mpi4py."""
-    if importlib.util.find_spec("mpi4py") is None:
-        return None
-    ask = [sys.executable, "-m", "mpi4py"]
+# Asked in a child process: loading mpi4py's MPI here would tie this process to it.
+_VERSION = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.Get_library_version())"
+
+
+def _ask(*args: str) -> str | None:
     try:
-        path = subprocess.run([*ask, "--mpi-library"], capture_output=True, text=True, timeout=60, check=True).stdout.strip()
-        version = subprocess.run([*ask, "--mpi-lib-version"], capture_output=True, text=True, timeout=60, check=True).stdout
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return path, _family(version)
+
+
+@functools.cache
+def _library() -> tuple[str, str | None] | None:
+    """``(path, family)`` of the MPI library mpi4py loads in this Python (the path is ""
+    where mpi4py cannot say it: before 4.0), or None without mpi4py or its library."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    version = _ask("-c", _VERSION)
+    if version is None:
+        return None
+    return (_ask("-m", "mpi4py", "--mpi-library") or "").strip(), _family(version)
 
 
 @functools.cache
@@ -63,7 +74,7 @@ def _launcher_family(path: str) -> str | None:
 def _candidates(library: str) -> list[str]:
     """Launchers to try, in order: beside the library (its prefix's bin, also through
     symbolic links), beside this Python, then on PATH."""
-    dirs = [os.path.join(os.path.dirname(os.path.dirname(p)), "bin") for p in (library, os.path.realpath(library)) if p]
+    dirs = [os.path.join(os.path.dirname(os.path.dirname(p)), "bin") for p in (library, os.path.realpath(library))] if library else []
     dirs += [os.path.dirname(sys.executable), *os.environ.get("PATH", "").split(os.pathsep)]
     found = []
     for directory in dict.fromkeys(d for d in dirs if d):
@@ -98,7 +109,7 @@ def missing() -> str | None:
     path, family = library
     if not any(family is None or _launcher_family(p) == family for p in _candidates(path)):
         return (
-            f"no {family or 'MPI'} mpiexec found beside mpi4py's MPI library ({path}), this Python or on PATH: "
+            f"no {family or 'MPI'} mpiexec found beside mpi4py's MPI library ({path or 'path unknown'}), this Python or on PATH: "
             f"pip install 'luxnn[mpi]'"
         )
     return None
