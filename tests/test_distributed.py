@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from luxnn.distributed.launch import missing, mpiexec
+from luxnn.distributed.launch import launcher, missing
 
 WORKERS = os.path.join(os.path.dirname(__file__), "distributed_workers")
 ONE_BLAS_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -24,9 +24,9 @@ needs_mpi = pytest.mark.skipif(missing() is not None, reason=f"needs mpi4py and 
 
 
 def run_workers(worker: str, *args: str, ranks: int = 2, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``mpiexec -n RANKS python -m mpi4py WORKER ARGS``, output captured (stderr into stdout)."""
+    """``mpiexec -n RANKS python -m mpi4py WORKER ARGS`` (the launcher of mpi4py's MPI), output captured (stderr into stdout)."""
     environment = {**os.environ, **ONE_BLAS_THREAD} if env is None else env
-    command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", os.path.join(WORKERS, worker), *args]
+    command = [*launcher(ranks), sys.executable, "-m", "mpi4py", os.path.join(WORKERS, worker), *args]
     return subprocess.run(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
@@ -48,7 +48,8 @@ def passed(output: str, name: str) -> bool:
      "training equals one process, replicas bit-identical", "overlap: training equals one process, replicas bit-identical",
      "overlap: allreduces start in the backward pass, results as without overlap",
      "overlap: a backward pass that raises leaves nothing pending", "overlap: compute_gradients then apply_gradients, replaced gradients",
-     "shards disjoint and covering", "loader settings", "checkpoint"],
+     "shards disjoint and covering", "loader settings",
+     "batchnorm: states equal on every rank, sync=True equals one process on the whole batch", "checkpoint"],
 )  # fmt: skip
 def test_two_ranks(checks, name):
     assert passed(checks, name), checks[-4000:]
@@ -95,6 +96,54 @@ def test_overlap_takes_one_path_on_every_rank_when_one_rank_replaces_its_gradien
     assert "rank 0: raised: RuntimeError: DistributedOptimizer: a rank abandoned this step's gradients" in done.stdout
 
 
+MISMATCH = "CallMismatch: luxnn.distributed: the ranks are in different calls: "
+AVERAGE = "DistributedOptimizer's average of the gradients"
+
+
+@needs_mpi
+def test_a_rank_whose_step_raises_makes_every_rank_skip_that_step_with_or_without_overlap():
+    done = run_workers("disagree.py", "raises", timeout=60)  # on the old code: a hang
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert passed(done.stdout, "the replicas stay equal"), done.stdout[-4000:]
+    for step, error in ((3, "ArithmeticError: rank 1 fails on purpose"), (5, "ValueError: MSELoss: empty batch")):
+        assert done.stdout.count(f"rank 1: step {step}: {error}") == 2, done.stdout[-4000:]  # both paths
+        assert done.stdout.count(f"rank 0: step {step}: RuntimeError: DistributedOptimizer: a rank abandoned this step's gradients") == 2
+    assert "after:" not in done.stdout and all(f"rank {r}: finished" in done.stdout for r in (0, 1))
+
+
+@needs_mpi
+@pytest.mark.parametrize("case, calls", [
+    ("allreduce", ("step 3", f"rank 0 in allreduce_, rank 1 in {AVERAGE}")),
+    ("allreduce-overlap", ("step 3", "rank 0 in allreduce_, rank 1 in DistributedOptimizer's backward pass (overlap=True)")),
+    ("save", ("save", "rank 0 in save, rank 1 in synchronize")),
+    ("extra-step", ("step 3", f"rank 0 in {AVERAGE}, rank 1 in save")),
+])  # fmt: skip
+def test_ranks_in_different_calls_raise_on_every_rank_and_every_later_call_raises(case, calls, tmp_path):
+    done = run_workers("disagree.py", case, str(tmp_path), timeout=60)  # on the old code: a hang, or one rank's error
+    assert done.returncode == 0, done.stdout[-4000:]
+    where, names = calls
+    for rank in (0, 1):
+        said = re.findall(rf"^rank {rank}: (.*?): (CallMismatch: .*)$", done.stdout, re.M)
+        assert said and said[0][1].startswith(MISMATCH + names), done.stdout[-4000:]
+        assert f"rank {rank}: after: CallMismatch" in done.stdout and f"rank {rank}: finished" in done.stdout
+    assert re.search(rf"^rank 0: {where}: CallMismatch", done.stdout, re.M), done.stdout[-4000:]
+    assert not os.path.exists(tmp_path / "ckpt.safetensors")
+
+
+@needs_mpi
+@pytest.mark.parametrize("case, step, call", [("exit", 3, AVERAGE), ("exit-overlap", 4, "DistributedOptimizer's backward pass (overlap=True)")])
+def test_a_rank_that_ends_its_program_makes_the_others_raise_with_the_reason_on_both(case, step, call):
+    done = run_workers("disagree.py", case, timeout=60)  # on the old code: rank 0 waits forever
+    assert done.returncode == 0, done.stdout[-4000:]
+    if case == "exit-overlap":  # rank 1 ended in its step 3's round: rank 0's update of it raises first
+        assert "rank 0: step 3: RuntimeError: DistributedOptimizer: a rank abandoned this step's gradients" in done.stdout
+    reason = f"luxnn.distributed: the ranks are in different calls: rank 0 in {call}, rank 1 in the end of its program"
+    assert f"rank 0: step {step}: CallMismatch: {reason}" in done.stdout, done.stdout[-4000:]  # rank 0 raises
+    assert f"rank 1: {reason}" in done.stdout, done.stdout[-4000:]  # rank 1 says it on its way out
+    assert "rank 0: step 5: CallMismatch" in done.stdout and "rank 0: finished" in done.stdout
+    assert "rank 1: finished" not in done.stdout
+
+
 @needs_mpi
 def test_initialize_shares_the_cores_unless_the_user_chose():
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -126,7 +175,7 @@ def test_bench_rows_run_their_steps_in_an_mpi_job():
 
 @needs_mpi
 def test_bench_prints_the_time_steps_spend_in_collectives():
-    command = [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "luxnn.bench.distributed", "collectives", "5", "mlp-overlap", "mlp-local"]
+    command = [*launcher(2), sys.executable, "-m", "mpi4py", "-m", "luxnn.bench.distributed", "collectives", "5", "mlp-overlap", "mlp-local"]
     env = {**os.environ, **ONE_BLAS_THREAD}
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:]
@@ -167,6 +216,38 @@ def test_luxnn_imports_without_mpi4py_and_initialize_names_the_extra():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "pip install 'luxnn[mpi]'" in done.stdout
+
+
+def test_the_launcher_is_that_of_mpi4pys_library_whatever_comes_first_on_path(tmp_path, monkeypatch):
+    from luxnn.distributed import launch
+
+    def install(name, says, library):  # a prefix with bin/mpiexec printing `says` and lib/`library`
+        (tmp_path / name / "bin").mkdir(parents=True)
+        (tmp_path / name / "lib").mkdir()
+        (tmp_path / name / "lib" / library).touch()
+        script = tmp_path / name / "bin" / "mpiexec"
+        script.write_text(f"#!/bin/sh\necho '{says}'\n")
+        script.chmod(0o755)
+        return str(script), str(tmp_path / name / "lib" / library)
+
+    openmpi, openmpi_lib = install("openmpi", "mpiexec (Open MPI) 4.1.2", "libmpi.so.40")
+    mpich, mpich_lib = install("mpich", "HYDRA build details:", "libmpi.so.12")
+    (tmp_path / "python").mkdir()
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python" / "python3"))  # nothing beside it
+    monkeypatch.setenv("PATH", f"{tmp_path / 'openmpi' / 'bin'}{os.pathsep}{tmp_path / 'mpich' / 'bin'}")
+    for uid, root in ((0, ["--allow-run-as-root"]), (1000, [])):
+        monkeypatch.setattr(os, "geteuid", lambda: uid)
+        monkeypatch.setattr(launch, "_library", lambda: (mpich_lib, "mpich"))
+        assert launch.launcher(2) == [mpich, "-n", "2"]  # Open MPI's comes first on PATH
+        monkeypatch.setattr(launch, "_library", lambda: (str(tmp_path / "elsewhere" / "libmpi.so.12"), "mpich"))
+        assert launch.launcher(1) == [mpich, "-n", "1"]  # found on PATH, past Open MPI's
+        monkeypatch.setattr(launch, "_library", lambda: (openmpi_lib, "openmpi"))
+        assert launch.launcher(2) == [openmpi, *root, "-n", "2"]
+    monkeypatch.setenv("PATH", str(tmp_path / "openmpi" / "bin"))
+    monkeypatch.setattr(launch, "_library", lambda: (str(tmp_path / "elsewhere" / "libmpi.so.12"), "mpich"))
+    assert "no mpich mpiexec found beside mpi4py's MPI library" in launch.missing()
+    with pytest.raises(RuntimeError, match="no mpich mpiexec found"):
+        launch.launcher(2)
 
 
 def test_anything_before_initialize_says_to_initialize():

@@ -354,6 +354,40 @@ loader.set_epoch(0)
 assert [b.tolist() for b in loader] == first and loader.epoch == 1
 say("PASS loader settings")
 
+# ---- BatchNorm: the replicas' states stay equal; sync=True computes what one process does on the whole batch ----
+def in_float64(tree_):
+    return lx.tree.map(lambda a: a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a, tree_)
+
+
+def norm_model(sync):
+    return lx.Chain(lx.Dense(5, 8), lx.BatchNorm(8, "tanh", sync=sync), lx.Dense(8, 3))
+
+
+bn_ps, bn_st = in_float64(lx.setup(np.random.default_rng(0), norm_model(False)))
+share = (x[32 * rank : 32 * rank + 32] * (1 + 3 * rank), y[32 * rank : 32 * rank + 32])  # the ranks' statistics differ
+whole = (np.concatenate(backend.allgather_object(share[0])), np.concatenate(backend.allgather_object(share[1])))
+one_process = [lx.TrainState(norm_model(False), lx.tree.map(np.copy, bn_ps), bn_st, lx.optim.sgd(0.1))]
+for _ in range(3):  # every rank the whole batch: what one process computes
+    one_process.append(lx.single_train_step(ad, loss_fn, whole, one_process[-1])[3])
+for sync in (False, True):
+    ts = lx.TrainState(norm_model(sync), lx.tree.map(np.copy, bn_ps), bn_st, dist.DistributedOptimizer(backend, lx.optim.sgd(0.1)))
+    for step in range(1, 4):
+        ts = lx.single_train_step(ad, loss_fn, share, ts)[3]
+        assert same_on_every_rank(ts.states), f"sync={sync}: the running statistics differ between ranks at step {step}"
+        want = one_process[step].states["layer_2"]
+        if sync or step == 1:  # the first step's running mean is the global batch's either way
+            np.testing.assert_allclose(ts.states["layer_2"]["running_mean"], want["running_mean"], rtol=1e-10, atol=1e-12)
+        if sync:
+            np.testing.assert_allclose(ts.states["layer_2"]["running_var"], want["running_var"], rtol=1e-10, atol=1e-12)
+            for got, expected in zip(lx.tree.leaves(ts.parameters), lx.tree.leaves(one_process[step].parameters)):
+                np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
+    if not sync:  # the ranks normalise with their own statistics: not one process's gradients
+        assert not np.allclose(ts.parameters["layer_1"]["weight"], one_process[3].parameters["layer_1"]["weight"], rtol=1e-6)
+instance = lx.InstanceNorm(3, track_stats=True)  # its running statistics are averaged too
+_, instance_st = instance(np.random.default_rng(rank).standard_normal((2 + rank, 4, 3)), *lx.setup(np.random.default_rng(0), instance))
+assert same_on_every_rank(instance_st)
+say("PASS batchnorm: states equal on every rank, sync=True equals one process on the whole batch")
+
 # ---- a checkpoint written by rank 0 loads on both ----------------------------------------------------------
 path = os.path.join(tmpdir, "ckpt.safetensors")
 dist.save(backend, path, ts)

@@ -6,10 +6,10 @@ doubled ones) with the same collectives, and the replicas stay bit-identical; th
 alone raises in its backward pass, and rank 0's update must raise too, with nothing
 applied, so that both skip the step."""
 
-import sys
 
 import numpy as np
 
+import common
 import luxnn as lx
 from luxnn import distributed as dist
 
@@ -18,15 +18,10 @@ rank = backend.rank
 
 
 def say(message):
-    sys.stdout.write(f"rank {rank}: {message}\n")
-    sys.stdout.flush()
+    common.say(rank, message)
 
 
-model = lx.Chain(lx.Dense(3, 4, activation="tanh"), lx.Dense(4, 2))
-ps, st = lx.setup(np.random.default_rng(0), model)
-ps = lx.tree.map(lambda a: a.astype(np.float64), ps)
-rng = np.random.default_rng(1)
-x, y = rng.standard_normal((8, 3)), rng.standard_normal((8, 2))
+model, ps, st, x, y = common.small_problem(4, 8)
 batch = (x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4])
 ad, loss_fn = lx.AutoTape(), lx.losses.MSELoss()
 

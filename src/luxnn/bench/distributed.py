@@ -212,11 +212,9 @@ class Job:
     job's garbage collection) ends them."""
 
     def __init__(self, ranks: int) -> None:
-        from luxnn.distributed.launch import missing, mpiexec
+        from luxnn.distributed.launch import launcher
 
-        if missing():
-            raise RuntimeError(missing())
-        launcher = mpiexec()
+        start = launcher(ranks)
         self._dir = tempfile.mkdtemp(prefix="luxnn-bench-mpi-")
         address = os.path.join(self._dir, "socket")
         self._log = open(os.path.join(self._dir, "log"), "w+")
@@ -224,7 +222,7 @@ class Job:
             listener.bind(address)
             listener.listen(ranks)
             listener.settimeout(START_TIMEOUT_S)
-            command = [launcher, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", __name__, "serve", address]
+            command = [*start, sys.executable, "-m", "mpi4py", "-m", __name__, "serve", address]
             self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
             self._streams: list[Any] = [None] * ranks
             self.close = weakref.finalize(self, Job._end, self.process, self._streams, self._log, self._dir)

@@ -17,14 +17,16 @@ that raises abort the whole job instead of leaving the others waiting)::
         grads, loss, stats, ts = lx.single_train_step_(lx.AutoTape(), loss_fn, (xb, yb), ts)
     dist.save(backend, "ckpt.safetensors", ts)   # rank 0 writes; every rank can lx.load it
 
-- `backend`: `initialize`, `local_rank`, `total_workers`, the backends and their
+- `backend`: `initialize`, `local_rank`, `total_workers`, the backends (`nccl`: NCCL's) and their
   `CollectiveStats` (``backend.stats``: calls, bytes, seconds in collectives), `Pending`
-  (a collective in flight, from ``backend.start_allreduce``);
+  (a collective in flight, from ``backend.start_allreduce``), `CallMismatch` (ranks in
+  different calls: every call begins with the ranks' agreement, ``backend.call``);
 - `collectives`: `bcast_`, `allreduce_`, `reduce_` on trees of arrays, `synchronize`;
 - `optimizer`: `DistributedOptimizer` and its `GradientBuckets`; with ``overlap=True``
   the buckets' allreduces run during the backward pass (a `ListeningTransformation`);
-- `data`: `DistributedDataLoader`; `checkpoint`: `save`;
-- `launch`: finding ``mpiexec``, and ``luxnn demo --workers N``.
+- `data`: `DistributedDataLoader`; `checkpoint`: `save` (every rank calls it);
+- `norm`: batch statistics over the ranks, for `luxnn.BatchNorm` (``sync=True``);
+- `launch`: the ``mpiexec`` of mpi4py's MPI library, and ``luxnn demo --workers N``.
 
 luxnn imports without mpi4py; `initialize` then raises an error naming ``luxnn[mpi]``.
 
@@ -34,10 +36,11 @@ False
 """
 
 from .backend import (
-    OPS, Backend, CollectiveStats, MPIBackend, NCCLBackend, Pending, initialize, is_initialized, local_rank,
+    OPS, Backend, CallMismatch, CollectiveStats, MPIBackend, Pending, current, initialize, is_initialized, local_rank,
     total_workers,
 )  # fmt: skip
 from .checkpoint import save
+from .nccl import NCCLBackend
 from .collectives import allreduce_, bcast_, reduce_, synchronize
 from .data import DistributedDataLoader
 from .optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer, GradientBuckets, ListeningTransformation
@@ -45,5 +48,6 @@ from .optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer, GradientBucke
 __all__ = [
     "initialize", "is_initialized", "local_rank", "total_workers", "bcast_", "allreduce_", "reduce_",
     "synchronize", "DistributedOptimizer", "GradientBuckets", "ListeningTransformation", "DistributedDataLoader",
-    "save", "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "Pending", "OPS", "DEFAULT_BUCKET_BYTES",
+    "save", "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "Pending", "CallMismatch", "current", "OPS",
+    "DEFAULT_BUCKET_BYTES",
 ]  # fmt: skip

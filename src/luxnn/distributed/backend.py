@@ -6,17 +6,29 @@ current stream, NumPy arrays still through MPI, which also carries NCCL's id and
 Python object). A backend's methods move one array each; the tree-level verbs in
 `luxnn.distributed` are written on top of them.
 
+Every call of the library is checked: before it moves anything, the ranks agree in one
+small allreduce that they are all in the same call (`Backend.call`). Ranks that are not
+(one rank's step raised and its loop went on, one rank saves alone, one rank ended its
+program) get a `CallMismatch` on every rank, naming each rank's call, instead of a
+collective that averages another call's data or waits forever; the backend is then
+unusable, every later call raising the same error. The library's messages travel on a
+communicator of its own (a duplicate of the world's), so they never match the user's.
+
 mpi4py is imported on `initialize` only, so luxnn imports without it.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import operator
 import os
+import sys
 import time
 import warnings
+import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection, Iterator
 
 import numpy as np
 
@@ -24,8 +36,8 @@ from .. import parallel
 from ..backend import is_array
 
 __all__ = [
-    "Backend", "MPIBackend", "NCCLBackend", "CollectiveStats", "Pending", "OPS", "initialize", "is_initialized",
-    "local_rank", "total_workers", "check_backend", "check_root", "check_int",
+    "Backend", "MPIBackend", "CollectiveStats", "Pending", "CallMismatch", "OPS", "initialize",
+    "is_initialized", "current", "local_rank", "total_workers", "check_backend", "check_root", "check_int",
 ]  # fmt: skip
 
 OPS = ("sum", "avg", "max", "min")
@@ -35,6 +47,9 @@ _BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_TH
 _INSTALL_HINT = "pip install 'luxnn[mpi]' (mpi4py and the MPICH library with its mpiexec)"
 
 _current: Backend | None = None
+# The call a rank is in when its program ends (`Backend.call`): the others' calls cannot
+# complete any more, so meeting it in another call is an error on every rank.
+PROGRAM_END = "the end of its program"
 
 
 def _mpi() -> Any:
@@ -48,7 +63,9 @@ def _mpi() -> Any:
 @dataclass
 class CollectiveStats:
     """What a backend's array collectives did since the last `reset`: calls, bytes of the
-    arrays they carried, and seconds spent in them (waiting for the slowest rank included)."""
+    arrays they carried, and seconds spent in them (waiting for the slowest rank included)
+    and in the small agreement that begins each of the library's calls (`Backend.call`:
+    counted in seconds, not in calls or bytes), where a rank mostly waits for the others."""
 
     calls: int = 0
     bytes: int = 0
@@ -56,6 +73,15 @@ class CollectiveStats:
 
     def reset(self) -> None:
         self.calls, self.bytes, self.seconds = 0, 0, 0.0
+
+
+class CallMismatch(RuntimeError):
+    """The ranks are in different calls of luxnn.distributed (`Backend.call`): raised on
+    every rank, with `calls`, each rank's call by rank."""
+
+    def __init__(self, message: str, calls: list[str]) -> None:
+        super().__init__(message)
+        self.calls = calls
 
 
 class Pending:
@@ -92,14 +118,22 @@ class Backend:
 
     Attributes: `kind` ("mpi" or "nccl"), `rank` and `size` in the world, `host_rank` and
     `ranks_on_host` among the ranks sharing this machine, `cores` (the CPUs this rank may
-    use, its share of those it shares with other ranks), `stats` (`CollectiveStats`).
+    use, its share of those it shares with other ranks), `stats` (`CollectiveStats`),
+    `comm` (the library's own duplicate of the communicator it was made from).
+
+    Each public method is a call of its own (`call`), except `start_allreduce`, which
+    belongs to the call that starts it (a `GradientBuckets` round).
     """
 
     kind = ""
 
     def __init__(self, comm: Any) -> None:
         MPI = _mpi()
-        self.comm = comm
+        self.comm = comm.Dup()  # no message of the user's own (or of another library) matches one of ours
+        self._depth = 0  # calls open on this rank: only the outermost one agrees
+        self._broken: str | None = None  # why no call can complete any more
+        self._open: set[Any] = set()  # what `hold_open` holds
+        self._min = MPI.MIN
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.host_rank, self.ranks_on_host = host.Get_rank(), host.Get_size()
@@ -113,27 +147,88 @@ class Backend:
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
         self._in_place = MPI.IN_PLACE
 
+    # ---- calls: every rank in the same one ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def call(self, name: str, compatible: Collection[str] = ()) -> Iterator[list[str] | None]:
+        """A call of the library named `name`: on entering the outermost one, every rank
+        checks that every other is in a call of the same name (`agree`); calls inside it
+        check nothing more. Yields None, or the ranks' calls where some rank is in one of
+        `compatible` instead (the caller decides what that means).
+
+        >>> with backend.call("my step"):  # doctest: +SKIP
+        ...     backend.allreduce(a)
+        ...     backend.bcast(b)
+        """
+        calls = self.agree(name, compatible) if self._depth == 0 else None
+        self._depth += 1
+        try:
+            yield calls
+        finally:
+            self._depth -= 1
+
+    def agree(self, name: str, compatible: Collection[str] = ()) -> list[str] | None:
+        """One small allreduce in which every rank compares its call `name` with the
+        others'. None if they all agree; the ranks' calls by rank if some differ but each
+        is `name` or in `compatible`; otherwise `CallMismatch` on every rank, after which
+        every call of this backend raises it at once (the ranks can no longer tell which
+        of their collectives belong together)."""
+        if self._broken is not None:
+            raise CallMismatch(self._broken, [])
+        code = zlib.crc32(name.encode())
+        check = np.array([code, -code], np.int64)
+        t0 = time.perf_counter()
+        self.comm.Allreduce(self._in_place, check, op=self._min)
+        self.stats.seconds += time.perf_counter() - t0
+        if check[0] == -check[1]:
+            return None
+        calls = self.comm.allgather(name)  # every rank is here: the check's result is shared
+        if all(c == name or c in compatible for c in calls):
+            return calls
+        where = ", ".join(f"rank {r} in {c}" for r, c in enumerate(calls))
+        self._broken = (
+            f"luxnn.distributed: the ranks are in different calls: {where}; every rank must make the same calls of "
+            f"luxnn.distributed in the same order (a rank whose step raised and went on, that saved alone or took an "
+            f"extra step falls out of step). No collective can be trusted now: every later call raises this error"
+        )
+        raise CallMismatch(self._broken, calls)
+
+    def hold_open(self, opened: Any) -> None:
+        """Keep `opened` alive until `release`: an object whose collectives are in flight in
+        a call not ended (a `GradientBuckets` round, whose buffers they write). If this
+        rank's program ends first, ``opened.discard()`` ends them before its last call, as
+        the other ranks' end, so that the others then meet that last call."""
+        self._open.add(opened)
+
+    def release(self, opened: Any) -> None:
+        """`opened`'s collectives have ended (see `hold_open`)."""
+        self._open.discard(opened)
+
     # ---- one array, in place ----------------------------------------------------------------
 
     def allreduce(self, a: Any, op: str = "sum") -> None:
         """Reduce `a` (a NumPy or CuPy array) over the ranks with `op`; every rank gets the result."""
         _check_writeable("allreduce", a)
-        self._collective("allreduce", a, op, None)
+        with self.call("allreduce"):
+            self._collective("allreduce", a, op, None)
 
     def reduce(self, a: Any, op: str = "sum", root: int = 0) -> None:
         """Reduce `a` over the ranks into `root`'s `a`; the other ranks' arrays are unchanged."""
         _check_writeable("reduce", a)
-        self._collective("reduce", a, op, root)
+        with self.call("reduce"):
+            self._collective("reduce", a, op, root)
 
     def bcast(self, a: Any, root: int = 0) -> None:
         """Overwrite `a` on every rank with `root`'s `a`."""
         _check_writeable("bcast", a)
-        self._collective("bcast", a, None, root)
+        with self.call("bcast"):
+            self._collective("bcast", a, None, root)
 
     def start_allreduce(self, a: Any, op: str = "sum") -> Pending:
         """Begin reducing `a` (a C-contiguous NumPy or CuPy array, left alone until the wait)
         over the ranks with `op`, without waiting for it: the returned `Pending`'s ``wait()``
-        finishes it. Every rank must start the same collectives in the same order."""
+        finishes it. Every rank must start the same collectives in the same order: this
+        one is no call of its own, but part of the call that starts it, checked there."""
         if op not in OPS:
             raise ValueError(f"start_allreduce: expected op in {OPS}, got {op!r}")
         _check_writeable("start_allreduce", a)
@@ -204,13 +299,18 @@ class Backend:
     # ---- Python objects (pickled; small) ------------------------------------------------------
 
     def bcast_object(self, obj: Any, root: int = 0) -> Any:
-        return self.comm.bcast(obj, root=root)
+        """`root`'s `obj` on every rank."""
+        with self.call("bcast_object"):
+            return self.comm.bcast(obj, root=root)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return self.comm.allgather(obj)
+        """Every rank's `obj`, by rank."""
+        with self.call("allgather_object"):
+            return self.comm.allgather(obj)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        with self.call("barrier"):
+            self.comm.Barrier()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
@@ -220,107 +320,6 @@ class MPIBackend(Backend):
     """Collectives over MPI (mpi4py): NumPy arrays in place, CuPy arrays through the host."""
 
     kind = "mpi"
-
-
-class NCCLBackend(Backend):
-    """CuPy arrays through NCCL (`cupy.cuda.nccl`), each rank on the GPU of its rank on the
-    host; NumPy arrays and Python objects through MPI, which also carries NCCL's unique id.
-    Reductions take NCCL's integer and floating dtypes; `bcast` takes any array, as bytes.
-
-    Every NCCL call of the communicator goes on one stream of the backend's own, after the
-    work queued on the current stream (an event), so that NCCL runs them in the order they
-    were issued, the same on every rank (NCCL gives no order between one communicator's
-    calls on different streams). A blocking collective then waits for that stream, so that
-    `stats` time the transfer; ``start_allreduce(...).wait()`` makes the current stream wait
-    for it (another event) without blocking the host: the backward pass queues its kernels
-    while the buckets travel.
-    """
-
-    kind = "nccl"
-
-    def __init__(self, comm: Any) -> None:
-        super().__init__(comm)
-        try:
-            import cupy
-            from cupy.cuda import nccl
-        except ImportError as err:
-            raise ImportError(f"initialize('nccl') needs CuPy with NCCL: pip install 'luxnn[cuda12]' ({err})") from err
-        if not getattr(nccl, "available", True):
-            raise RuntimeError("initialize('nccl'): CuPy finds no NCCL library (pip install nvidia-nccl-cu12)")
-        count = cupy.cuda.runtime.getDeviceCount()
-        if count == 0:
-            raise RuntimeError("initialize('nccl'): no CUDA device on this host")
-        # NCCL takes the current device for the communicator's: bind it before.
-        self.device = cupy.cuda.Device(self.host_rank % count)
-        self.device.use()
-        _check_one_gpu_each(comm, cupy.cuda.runtime.deviceGetPCIBusId(self.device.id))
-        self._cupy = cupy
-        self._nccl_ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
-        self._nccl_types = {
-            np.dtype(name): getattr(nccl, f"NCCL_{name.upper()}")
-            for name in ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64")
-        }
-        unique_id = nccl.get_unique_id() if self.rank == 0 else None  # a tuple of 128 ints
-        self.nccl = nccl.NcclCommunicator(self.size, comm.bcast(unique_id, root=0), self.rank)
-        self._stream = cupy.cuda.Stream(non_blocking=True)  # start_allreduce's, on this rank's GPU
-
-    def check_reducible(self, what: str, a: Any) -> None:
-        if not isinstance(a, np.ndarray) and a.dtype not in self._nccl_types:
-            raise TypeError(f"{what}: {self._cannot_carry(a)}")
-
-    def _cannot_carry(self, buf: Any) -> str:
-        return f"the NCCL backend carries {sorted(str(t) for t in self._nccl_types)} arrays, got {buf.dtype}"
-
-    def _datatype(self, buf: Any) -> int:
-        datatype = self._nccl_types.get(buf.dtype)
-        if datatype is None:
-            raise TypeError(self._cannot_carry(buf))
-        return datatype
-
-    def _transport(self, name: str, buf: Any, op: str | None, root: int | None) -> None:
-        if isinstance(buf, np.ndarray):
-            self._mpi_collective(name, buf, op, root)
-            return
-        ptr, stream = buf.data.ptr, self._after_current_stream()
-        if name == "bcast":  # a copy: as bytes, so that every dtype goes (bool, complex, ...)
-            self.nccl.bcast(ptr, buf.nbytes, self._nccl_types[np.dtype(np.uint8)], root, stream)
-        elif name == "allreduce":
-            self.nccl.allReduce(ptr, ptr, buf.size, self._datatype(buf), self._nccl_ops[op], stream)
-        else:  # reduce, in place: only the root's buffer is written
-            self.nccl.reduce(ptr, ptr, buf.size, self._datatype(buf), self._nccl_ops[op], root, stream)
-
-    def _after_current_stream(self) -> int:
-        """The backend's stream, made to wait for the work queued so far on the current one
-        (what wrote the buffers a collective is about to read)."""
-        self._stream.wait_event(self._cupy.cuda.get_current_stream().record())
-        return self._stream.ptr
-
-    def _finish(self, buf: Any) -> None:
-        if not isinstance(buf, np.ndarray):
-            self._stream.synchronize()
-
-    def _start(self, buf: Any, op: str) -> tuple[Any, Any]:
-        if isinstance(buf, np.ndarray):
-            return super()._start(buf, op)
-        cuda = self._cupy.cuda
-        stream = self._after_current_stream()
-        self.nccl.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._datatype(buf), self._nccl_ops[op], stream)
-        reduced = self._stream.record()
-        return (lambda: reduced.done), (lambda: cuda.get_current_stream().wait_event(reduced))
-
-
-def _check_one_gpu_each(comm: Any, bus_id: str) -> None:
-    """A `RuntimeError` on every rank if two ranks of a host got one GPU (NCCL refuses it):
-    more ranks on a host than GPUs visible to them."""
-    where = comm.allgather((_mpi().Get_processor_name(), bus_id))
-    first: dict[tuple[str, str], int] = {}
-    for rank, place in enumerate(where):
-        if place in first:
-            raise RuntimeError(
-                f"initialize('nccl'): ranks {first[place]} and {rank} on host {place[0]} got the same GPU ({place[1]}); "
-                f"NCCL needs a GPU per rank: start at most as many ranks per host as it has GPUs"
-            )
-        first[place] = rank
 
 
 def _check_writeable(what: str, a: Any) -> None:
@@ -369,10 +368,31 @@ def initialize(kind: str = "mpi") -> Backend:
             )
         return _current
     MPI = _mpi()
-    backend = (MPIBackend if kind == "mpi" else NCCLBackend)(MPI.COMM_WORLD)
+    if kind == "mpi":
+        backend: Backend = MPIBackend(MPI.COMM_WORLD)
+    else:
+        from .nccl import NCCLBackend
+
+        backend = NCCLBackend(MPI.COMM_WORLD)
     _share_cores(backend.cores)
     _current = backend
+    atexit.register(_at_exit, backend)  # runs before mpi4py's MPI_Finalize (registered earlier, run later)
     return backend
+
+
+def _at_exit(backend: Backend) -> None:
+    """A rank's program ends: its last call, which the others meet in theirs (if they are
+    still in any), so that they raise instead of waiting for this rank forever. Not when
+    an exception ends it: ``python -m mpi4py`` then aborts the job."""
+    if backend._broken is not None or backend.size == 1 or getattr(sys, "last_value", None) is not None:
+        return
+    try:
+        for opened in list(backend._open):
+            opened.discard()
+        backend.agree(PROGRAM_END)
+    except CallMismatch as err:
+        sys.stderr.write(f"rank {backend.rank}: {err}\n")
+        sys.stderr.flush()
 
 
 def _share_cores(cores: int) -> None:
@@ -396,6 +416,11 @@ def _share_cores(cores: int) -> None:
 def is_initialized() -> bool:
     """Whether `initialize` has run in this process."""
     return _current is not None
+
+
+def current() -> Backend | None:
+    """The backend `initialize` made in this process, or None."""
+    return _current
 
 
 def check_backend(backend: Any, what: str) -> Backend:

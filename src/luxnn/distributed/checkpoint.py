@@ -1,7 +1,7 @@
 """Checkpoints of a data-parallel run: one rank writes, every rank can read.
 
-The replicas are equal, so rank `root` alone writes `luxnn.save`'s file; the others wait
-until it is written (or its writing failed, which then raises on every rank rather than
+Every rank calls `save`; the replicas are equal, so rank `root` alone writes
+`luxnn.save`'s file; the others wait until it is written (or its writing failed, which then raises on every rank rather than
 leaving them waiting). Any rank reads it back with `luxnn.load`.
 """
 
@@ -26,12 +26,15 @@ def save(backend: Backend, path: str | os.PathLike, ts: Any, *, root: int = 0) -
     backend = check_backend(backend, "save")
     check_root(backend, "save", root)
     failure: Exception | None = None
-    if backend.rank == root:
-        try:
-            save_checkpoint(path, ts)
-        except Exception as err:  # noqa: BLE001 - sent to every rank, raised there
-            failure = err
-    # The barrier: no rank returns (and reads) before the file is whole.
-    error = backend.bcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", root)
+    # A call of every rank: on rank `root` alone it would meet another call of the others
+    # (`CallMismatch` on every rank) rather than leave them a message to take for theirs.
+    with backend.call("save"):
+        if backend.rank == root:
+            try:
+                save_checkpoint(path, ts)
+            except Exception as err:  # noqa: BLE001 - sent to every rank, raised there
+                failure = err
+        # The barrier: no rank returns (and reads) before the file is whole.
+        error = backend.bcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", root)
     if error is not None:
         raise RuntimeError(f"save: rank {root} could not write {os.fspath(path)}: {error}") from failure

@@ -1,7 +1,7 @@
 """Collectives on trees of arrays, and `synchronize`, which checks the trees first.
 
 `bcast_`, `allreduce_` and `reduce_` write into the arrays of the tree they are given, one
-collective per array, and return the tree; every rank must pass a tree of the same
+collective per array (after the call's agreement, `Backend.call`), and return the tree; every rank must pass a tree of the same
 structure, shapes and dtypes (`synchronize` checks that; these do not, as they run every
 step). `check_same_layout` is the check: a digest of each rank's layout is gathered, and
 only when the digests differ the layouts themselves, so that every rank raises the same
@@ -59,8 +59,10 @@ def bcast_(backend: Backend, x: Any, root: int = 0) -> Any:
     """
     backend = check_backend(backend, "bcast_")
     check_root(backend, "bcast_", root)
-    for a in _arrays("bcast_", x):
-        backend.bcast(a, root)
+    arrays = _arrays("bcast_", x)
+    with backend.call("bcast_"):
+        for a in arrays:
+            backend.bcast(a, root)
     return x
 
 
@@ -74,8 +76,9 @@ def allreduce_(backend: Backend, x: Any, op: str = "sum") -> Any:
     backend = check_backend(backend, "allreduce_")
     arrays = _arrays("allreduce_", x)
     _check_op(backend, "allreduce_", op, arrays)
-    for a in arrays:
-        backend.allreduce(a, op)
+    with backend.call("allreduce_"):
+        for a in arrays:
+            backend.allreduce(a, op)
     return x
 
 
@@ -90,8 +93,9 @@ def reduce_(backend: Backend, x: Any, op: str = "sum", root: int = 0) -> Any:
     check_root(backend, "reduce_", root)
     arrays = _arrays("reduce_", x)
     _check_op(backend, "reduce_", op, arrays)
-    for a in arrays:
-        backend.reduce(a, op, root)
+    with backend.call("reduce_"):
+        for a in arrays:
+            backend.reduce(a, op, root)
     return x
 
 
@@ -178,11 +182,12 @@ def synchronize(backend: Backend, x: Any, root: int = 0) -> Any:
     pairs = tree.paths(x)
     read_only = next((path for path, leaf in pairs if isinstance(leaf, np.ndarray) and not leaf.flags.writeable), None)
     problem = None if read_only is None else f"the array at {_where(read_only)} is read-only, and synchronize writes into it"
-    check_same_layout(backend, "synchronize", x, root, problem)
-    values = backend.bcast_object({i: leaf for i, (_, leaf) in enumerate(pairs) if _is_value(leaf)}, root)
-    leaves = []
-    for i, (_, leaf) in enumerate(pairs):
-        if is_array(leaf):
-            backend.bcast(leaf, root)
-        leaves.append(values.get(i, leaf))
+    with backend.call("synchronize"):
+        check_same_layout(backend, "synchronize", x, root, problem)
+        values = backend.bcast_object({i: leaf for i, (_, leaf) in enumerate(pairs) if _is_value(leaf)}, root)
+        leaves = []
+        for i, (_, leaf) in enumerate(pairs):
+            if is_array(leaf):
+                backend.bcast(leaf, root)
+            leaves.append(values.get(i, leaf))
     return tree.unflatten(tree.structure(x), leaves)

@@ -54,7 +54,8 @@ class DistributedDataLoader:
         # settings they raise on every rank or on none (one rank raising alone would leave
         # the others in this collective).
         settings = (self.num_samples, self.batch_size, self.shuffle, self.seed, self.drop_last)
-        everyone = self.backend.allgather_object(settings)
+        with self.backend.call("DistributedDataLoader"):
+            everyone = self.backend.allgather_object(settings)
         if len(set(everyone)) > 1:
             names = ("samples", "batch_size", "shuffle", "seed", "drop_last")
             raise ValueError(

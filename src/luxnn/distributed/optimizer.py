@@ -16,6 +16,13 @@ finishes gradients), a bucket's non-blocking allreduce starts as soon as its las
 is in, and `update` waits for them. The training verbs drive it through the optimizer's
 ``listen`` method (see `ListeningTransformation`); the arithmetic is that of the blocking
 path, bucket for bucket.
+
+Each step is a call of every rank (`Backend.call`): the blocking path's update, or the
+overlapped path's backward pass, begins with the ranks' agreement, so that a rank one step
+ahead or behind the others, or in another call, raises on every rank instead of averaging
+another step's gradients. A step whose gradients were computed but never applied (its
+objective raised and the loop went on) is made known to the others at the rank's next
+`compute_gradients`; their update of that step then raises, and no rank applies it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,16 @@ __all__ = ["DistributedOptimizer", "GradientBuckets", "ListeningTransformation",
 DEFAULT_BUCKET_BYTES = 25 << 20  # PyTorch DDP's default bucket_cap_mb
 # A round's verdicts, by rank (`GradientBuckets.collect`): the lowest of the ranks' wins.
 _ABANDONED, _REPLACED, _USED = 0, 1, 2
+# The calls (`Backend.call`) of a step: its gradients' average (the update, or the
+# backward pass with overlap), and a new backward pass while the last one's gradients
+# were never used (overlap=False).
+AVERAGE = "DistributedOptimizer's average of the gradients"
+OVERLAPPED = "DistributedOptimizer's backward pass (overlap=True)"
+UNUSED = "compute_gradients again before an update (DistributedOptimizer)"
+_ABANDONED_STEP = (
+    "DistributedOptimizer: a rank abandoned this step's gradients (its compute_gradients raised, or it computed "
+    "gradients again before an update); no rank applies the step, so the replicas stay equal"
+)
 
 
 def _not_on_one_device(x: Any, name: str) -> str | None:
@@ -94,8 +111,10 @@ class GradientBuckets:
 
     def average(self, x: Any) -> Any:
         leaves, structure = tree.flatten(x)
-        self.pack(leaves, structure)
-        self.allreduce()
+        self.discard()  # before the call: its collectives are those of the round's own call
+        with self.backend.call(AVERAGE):
+            self.pack(leaves, structure)
+            self.allreduce()
         return tree.unflatten(structure, self.unpack())
 
     def pack(self, leaves: list[Any], structure: tree.Structure) -> None:
@@ -121,8 +140,10 @@ class GradientBuckets:
         """Open a round for gradients laid out as `leaves` (a flattened tree, such as the
         parameters); returns ``receive(position, gradient)``, to be called once per leaf."""
         self.discard()
-        self._layout(leaves, structure)
+        with self.backend.call(OVERLAPPED):
+            self._layout(leaves, structure)
         self._round = _Round(self._members)
+        self.backend.hold_open(self)  # its buffers live while the round's allreduces write them
         return self._receive
 
     def _receive(self, position: int, gradient: Any) -> None:
@@ -161,10 +182,7 @@ class GradientBuckets:
         received = len(leaves) == len(round_.received) and all(a is b for a, b in zip(leaves, round_.received))
         verdict = self._end(_USED if received else _REPLACED)
         if verdict == _ABANDONED:
-            raise RuntimeError(
-                "DistributedOptimizer: a rank abandoned this step's gradients (its compute_gradients raised, or it "
-                "computed gradients again before an update); no rank applies the step, so the replicas stay equal"
-            )
+            raise RuntimeError(_ABANDONED_STEP)
         return self.unpack() if verdict == _USED else None
 
     def discard(self) -> None:
@@ -176,6 +194,7 @@ class GradientBuckets:
         """Close the round: start its buckets not yet started, then the verdicts'
         allreduce (the lowest wins), and wait for all of them; returns the verdict."""
         round_, self._round = self._round, None
+        self.backend.release(self)
         round_.missing = [0] * len(round_.missing)
         self._start_full(round_)
         verdict = np.array([mine], np.int32)  # a NumPy array: through MPI on every backend
@@ -264,10 +283,12 @@ class ListeningTransformation(optim.GradientTransformation):
 
 
 class _Averaged:
-    """`optimizer` on the gradients averaged by `buckets`."""
+    """`optimizer` on the gradients averaged by `buckets`, streamed in during the backward
+    pass with `overlap`."""
 
-    def __init__(self, optimizer: optim.GradientTransformation, buckets: GradientBuckets) -> None:
-        self.optimizer, self.buckets = optimizer, buckets
+    def __init__(self, optimizer: optim.GradientTransformation, buckets: GradientBuckets, overlap: bool) -> None:
+        self.optimizer, self.buckets, self.overlap = optimizer, buckets, overlap
+        self._computed = False  # overlap=False: gradients computed and not yet averaged
 
     def init(self, params: Any) -> Any:
         _check_one_device("DistributedOptimizer", params, "parameters")
@@ -291,10 +312,24 @@ class _Averaged:
             averages = self.buckets.collect(leaves)
             if averages is not None:
                 return tree.unflatten(structure, averages)
-        return self.buckets.average(grads)
+            return self.buckets.average(grads)
+        self._computed = False  # before the call: an update that raises leaves no step behind
+        with self.buckets.backend.call(AVERAGE, compatible=(UNUSED,)) as calls:
+            if calls is not None:  # a rank dropped the gradients of this step: it raised in its own
+                raise RuntimeError(_ABANDONED_STEP)
+            return self.buckets.average(grads)
 
-    def listen(self, params: Any) -> Callable[[int, Any], None]:
-        return self.buckets.begin(*tree.flatten(params))
+    def listen(self, params: Any) -> Callable[[int, Any], None] | None:
+        """Called by the training verbs before each backward pass: with overlap, opens a
+        round; without, says to the others when the last backward pass's gradients were
+        never averaged (what the round's verdict says with overlap)."""
+        if self.overlap:
+            return self.buckets.begin(*tree.flatten(params))
+        if self._computed:
+            with self.buckets.backend.call(UNUSED, compatible=(AVERAGE,)):
+                pass  # the ranks in the update raise; this one goes on with its new step
+        self._computed = True
+        return None
 
 
 def DistributedOptimizer(backend: Backend, optimizer: optim.GradientTransformation, *,
@@ -314,7 +349,11 @@ def DistributedOptimizer(backend: Backend, optimizer: optim.GradientTransformati
     gradients it was given (those changed in place would not be seen, which is why overlap
     is not the default); a rank whose backward pass raised makes the others' `update`
     raise `RuntimeError` once its next `compute_gradients` has finished the round, with
-    nothing applied on any rank.
+    nothing applied on any rank. ``overlap=False`` behaves alike: a rank whose
+    `compute_gradients` raised makes the others' update of that step raise at its next
+    `compute_gradients`; so with either, every rank calls `compute_gradients` as often as
+    the others. Ranks in different calls (a step more on one rank, a rank ended) raise
+    `CallMismatch` on every rank (see `Backend.call`).
 
     >>> opt = dist.DistributedOptimizer(backend, lx.optim.adam(1e-3), overlap=True)  # doctest: +SKIP
     >>> ts = lx.TrainState(model, ps, st, opt)  # doctest: +SKIP
@@ -324,7 +363,5 @@ def DistributedOptimizer(backend: Backend, optimizer: optim.GradientTransformati
         raise TypeError(f"DistributedOptimizer: expected an optimizer (luxnn.optim.GradientTransformation), got {type(optimizer).__name__}")
     if not isinstance(overlap, bool):
         raise TypeError(f"DistributedOptimizer: expected overlap True or False, got {overlap!r}")
-    stage = _Averaged(optimizer, GradientBuckets(backend, bucket_bytes))
-    if overlap:
-        return ListeningTransformation(stage.init, stage.update, stage.listen)
-    return optim.GradientTransformation(stage.init, stage.update)
+    stage = _Averaged(optimizer, GradientBuckets(backend, bucket_bytes), overlap)
+    return ListeningTransformation(stage.init, stage.update, stage.listen)

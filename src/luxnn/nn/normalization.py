@@ -100,14 +100,30 @@ def _check_channels_last(layer: Layer, x: Any, channels: int) -> tuple[int, ...]
     return shape
 
 
+def _ranks() -> Any:
+    """The `luxnn.distributed` backend when this process is one of several ranks, else None."""
+    from ..distributed.backend import current
+
+    backend = current()
+    return backend if backend is not None and backend.size > 1 else None
+
+
 class _RunningNorm(_Norm):
     """A norm over statistics of the batch that can keep running averages of them, as
     PyTorch's BatchNorm and InstanceNorm: in training mode the batch's statistics, and
     ``running = (1 - momentum) * running + momentum * batch`` with the unbiased variance;
-    in test mode the running statistics. Subclasses say which axes a statistic spans."""
+    in test mode the running statistics. Subclasses say which axes a statistic spans.
+
+    Under `luxnn.distributed` with several ranks, the running statistics updated in
+    training mode are averaged over the ranks (weighted by their batch sizes), so that the
+    replicas' states stay equal: an average rather than rank 0's (what PyTorch DDP
+    broadcasts) because it uses every rank's batch, for one small allreduce per layer as
+    a broadcast would take. ``sync`` (BatchNorm's) normalises with the global batch's
+    statistics."""
 
     default_track_stats = True
     statistic_of = "channel"  # what one statistic is of, for messages
+    sync = False
 
     def _init_running(
         self, num_features: int, activation: Activation, momentum: float, epsilon: float, affine: bool, track_stats: bool
@@ -147,22 +163,53 @@ class _RunningNorm(_Norm):
         return self._activate(x * scale + (ps["bias"] - st["running_mean"] * scale)), st
 
     def _batch_statistics(self, x: Any, st: dict[str, Any], axes: tuple[int, ...], update: bool) -> tuple[Any, dict[str, Any]]:
+        ranks = _ranks()
+        if self.sync and ranks is not None:
+            return self._global_batch_statistics(x, st, axes, update, ranks)
         if not update:
             return normalize(x, axis=axes, epsilon=self.epsilon), st
-        count = math.prod(x.shape[a] for a in axes)
-        if count < 2:
-            raise LayerError(f"{self}: expected more than 1 value per {self.statistic_of} in training mode, got input of shape {x.shape}")
+        count = self._check_count(x, math.prod(x.shape[a] for a in axes))
         # The statistics come from the raw values: the running statistics must never hold
         # (or keep alive) traced values, and normalize's VJP already accounts for them.
         mean, var = moments(stop_gradient(x), axes)
         y = normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var))
+        running = self._running(st, mean, var, count)
+        if ranks is not None:
+            from ..distributed import norm
+
+            running = norm.average_running(ranks, *running, x.shape[0])
+        return y, self._state(st, *running)
+
+    def _global_batch_statistics(self, x: Any, st: dict[str, Any], axes: tuple[int, ...], update: bool,
+                                 ranks: Any) -> tuple[Any, dict[str, Any]]:
+        """`_batch_statistics` with the statistics of every rank's batch together."""
+        from ..distributed import norm
+
+        mean, var, count = norm.batch_moments(ranks, stop_gradient(x), axes)
+        if update:
+            self._check_count(x, count)
+        y = norm.normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var), count=count, backend=ranks)
+        return (y, self._state(st, *self._running(st, mean, var, count))) if update else (y, st)
+
+    def _check_count(self, x: Any, count: int) -> int:
+        if count < 2:
+            raise LayerError(f"{self}: expected more than 1 value per {self.statistic_of} in training mode, got input of shape {x.shape}")
+        return count
+
+    def _running(self, st: dict[str, Any], mean: Any, var: Any, count: int) -> tuple[Any, Any]:
+        """The running statistics updated with a batch's `mean` and biased `var` (kept
+        dimensions), each of `count` values."""
         m, c = self.momentum, self.num_features
-        rm, rv = st["running_mean"], st["running_var"]
         # One statistic per channel (BatchNorm) or per sample and channel (InstanceNorm,
         # whose running statistics are the means over the batch, as PyTorch's).
-        new_mean = (1 - m) * rm + m * mean.reshape(-1, c).mean(axis=0)
-        new_var = (1 - m) * rv + (m * count / (count - 1)) * var.reshape(-1, c).mean(axis=0)
-        return y, {
+        new_mean = (1 - m) * st["running_mean"] + m * mean.reshape(-1, c).mean(axis=0)
+        new_var = (1 - m) * st["running_var"] + (m * count / (count - 1)) * var.reshape(-1, c).mean(axis=0)
+        return new_mean, new_var
+
+    @staticmethod
+    def _state(st: dict[str, Any], new_mean: Any, new_var: Any) -> dict[str, Any]:
+        rm, rv = st["running_mean"], st["running_var"]
+        return {
             "running_mean": new_mean.astype(rm.dtype, copy=False),
             "running_var": new_var.astype(rv.dtype, copy=False),
             "training": True,
@@ -173,6 +220,8 @@ class _RunningNorm(_Norm):
         flags.update(self._flags())
         if self.track_stats != self.default_track_stats:
             flags["track_stats"] = self.track_stats
+        if self.sync:
+            flags["sync"] = True
         return f"{type(self).__name__}({self.num_features}{_options(**flags)})"
 
 
@@ -188,6 +237,16 @@ class BatchNorm(_RunningNorm):
     ``running = (1 - momentum) * running + momentum * batch`` with the unbiased batch
     variance. In test mode (`luxnn.testmode`) it uses the running statistics; with
     ``track_stats=False`` it always uses the batch statistics.
+
+    Data parallelism (`luxnn.distributed` with several ranks): in training mode the
+    running statistics are averaged over the ranks, so the replicas' states stay equal
+    (the running mean is then that of the global batch; the running variance the mean
+    of the ranks' variances). ``sync=True`` makes the batch statistics those of the global
+    batch, in the forward pass and in the gradient, as PyTorch's ``SyncBatchNorm``: the
+    ranks then compute what one process would on the whole batch, running variance
+    included, for two small allreduces per layer and step (one in the forward pass, one
+    in the backward) where the default takes one. Without several ranks, `sync` changes
+    nothing.
 
     >>> import luxnn as lx
     >>> bn = lx.BatchNorm(3, "relu")
@@ -206,8 +265,10 @@ class BatchNorm(_RunningNorm):
         epsilon: float = 1e-5,
         affine: bool = True,
         track_stats: bool = True,
+        sync: bool = False,
     ) -> None:
         self._init_running(num_features, activation, momentum, epsilon, affine, track_stats)
+        self.sync = bool(sync)
 
     def _statistic_axes(self, x: Any) -> tuple[int, ...]:
         _check_channels_last(self, x, self.num_features)
