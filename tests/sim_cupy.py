@@ -131,13 +131,15 @@ def _run(function: Callable, kind: str, name: str, args: tuple, kwargs: dict) ->
 
 
 class ufunc:  # noqa: N801 - CuPy's name
-    """A NumPy ufunc as CuPy's: one kernel per call, reduction or scatter (``at``)."""
+    """A NumPy ufunc as CuPy's: one launch per call (a cuBLAS call for matmul), reduction or
+    scatter (``at``)."""
 
     def __init__(self, np_ufunc: np.ufunc) -> None:
         self._ufunc, self.__name__ = np_ufunc, np_ufunc.__name__
+        self._kind = "cublas" if self.__name__ in _BLAS else "kernel"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _run(self._ufunc, "kernel", self.__name__, args, kwargs)
+        return _run(self._ufunc, self._kind, self.__name__, args, kwargs)
 
     def reduce(self, *args: Any, **kwargs: Any) -> Any:
         return _run(self._ufunc.reduce, "kernel", f"{self.__name__}.reduce", args, kwargs)
