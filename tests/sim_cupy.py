@@ -98,11 +98,22 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
+def _index(key: Any) -> Any:
+    """An index for NumPy: CuPy copies NumPy arrays and lists in an index to the device
+    (``_prepare_slice_list``), so these count as host-to-device copies here."""
+    if isinstance(key, tuple):
+        return tuple(_index(k) for k in key)
+    if isinstance(key, (np.ndarray, list)):
+        _launch("memcpy", "host_to_device")
+        return np.asarray(key)
+    return _unwrap(key)
+
+
 def _wrap(result: Any, inputs: tuple, kind: str, name: str) -> Any:
     """A NumPy result as a device array: a view of an input's memory stays a view (no
     launch); anything else is what the launch computed, moved into fresh device memory."""
-    if isinstance(result, tuple):
-        return tuple(_wrap(r, inputs, kind, name) for r in result)
+    if isinstance(result, (tuple, list)):  # several results (divmod) or views (split)
+        return type(result)(_wrap(r, inputs, kind, name) for r in result)
     if isinstance(result, np.generic):
         result = np.asarray(result)
     if not isinstance(result, np.ndarray):
@@ -146,7 +157,7 @@ class ufunc:  # noqa: N801 - CuPy's name
 
     def at(self, a: "ndarray", indices: Any, b: Any = None) -> None:
         extra = () if b is None else (_unwrap(b),)
-        self._ufunc.at(a._values, _unwrap(indices), *extra)
+        self._ufunc.at(a._values, _index(indices), *extra)
         _launch("kernel", f"{self.__name__}.at")
 
 
@@ -154,13 +165,13 @@ class ufunc:  # noqa: N801 - CuPy's name
 # contiguous copy launches a copy only when NumPy had to copy.
 _VIEWS = {
     "reshape", "permute_dims", "transpose", "swapaxes", "moveaxis", "expand_dims", "squeeze",
-    "broadcast_to", "ravel", "ascontiguousarray", "atleast_2d",
+    "broadcast_to", "ravel", "ascontiguousarray", "atleast_2d", "split", "array_split",
 }  # fmt: skip
 _KERNELS = {
     "where", "clip", "concatenate", "stack", "tile", "tril", "triu", "take", "take_along_axis",
     "argmax", "argmin", "sum", "mean", "max", "min", "amax", "amin", "prod", "var", "std",
     "cumsum", "repeat", "pad", "flip", "isnan", "isfinite", "any", "all", "outer", "copy",
-    "sort", "argsort", "diff", "split", "array_split", "count_nonzero",
+    "sort", "argsort", "diff", "count_nonzero",
 }  # fmt: skip
 _BLAS = {"matmul", "dot", "vdot", "tensordot", "einsum"}
 
@@ -319,6 +330,9 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
     def __len__(self) -> int:
         return len(self._meta)
 
+    def __iter__(self) -> Iterator["ndarray"]:
+        return (self[i] for i in range(len(self)))
+
     def __array__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a NumPy array explicitly.")
 
@@ -347,10 +361,10 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
     __bool__ = lambda self: bool(self.item())  # noqa: E731
 
     def __getitem__(self, key: Any) -> "ndarray":
-        return _run(self._meta.__class__.__getitem__, "kernel", "gather", (self, key), {})
+        return _wrap(self._meta[_index(key)], (self,), "kernel", "gather")
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._meta[_unwrap(key)] = _unwrap(value)
+        self._meta[_index(key)] = _unwrap(value)
         _launch("fill" if np.isscalar(value) else "kernel", "setitem")
 
     def fill(self, value: Any) -> None:
