@@ -99,13 +99,16 @@ def _unwrap(x: Any) -> Any:
 
 
 def _index(key: Any) -> Any:
-    """An index for NumPy: CuPy copies NumPy arrays and lists in an index to the device
-    (``_prepare_slice_list``), so these count as host-to-device copies here."""
+    """An index for NumPy. CuPy copies NumPy arrays and lists in an index to the device
+    (``_prepare_slice_list``), and reads a boolean mask's count back to the host (a sync);
+    each counts as a copy here."""
     if isinstance(key, tuple):
         return tuple(_index(k) for k in key)
     if isinstance(key, (np.ndarray, list)):
         _launch("memcpy", "host_to_device")
         return np.asarray(key)
+    if isinstance(key, ndarray) and key.dtype == bool:
+        _launch("memcpy", "device_to_host")
     return _unwrap(key)
 
 
@@ -147,7 +150,7 @@ class ufunc:  # noqa: N801 - CuPy's name
 
     def __init__(self, np_ufunc: np.ufunc) -> None:
         self._ufunc, self.__name__ = np_ufunc, np_ufunc.__name__
-        self._kind = "cublas" if self.__name__ in _BLAS else "kernel"
+        self._kind = _kind(self.__name__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _run(self._ufunc, self._kind, self.__name__, args, kwargs)
@@ -176,9 +179,12 @@ _KERNELS = {
 _BLAS = {"matmul", "dot", "vdot", "tensordot", "einsum"}
 
 
+def _kind(name: str) -> str:
+    return "cublas" if name in _BLAS else "kernel"
+
+
 def _function(name: str) -> Callable:
-    np_function = getattr(np, name)
-    kind = "cublas" if name in _BLAS else "kernel"
+    np_function, kind = getattr(np, name), _kind(name)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return _run(np_function, kind, name, args, kwargs)
