@@ -192,9 +192,13 @@ def _blocks(n: int, bytes_per_image: int) -> list[tuple[int, int]]:
     return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
 
 
-def _block_images(bytes_per_image: int) -> int:
-    """Images per block when the blocks run on all threads at once: the blocks in flight
-    hold about `_BLOCK_BYTES` of im2col matrix together, as one block does on one thread."""
+def _block_images(like: Any, bytes_per_image: int) -> int:
+    """Images per block of the batch `like` ``(n, ...)``. NumPy: the blocks run on all
+    threads at once, and those in flight hold about `_BLOCK_BYTES` of im2col matrix together,
+    as one block does on one thread. CuPy: the whole batch, one im2col and one GEMM (blocks
+    would run one after another on the device, launches growing with the host's threads)."""
+    if type(like) is not np.ndarray:
+        return max(1, like.shape[0])
     return max(1, _BLOCK_BYTES // num_threads() // max(1, bytes_per_image))
 
 
@@ -367,7 +371,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
     # bytes (of float32), made while each block is in cache; the VJP keeps it, not y.
     passed = xp.empty(y.shape, bool) if relu else None
     image_bytes = per_image * max(math.prod(kernel) * c, o) * y.itemsize
-    rows = _block_images(image_bytes)
+    rows = _block_images(x, image_bytes)
     buffers = _ColumnBuffers(xp, n, rows, per_image * math.prod(kernel) * c, x.dtype)
 
     def forward(n0, n1):
@@ -408,7 +412,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
         # The weight and bias gradients sum over every block: each thread sums its own blocks.
         dw_sums, db_sums = {}, {}
 
-        rows = _block_images(block_bytes)
+        rows = _block_images(g, block_bytes)
         buffers = _ColumnBuffers(xp, n, rows, cols_per_image, np.result_type(x.dtype, g.dtype))
 
         def backward(n0, n1):
