@@ -283,6 +283,8 @@ class ElementwiseKernel:
 
 
 class _DeviceOf:
+    """An array's ``device``: luxnn reads its ``id``."""
+
     def __init__(self, device_id: int) -> None:
         self.id = device_id
 
@@ -343,7 +345,7 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
         raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a NumPy array explicitly.")
 
     def __array_ufunc__(self, np_ufunc: np.ufunc, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(_api(np_ufunc.__name__), "__call__" if method == "__call__" else method)(*args, **kwargs)
+        return getattr(_api(np_ufunc.__name__), method)(*args, **kwargs)
 
     def __array_function__(self, function: Callable, types: Any, args: tuple, kwargs: dict) -> Any:
         try:
