@@ -204,7 +204,7 @@ def _block_images(like: Any, bytes_per_image: int) -> int:
     """Images per block of the batch `like` ``(n, ...)``. NumPy: the blocks run on all
     threads at once, and those in flight hold about `_BLOCK_BYTES` of im2col matrix together,
     as one block does on one thread. CuPy: blocks of `_DEVICE_BLOCK_BYTES`, one at a time."""
-    if type(like) is not np.ndarray:
+    if not isinstance(like, np.ndarray):
         return max(1, _DEVICE_BLOCK_BYTES // max(1, bytes_per_image))
     return max(1, _BLOCK_BYTES // num_threads() // max(1, bytes_per_image))
 

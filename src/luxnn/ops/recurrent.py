@@ -69,7 +69,7 @@ def _by_rows(kernel, like, madds_per_row):
     given); else one block on this thread. CuPy arrays: always one block (blocks would run
     one after another on the device, launches growing with the host's threads)."""
     batch = like.shape[0]
-    parts = min(num_threads(), batch // _ROWS_PER_THREAD) if type(like) is np.ndarray else 1
+    parts = min(num_threads(), batch // _ROWS_PER_THREAD) if isinstance(like, np.ndarray) else 1
     split = parts > 1 and batch * madds_per_row >= _CUT_MADDS
     for_blocks(kernel, like, rows=-(-batch // parts) if split else max(batch, 1), blas=True)
 
