@@ -82,14 +82,14 @@ class GradientBuckets:
     gradient)``, which copies leaf `position` in and starts a bucket's non-blocking
     allreduce once the bucket is full and every bucket before it has started; `collect`
     waits for them and unpacks. A round ends with one more small allreduce, the ranks'
-    verdict, so that they all take the same path. Before its first bucket starts, a round
-    agrees that every rank is in the backward pass (`step.BACKWARD`); a round ended before
-    that (its forward pass raised) started nothing on any rank, and `discard` only tells
-    the others (`step.ABANDONED`), whose step then raises. Past it, `collect(leaves)` says "used" if
-    `leaves` are the very arrays the round received, "replaced" otherwise; `discard` (a
-    round not collected: its backward pass raised; also called by `begin`, `pack`) says
-    "abandoned", after starting the buckets not yet started, whatever they hold, so that
-    every rank has started the same collectives. `collect` returns the averages only when
+    verdict, so that they all take the same path. Before its first bucket starts, a
+    round agrees that every rank is in the backward pass (`step.BACKWARD`); a round ended
+    before that (its forward pass raised) started nothing on any rank, and `discard` only
+    tells the others (`step.ABANDONED`), whose step then raises. Past that point,
+    `collect(leaves)` says "used" if `leaves` are the very arrays the round received,
+    "replaced" otherwise; `discard` (a round not collected: its backward pass raised;
+    also called by `begin`, `pack`) says "abandoned", after starting the buckets not yet
+    started, whatever they hold, so that every rank has started the same collectives. `collect` returns the averages only when
     every rank used its round, None when some rank replaced its gradients (every rank
     then averages the gradients it has with `average`), and raises when some rank
     abandoned it.
