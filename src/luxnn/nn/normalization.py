@@ -165,9 +165,9 @@ class _RunningNorm(_Norm):
         return self._activate(x * scale + (ps["bias"] - st["running_mean"] * scale)), st
 
     def _batch_statistics(self, x: Any, st: dict[str, Any], axes: tuple[int, ...], update: bool) -> tuple[Any, dict[str, Any]]:
-        ranks = _data_parallel_step()
-        if self.sync and ranks is not None:
-            return self._global_batch_statistics(x, st, axes, update, ranks)
+        step = _data_parallel_step()
+        if self.sync and step is not None:
+            return self._global_batch_statistics(x, st, axes, update, step)
         if not update:
             return normalize(x, axis=axes, epsilon=self.epsilon), st
         count = self._check_count(x, math.prod(x.shape[a] for a in axes))
@@ -176,21 +176,21 @@ class _RunningNorm(_Norm):
         mean, var = moments(stop_gradient(x), axes)
         y = normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var))
         running = self._running(st, mean, var, count)
-        if ranks is not None:
+        if step is not None:
             from ..distributed import norm
 
-            running = norm.average_running(ranks, *running, x.shape[0])
+            running = norm.average_running(step, *running, x.shape[0])
         return y, self._state(st, *running)
 
     def _global_batch_statistics(self, x: Any, st: dict[str, Any], axes: tuple[int, ...], update: bool,
-                                 ranks: Any) -> tuple[Any, dict[str, Any]]:
+                                 step: Any) -> tuple[Any, dict[str, Any]]:
         """`_batch_statistics` with the statistics of every rank's batch together."""
         from ..distributed import norm
 
-        mean, var, count = norm.batch_moments(ranks, stop_gradient(x), axes)
+        mean, var, count = norm.batch_moments(step, stop_gradient(x), axes)
         if update:
             self._check_count(x, count)
-        y = norm.normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var), count=count, step=ranks)
+        y = norm.normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var), count=count, step=step)
         return (y, self._state(st, *self._running(st, mean, var, count))) if update else (y, st)
 
     def _check_count(self, x: Any, count: int) -> int:
