@@ -14,6 +14,7 @@ import luxnn as lx
 from luxnn import memory, ops
 from luxnn import _blas, _contention, parallel
 from luxnn.ops.attention import attention_combine, attention_weights
+from luxnn.ops.recurrent import gru_sequence, rnn_sequence
 
 MiB = 1 << 20
 
@@ -104,6 +105,23 @@ def test_a_kernel_inside_a_kernel_runs_serially_instead_of_waiting_on_the_pool(t
     count = []
     parallel.for_blocks(lambda lo, hi: parallel.for_blocks(lambda a, b: count.append(1), inner), outer)
     assert len(count) == 8 * 4
+
+
+def test_a_product_in_any_share_of_a_kernel_is_not_cut_again(threads, monkeypatch):
+    threads(2)
+    monkeypatch.setattr(parallel, "_CUT_MADDS", 1)  # a product the caller alone would cut
+    submitted = []
+    submit = parallel._Workers.submit
+    monkeypatch.setattr(parallel._Workers, "submit", lambda self, run: submitted.append(1) or submit(self, run))
+    a, b = np.ones((2, 64, 64)), np.ones((64, 64))
+    out = np.empty_like(a)
+
+    def products(lo, hi):
+        parallel.matmul(a[lo:hi], b, out=out[lo:hi])
+
+    parallel.for_blocks(products, a, rows=1)
+    assert len(submitted) == 1  # the second share, and nothing from within either share
+    assert (out == 64).all()
 
 
 def test_blocks_allocate_from_the_callers_cache(threads):
@@ -396,6 +414,34 @@ def test_a_small_product_keeps_the_blas_threads_while_the_cores_they_need_are_fr
         blas_sets.clear()
         assert_product_close(parallel.matmul(a, b), a, b)
         assert blas_sets == want, f"{free} cores free, {rows} x 512 x {b.shape[1]}"
+
+
+LAYER_PRODUCTS = {  # the layer, its shapes, and its products in a forward and backward pass
+    "conv": (lambda x, w: ops.conv(x, w, padding=1), (2, 14, 14, 16), (3, 3, 16, 32), 3),
+    "conv transpose": (lambda x, w: ops.conv_transpose(x, w, stride=2), (2, 14, 14, 16), (3, 3, 32, 16), 3),
+    "rnn": (lambda x, w: rnn_sequence(x, w, x[0]), (3, 64, 256), (256, 256), 3 + 3 + 2),
+    "gru": (lambda x, w: gru_sequence(x, w, None, x[0, :, :256]), (3, 64, 768), (256, 768), 3 + 3 + 2),
+}
+
+
+@pytest.mark.parametrize("name", LAYER_PRODUCTS)
+def test_convolutions_and_recurrent_layers_hold_their_small_products_on_a_busy_machine(name, blas_sets, machine, threads):
+    threads(2)
+    f, x_shape, w_shape, products = LAYER_PRODUCTS[name]
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal(x_shape) * 0.1, rng.standard_normal(w_shape) * 0.1
+
+    def run():
+        return lx.value_and_grad(lambda x, w: (f(x, w) ** 2).sum(), argnums=(0, 1))(x, w)
+
+    machine.free = 4  # quiet: the BLAS's threads
+    quiet = run()
+    assert blas_sets == []
+    machine.free = 0
+    busy = run()
+    assert blas_sets == [1, 4] * products  # each between the bounds (a block of rows: one)
+    for a, b in zip(lx.tree.leaves(quiet), lx.tree.leaves(busy)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 class Clock:

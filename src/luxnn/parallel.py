@@ -356,8 +356,8 @@ def _share_out(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
         pool.submit(functools.partial(context.copy().run, _run_in_worker, kernel, share, call, lane))
         for lane, share in enumerate(shares[1:], start=1)
     ]
-    try:
-        _run_lane(kernel, shares[0], call, 0)
+    try:  # the caller's share as a worker's: a product or kernel in it is not cut again
+        _run_in_worker(kernel, shares[0], call, 0)
     finally:
         errors = _wait_for_all(tasks)
     for error in errors:
