@@ -71,26 +71,27 @@ _CUT_MADDS = 1 << 26
 # size: measured on a 2-core machine beside two busy processes, a 26 M multiply-add product
 # took 0.5 ms on one thread and 16 ms on two, and small models' steps, all such products,
 # ran 6-17x slower than quiet (10-150x in the trial that found it). On one thread the same
-# product slows only as much as the machine is shared. On a quiet machine, though, the
-# BLAS's threads are up to 1.9x faster on such a product (1.2-1.3x on a small step).
+# product slows only as much as the machine is shared. On a machine with the cores free,
+# though, the BLAS's threads are up to 1.9x faster on such a product (the MLP step: 1.4x).
 # So a product shorter than such a turn, under `_ONE_THREAD_MADDS` multiply-adds (about
 # 1.4 ms on one core at the 48 G multiply-adds/s measured there), keeps the BLAS's threads
-# only while the cores they would run on are free: while other processes left at least
-# that many cores (within `_SPARE_CORES`) idle over the last ~100 ms (`_contention`, from
-# /proc/stat less this process's own CPU time, so that what this process's threads do
-# does not feed back into the choice); else it runs with the BLAS held to one thread.
-# The BLAS's threads for a product are taken as OpenBLAS counts them, one per
-# `_BLAS_ONE_THREAD_MADDS` up to the CPUs (its default thread count).
-# Weighed and not taken: cutting these products across luxnn's own threads with the caller
-# taking any part no worker has claimed yet (a busy machine then degrades to the caller
-# doing all), which costs a hand-over (tens of us) on products of 50-500 us and leaves a
-# late worker's task alive past the call; the runnable count of /proc/loadavg, one instant
-# that counts this process's own spinning threads. Longer products are threaded: cut
-# here across the kernel threads (the BLAS on one thread in each) or, where they cannot
-# be cut, on the BLAS's threads; a turn lost is then in proportion to their length.
-# OpenBLAS itself runs products of at most `_BLAS_ONE_THREAD_MADDS` on one thread
-# (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD, 65536 * 4, in its gemm interface), so
-# those are left as they are, at the price of one comparison.
+# while other processes left the cores they need idle over the last ~100 ms, and runs
+# with the BLAS held to one thread otherwise. The BLAS's threads for a product are taken
+# as OpenBLAS counts them, one per `_BLAS_ONE_THREAD_MADDS` up to the CPUs (its default
+# thread count); the free cores are `_contention`'s: the CPU time of the process's cores
+# (/proc/stat) less the process's own, so that what this process's threads do, the BLAS's
+# among them, does not feed back into the choice, with `_SPARE_CORES` for the noise of
+# /proc/stat's 10 ms ticks over a window. Weighed and not taken: cutting these products
+# across luxnn's threads with the caller taking any part no worker has claimed yet (a busy
+# machine then degrades to the caller doing all), which costs a hand-over of tens of us on
+# products of 50-500 us and leaves a late worker's task alive past the call; and the
+# runnable count of /proc/loadavg, one instant's, which counts this process's own threads.
+# Longer products are threaded: cut here across the kernel threads (the BLAS on one thread
+# in each) or, where they cannot be cut, on the BLAS's threads; a turn lost is then in
+# proportion to their length. OpenBLAS itself runs products of at most
+# `_BLAS_ONE_THREAD_MADDS` on one thread (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD,
+# 65536 * 4, in its gemm interface), so those are left as they are, at the price of one
+# comparison.
 _ONE_THREAD_MADDS = 1 << 26
 _BLAS_ONE_THREAD_MADDS = 1 << 18
 _SPARE_CORES = 0.5
@@ -109,8 +110,8 @@ def num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Run kernels and cut products on `n` threads from now on (1: on the calling thread,
-    products threaded by the BLAS as it is set, but for small products and attention's
-    stacks of per-head products, which its threads only slow down), as
+    products threaded by the BLAS as it is set, but for small products on a busy machine
+    and attention's stacks of per-head products, which its threads only slow down), as
     ``torch.set_num_threads``. Call it while no other thread runs kernels: their shares
     may be handed to the retired threads, which run what they were handed before they go,
     but a share handed over after that would wait for good.
