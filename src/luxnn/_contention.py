@@ -54,9 +54,9 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 class Contention:
     """The free cores of `cores` (default: the process's CPU set), from ``read() -> (busy,
     own)`` seconds (`read_cpu_seconds`) sampled at ``clock()`` seconds at most every
-    `WINDOW_S`. Thread-safe: a sample is one tuple, replaced in one assignment, so threads
-    that sample at once each leave a consistent one; nothing is locked, so an interrupt
-    leaves the previous sample."""
+    `WINDOW_S`. Thread-safe without a lock: its state is one tuple, replaced in one
+    assignment, so threads that sample at once each measure a whole window from the same
+    sample, and an interrupt leaves the state as it was."""
 
     def __init__(
         self,
@@ -70,23 +70,22 @@ class Contention:
 
     def reset(self) -> None:
         """Forget the last sample (a forked child's CPU time starts again from 0)."""
-        self._sample: tuple[float, float, float] | None = None  # (when, busy, own)
-        self._due, self._free = float("-inf"), 0.0
+        # (next sample's time, free cores, last sample (when, busy, own) or None)
+        self._state: tuple[float, float, tuple[float, float, float] | None] = (float("-inf"), 0.0, None)
 
     def free_cores(self) -> float:
         """The cores no other work ran on over the last window, 0 to `cores`."""
         now = self._clock()
-        if now < self._due:
-            return self._free
+        due, free, before = self._state
+        if now < due:
+            return free
         try:
             busy, own = self._read()
         except (OSError, ValueError):  # no /proc/stat (not Linux, a sandbox): as if busy
-            self._due, self._free = now + WINDOW_S, 0.0
+            self._state = (now + WINDOW_S, 0.0, None)
             return 0.0
-        before = self._sample
-        self._sample = (now, busy, own)
         if before is not None and now > before[0]:
             others = (busy - before[1]) - (own - before[2])
-            self._free = min(max(self.cores - others / (now - before[0]), 0.0), float(self.cores))
-        self._due = now + WINDOW_S
-        return self._free
+            free = min(max(self.cores - others / (now - before[0]), 0.0), float(self.cores))
+        self._state = (now + WINDOW_S, free, (now, busy, own))
+        return free
