@@ -400,20 +400,19 @@ def test_a_small_product_keeps_the_blas_threads_while_the_cores_they_need_are_fr
     threads(1)
     rng = np.random.default_rng(0)
     two = 2 * parallel._BLAS_ONE_THREAD_MADDS // 512  # rows of a product OpenBLAS runs on two threads
-    for free, rows, want in (
-        (4, 64, []),  # 8 M multiply-adds, on all 4 threads: all 4 cores free
-        (3.6, 64, []),  # within the spare share of a core
-        (3, 64, [1, 4]),  # a core taken: held
-        (3, two, []),  # two threads, and three cores free
-        (1, two, [1, 4]),
-        (0, two, [1, 4]),
+    for free, rows, columns, want in (
+        (4, 64, 512, []),  # 16 M multiply-adds, on all 4 threads: all 4 cores free
+        (3.6, 64, 512, []),  # within the spare share of a core
+        (3, 64, 512, [1, 4]),  # a core taken: held
+        (3, two, 1, []),  # two threads, and three cores free
+        (1, two, 1, [1, 4]),
+        (0, two, 1, [1, 4]),
     ):
         machine.free = free
-        a, b = rng.standard_normal((rows, 512)), rng.standard_normal((512, 1))
-        b = np.repeat(b, 512 if rows == 64 else 1, axis=1)
+        a, b = rng.standard_normal((rows, 512)), rng.standard_normal((512, columns))
         blas_sets.clear()
         assert_product_close(parallel.matmul(a, b), a, b)
-        assert blas_sets == want, f"{free} cores free, {rows} x 512 x {b.shape[1]}"
+        assert blas_sets == want, f"{free} cores free, {rows} x 512 x {columns}"
 
 
 LAYER_PRODUCTS = {  # the layer, its shapes, and its products in a forward and backward pass
