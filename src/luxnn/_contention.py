@@ -4,10 +4,10 @@
 less the time that anything else ran on them (other processes, the kernel, a virtual
 machine's neighbours as steal time), over the last window of at least `WINDOW_S`: the
 CPU time of those cores from ``/proc/stat`` minus this process's own. Asked more often,
-it answers the last window's figure, one clock read and one comparison. It does not
-count this process's threads, so what they do (the BLAS on one thread or on several) does
-not change the answer it bases that choice on. Where ``/proc/stat`` cannot be read it
-answers 0, as before a first window has passed.
+it answers the last window's figure, one clock read and one comparison. This process's
+own CPU time is left out, so that what its threads do (the BLAS on one thread or on
+several) does not change the answer. Where ``/proc/stat`` cannot be read it answers 0, as
+before a first window has passed.
 
 >>> contention = Contention(clock=iter([0.0, 0.2]).__next__, read=iter([(10.0, 1.0), (10.3, 1.1)]).__next__, cores=2)
 >>> contention.free_cores()  # no window yet
@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 WINDOW_S = 0.1
 """The shortest window a figure is measured over."""
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _affinity() -> set[int]:
@@ -46,9 +48,6 @@ def read_cpu_seconds(cpus: set[int] | None = None, stat: str = "/proc/stat") -> 
                 values = [int(field) for field in fields[:8]]
                 ticks += sum(values) - values[3] - values[4]
     return ticks / _TICKS_PER_S, own
-
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class Contention:
