@@ -415,6 +415,18 @@ def test_a_small_product_keeps_the_blas_threads_while_the_cores_they_need_are_fr
         assert blas_sets == want, f"{free} cores free, {rows} x 512 x {columns}"
 
 
+def test_a_product_the_blas_runs_on_one_thread_itself_asks_nothing_of_the_machine(machine, threads, monkeypatch):
+    threads(1)
+    asked = []
+    monkeypatch.setattr(machine, "free_cores", lambda: asked.append(1) or 0.0)
+    own = parallel._BLAS_ONE_THREAD_MADDS // 512  # rows of a product of exactly that many multiply-adds
+    for a, b in ((np.ones((2, 2)), np.ones((2, 2))), (np.ones((own, 512)), np.ones((512, 1)))):
+        parallel.matmul(a, b)
+    assert asked == []
+    parallel.matmul(np.ones((own + 1, 512)), np.ones((512, 1)))
+    assert asked == [1]
+
+
 LAYER_PRODUCTS = {  # the layer, its shapes, and its products in a forward and backward pass
     "conv": (lambda x, w: ops.conv(x, w, padding=1), (2, 14, 14, 16), (3, 3, 16, 32), 3),
     "conv transpose": (lambda x, w: ops.conv_transpose(x, w, stride=2), (2, 14, 14, 16), (3, 3, 32, 16), 3),
