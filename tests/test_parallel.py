@@ -12,8 +12,9 @@ import threadpoolctl
 
 import luxnn as lx
 from luxnn import memory, ops
-from luxnn import _blas, parallel
+from luxnn import _blas, _contention, parallel
 from luxnn.ops.attention import attention_combine, attention_weights
+from luxnn.ops.recurrent import gru_sequence, rnn_sequence
 
 MiB = 1 << 20
 
@@ -104,6 +105,23 @@ def test_a_kernel_inside_a_kernel_runs_serially_instead_of_waiting_on_the_pool(t
     count = []
     parallel.for_blocks(lambda lo, hi: parallel.for_blocks(lambda a, b: count.append(1), inner), outer)
     assert len(count) == 8 * 4
+
+
+def test_a_product_in_any_share_of_a_kernel_is_not_cut_again(threads, monkeypatch):
+    threads(2)
+    monkeypatch.setattr(parallel, "_CUT_MADDS", 1)  # a product the caller alone would cut
+    submitted = []
+    submit = parallel._Workers.submit
+    monkeypatch.setattr(parallel._Workers, "submit", lambda self, run: submitted.append(1) or submit(self, run))
+    a, b = np.ones((2, 64, 64)), np.ones((64, 64))
+    out = np.empty_like(a)
+
+    def products(lo, hi):
+        parallel.matmul(a[lo:hi], b, out=out[lo:hi])
+
+    parallel.for_blocks(products, a, rows=1)
+    assert len(submitted) == 1  # the second share, and nothing from within either share
+    assert (out == 64).all()
 
 
 def test_blocks_allocate_from_the_callers_cache(threads):
@@ -209,7 +227,7 @@ def test_matmul_writes_into_a_strided_out_and_falls_back_for_what_it_cannot_cut(
         assert_product_close(parallel.matmul(x, y), x, y)
 
 
-def test_products_cut_or_held_in_several_threads_at_once_restore_the_blas_threads(threads, monkeypatch):
+def test_products_cut_or_held_in_several_threads_at_once_restore_the_blas_threads(machine, threads, monkeypatch):
     threads(2)
     monkeypatch.setattr(parallel, "_CUT_MADDS", 1)
     before = blas_threads()
@@ -324,7 +342,25 @@ def blas_sets(monkeypatch):
         _blas.use(ctypes.cast(real, ctypes.c_void_p).value if real is not None else 0)
 
 
-def test_a_small_product_runs_on_one_blas_thread_and_a_large_one_on_the_threads_set(blas_sets, threads):
+class FreeCores:
+    """A stand-in for `parallel._contention`: `free` of `cores` cores free, as set."""
+
+    def __init__(self, free, cores=4):
+        self.free, self.cores = free, cores
+
+    def free_cores(self):
+        return self.free
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """The machine as `parallel.matmul` sees it: ``machine(free=0)`` (busy) by default."""
+    stand_in = FreeCores(0)
+    monkeypatch.setattr(parallel, "_contention", stand_in)
+    return stand_in
+
+
+def test_a_small_product_runs_on_one_blas_thread_and_a_large_one_on_the_threads_set(blas_sets, machine, threads):
     threads(1)  # nothing cut: each product is one BLAS call
     rng = np.random.default_rng(0)
     large = parallel._ONE_THREAD_MADDS // (512 * 256)  # rows of a product of exactly that many multiply-adds
@@ -342,7 +378,7 @@ def test_a_small_product_runs_on_one_blas_thread_and_a_large_one_on_the_threads_
     assert blas_sets == [1, 4]
 
 
-def test_small_products_inside_a_hold_set_no_threads_again(blas_sets, threads):
+def test_small_products_inside_a_hold_set_no_threads_again(blas_sets, machine, threads):
     threads(1)
     a, b = np.ones((64, 512)), np.ones((512, 256))
     with parallel.single_threaded_blas():
@@ -351,13 +387,150 @@ def test_small_products_inside_a_hold_set_no_threads_again(blas_sets, threads):
     assert blas_sets == [1, 4]
 
 
-def test_a_small_models_gradient_runs_every_product_on_one_blas_thread(blas_sets, threads):
+def test_a_small_models_gradient_runs_every_product_on_one_blas_thread(blas_sets, machine, threads):
     threads(2)
     model = lx.Chain(lx.Dense(256, 128, activation="relu"), lx.Dense(128, 64))
     ps, st = lx.setup(np.random.default_rng(0), model)
     x = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
     lx.value_and_grad(lambda ps: model(x, ps, st)[0].sum())(ps)
     assert blas_sets == [1, 4] * 5  # two forward, then three backward (x needs no gradient)
+
+
+def test_a_small_product_keeps_the_blas_threads_while_the_cores_they_need_are_free(blas_sets, machine, threads):
+    threads(1)
+    rng = np.random.default_rng(0)
+    two = 2 * parallel._BLAS_ONE_THREAD_MADDS // 512  # rows of a product OpenBLAS runs on two threads
+    for free, rows, columns, want in (
+        (4, 64, 512, []),  # 16 M multiply-adds, on all 4 threads: all 4 cores free
+        (3.6, 64, 512, []),  # within the spare share of a core
+        (3, 64, 512, [1, 4]),  # a core taken: held
+        (3, two, 1, []),  # two threads, and three cores free
+        (1, two, 1, [1, 4]),
+        (0, two, 1, [1, 4]),
+    ):
+        machine.free = free
+        a, b = rng.standard_normal((rows, 512)), rng.standard_normal((512, columns))
+        blas_sets.clear()
+        assert_product_close(parallel.matmul(a, b), a, b)
+        assert blas_sets == want, f"{free} cores free, {rows} x 512 x {columns}"
+
+
+def test_a_product_the_blas_runs_on_one_thread_itself_asks_nothing_of_the_machine(machine, threads, monkeypatch):
+    threads(1)
+    asked = []
+    monkeypatch.setattr(machine, "free_cores", lambda: asked.append(1) or 0.0)
+    own = parallel._BLAS_ONE_THREAD_MADDS // 512  # rows of a product of exactly that many multiply-adds
+    for a, b in ((np.ones((2, 2)), np.ones((2, 2))), (np.ones((own, 512)), np.ones((512, 1)))):
+        parallel.matmul(a, b)
+    assert asked == []
+    parallel.matmul(np.ones((own + 1, 512)), np.ones((512, 1)))
+    assert asked == [1]
+
+
+LAYER_PRODUCTS = {  # the layer, its shapes, and its products in a forward and backward pass
+    "conv": (lambda x, w: ops.conv(x, w, padding=1), (2, 14, 14, 16), (3, 3, 16, 32), 3),
+    "conv transpose": (lambda x, w: ops.conv_transpose(x, w, stride=2), (2, 14, 14, 16), (3, 3, 32, 16), 3),
+    "rnn": (lambda x, w: rnn_sequence(x, w, x[0]), (3, 64, 256), (256, 256), 3 + 3 + 2),
+    "gru": (lambda x, w: gru_sequence(x, w, None, x[0, :, :256]), (3, 64, 768), (256, 768), 3 + 3 + 2),
+}
+
+
+@pytest.mark.parametrize("name", LAYER_PRODUCTS)
+def test_convolutions_and_recurrent_layers_hold_their_small_products_on_a_busy_machine(name, blas_sets, machine, threads):
+    threads(2)
+    f, x_shape, w_shape, products = LAYER_PRODUCTS[name]
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal(x_shape) * 0.1, rng.standard_normal(w_shape) * 0.1
+
+    def run():
+        return lx.value_and_grad(lambda x, w: (f(x, w) ** 2).sum(), argnums=(0, 1))(x, w)
+
+    machine.free = 4  # quiet: the BLAS's threads
+    quiet = run()
+    assert blas_sets == []
+    machine.free = 0
+    busy = run()
+    assert blas_sets == [1, 4] * products  # each between the bounds (a block of rows: one)
+    for a, b in zip(lx.tree.leaves(quiet), lx.tree.leaves(busy)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_contention_is_the_cores_less_what_other_processes_ran_over_the_last_window():
+    clock, reads = Clock(), []
+    cpu = {"busy": 50.0, "own": 5.0}
+
+    def read():
+        reads.append(clock.now)
+        return cpu["busy"], cpu["own"]
+
+    contention = _contention.Contention(clock=clock, read=read, cores=2)
+    assert contention.free_cores() == 0.0  # no window yet: as if busy
+    clock.now += 0.2
+    cpu["busy"] += 0.4  # both cores for 0.2 s, all of it this process's
+    cpu["own"] += 0.4
+    assert contention.free_cores() == pytest.approx(2.0)
+    clock.now += 0.05  # within the window: the last figure, nothing read
+    cpu["busy"] += 0.1
+    assert contention.free_cores() == pytest.approx(2.0) and len(reads) == 2
+    clock.now += 0.15
+    cpu["busy"] += 0.2  # 0.3 s of the cores' time in the 0.2 s since the last read, 0.1 s this process's
+    cpu["own"] += 0.1
+    assert contention.free_cores() == pytest.approx(1.0)
+    clock.now += 0.2
+    cpu["busy"] += 0.4  # others all the while: none free, whatever this process did
+    assert contention.free_cores() == pytest.approx(0.0, abs=1e-9)
+    contention.reset()  # as after a fork
+    clock.now += 0.2
+    assert contention.free_cores() == 0.0
+
+
+def test_contention_where_the_cpu_times_cannot_be_read_is_a_busy_machine():
+    clock = Clock()
+
+    def unreadable():
+        raise OSError("no /proc/stat")
+
+    contention = _contention.Contention(clock=clock, read=unreadable, cores=2)
+    for _ in range(3):
+        clock.now += 1
+        assert contention.free_cores() == 0.0
+
+
+def test_the_cpu_seconds_are_read_for_the_processs_cpus_only(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  900 0 900 900 9 0 0 0 0 0\n"
+        "cpu0 100 1 20 1000 50 2 3 4 0 0\n"
+        "cpu1 500 0 400 10 10 0 0 0 0 0\n"
+        "cpu2 30 0 10 2000 0 0 0 6 0 0\n"
+        "intr 1 2 3\n"
+    )
+    busy, own = _contention.read_cpu_seconds({0, 2}, str(stat))
+    assert busy == pytest.approx((100 + 1 + 20 + 2 + 3 + 4 + 30 + 10 + 6) / _contention._TICKS_PER_S)
+    assert 0 <= own <= time.process_time()
+
+
+@pytest.mark.skipif(not hasattr(parallel.os, "fork"), reason="no fork")
+def test_a_forked_child_measures_the_free_cores_anew(monkeypatch):
+    clock = Clock()
+    times = iter([(10.0, 1.0), (10.0, 1.0)] + [(10.0, 0.0)] * 10)
+    contention = _contention.Contention(clock=clock, read=lambda: next(times), cores=2)
+    monkeypatch.setattr(parallel, "_contention", contention)
+    contention.free_cores()
+    clock.now += 0.2
+    assert contention.free_cores() == 2.0  # quiet in the parent
+    pid = parallel.os.fork()
+    if pid == 0:  # the child: its CPU time starts from 0, and the parent's window is gone
+        parallel.os._exit(0 if contention.free_cores() == 0.0 else 1)
+    assert parallel.os.waitpid(pid, 0)[1] == 0
 
 
 # ---- the blocked kernels give the same bits on one thread and on several ---------------

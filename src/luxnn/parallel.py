@@ -11,8 +11,9 @@ The BLAS threads its own products, but its idle threads spin for a while after e
 threaded by `for_blocks` right after a product ran no faster than on one thread. So
 `matmul` cuts large products itself, across the same threads, with the BLAS on one thread
 in each; no BLAS thread is left spinning. Small products run with the BLAS on one
-thread, which a busy machine slows in proportion, where the BLAS's threads would wait for
-the scheduler at every product (see "The BLAS's threads on a busy machine"). luxnn's own
+thread when other processes take the cores, which slows them in proportion, where the
+BLAS's threads would wait for the scheduler at every product; on a machine with the cores
+free they keep the BLAS's threads (see "The BLAS's threads on a busy machine"). luxnn's own
 idle threads poll for 2 ms before they sleep, which bridges the gaps between a step's
 kernels (waking a sleeping thread costs tens of microseconds, far more on a virtual
 machine after a pause) and gives the cores back as soon as the step is over.
@@ -48,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from . import _blas
+from ._contention import Contention
 from .memory import _core as _memory_core
 
 __all__ = ["cut", "for_blocks", "matmul", "num_threads", "set_num_threads", "single_threaded_blas", "step"]
@@ -69,18 +71,31 @@ _CUT_MADDS = 1 << 26
 # size: measured on a 2-core machine beside two busy processes, a 26 M multiply-add product
 # took 0.5 ms on one thread and 16 ms on two, and small models' steps, all such products,
 # ran 6-17x slower than quiet (10-150x in the trial that found it). On one thread the same
-# product slows only as much as the machine is shared. So every product shorter than such a turn, under `_ONE_THREAD_MADDS`
-# multiply-adds (about 1.4 ms on one core at the 48 G multiply-adds/s measured there),
-# runs with the BLAS on one thread; on a quiet machine that costs it at most the BLAS's
-# threads' speed-up, 1.9x at that size on two cores. Longer products are threaded: cut
-# here across the kernel threads (the BLAS on one thread in each) or, where they cannot
-# be cut, on the BLAS's threads; a turn lost is then in proportion to their length.
-# OpenBLAS itself runs products of at most `_BLAS_ONE_THREAD_MADDS` on one thread
-# (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD, 65536 * 4, in its gemm interface), so
-# those are left as they are: holding the BLAS costs about 0.3 us, a third of a tiny
-# product's call.
+# product slows only as much as the machine is shared. On a machine with the cores free,
+# though, the BLAS's threads are up to 1.9x faster on such a product (the MLP step: 1.4x).
+# So a product shorter than such a turn, under `_ONE_THREAD_MADDS` multiply-adds (about
+# 1.4 ms on one core at the 48 G multiply-adds/s measured there), keeps the BLAS's threads
+# while other processes left the cores they need idle over the last ~100 ms, and runs
+# with the BLAS held to one thread otherwise. The BLAS's threads for a product are taken
+# as OpenBLAS counts them, one per `_BLAS_ONE_THREAD_MADDS` up to the CPUs (its default
+# thread count); the free cores are `_contention`'s: the CPU time of the process's cores
+# (/proc/stat) less the process's own, so that what this process's threads do, the BLAS's
+# among them, does not feed back into the choice, with `_SPARE_CORES` for the noise of
+# /proc/stat's 10 ms ticks over a window. Weighed and not taken: cutting these products
+# across luxnn's threads with the caller taking any part no worker has claimed yet (a busy
+# machine then degrades to the caller doing all), which costs a hand-over of tens of us on
+# products of 50-500 us and leaves a late worker's task alive past the call; and the
+# runnable count of /proc/loadavg, one instant's, which counts this process's own threads.
+# Longer products are threaded: cut here across the kernel threads (the BLAS on one thread
+# in each) or, where they cannot be cut, on the BLAS's threads; a turn lost is then in
+# proportion to their length. OpenBLAS itself runs products of at most
+# `_BLAS_ONE_THREAD_MADDS` on one thread (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD,
+# 65536 * 4, in its gemm interface), so those are left as they are, at the price of one
+# comparison.
 _ONE_THREAD_MADDS = 1 << 26
 _BLAS_ONE_THREAD_MADDS = 1 << 18
+_SPARE_CORES = 0.5
+_contention = Contention()
 
 _threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _pool: _Workers | None = None
@@ -95,8 +110,8 @@ def num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Run kernels and cut products on `n` threads from now on (1: on the calling thread,
-    products threaded by the BLAS as it is set, but for small products and attention's
-    stacks of per-head products, which its threads only slow down), as
+    products threaded by the BLAS as it is set, but for small products on a busy machine
+    and attention's stacks of per-head products, which its threads only slow down), as
     ``torch.set_num_threads``. Call it while no other thread runs kernels: their shares
     may be handed to the retired threads, which run what they were handed before they go,
     but a share handed over after that would wait for good.
@@ -156,8 +171,9 @@ def cut(n: int, rows: int) -> list[tuple[int, int]]:
 def matmul(a: Any, b: Any, out: Any = None) -> Any:
     """``a @ b`` (as ``np.matmul``, into `out` if given). A small product of NumPy arrays
     (each of a stack's fewer than `_ONE_THREAD_MADDS` multiply-adds, and more than the
-    BLAS runs on one thread itself) runs with the BLAS held to one thread, so that a busy
-    machine slows it in proportion (see "The BLAS's threads on a busy machine"). A large
+    BLAS runs on one thread itself) runs with the BLAS held to one thread while other
+    processes take the cores its threads would need, so that a busy machine slows it in
+    proportion (see "The BLAS's threads on a busy machine"). A large
     product is cut into one part per thread, each a single-threaded BLAS call: by the
     leading axis of stacked products when every thread gets some of it, else by rows of
     `a`. Anything else (large broadcast stacks and vectors, CuPy arrays, a BLAS whose
@@ -170,9 +186,7 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     """
     madds = a.size * b.shape[-1]  # the whole call's, at least one product's: tiny ones leave at once
     if madds < _CUT_MADDS or not _cuttable(a, b):
-        if madds > _BLAS_ONE_THREAD_MADDS and type(a) is np.ndarray and (
-            _BLAS_ONE_THREAD_MADDS < _product_madds(a, b) < _ONE_THREAD_MADDS
-        ):
+        if madds > _BLAS_ONE_THREAD_MADDS and type(a) is np.ndarray and _held(_product_madds(a, b)):
             with single_threaded_blas():
                 return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
         return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)  # the first: faster
@@ -189,6 +203,16 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     with single_threaded_blas():
         _share_out(part, [(n * i // parts, n * (i + 1) // parts) for i in range(parts)])
     return out
+
+
+def _held(madds: int) -> bool:
+    """Whether a product of `madds` multiply-adds runs with the BLAS held to one thread:
+    one the BLAS would thread, shorter than a scheduler's turn, on a machine that has not
+    the cores free for the BLAS's threads (see "The BLAS's threads on a busy machine")."""
+    if not _BLAS_ONE_THREAD_MADDS < madds < _ONE_THREAD_MADDS:
+        return False
+    blas_threads = min(_contention.cores, madds // _BLAS_ONE_THREAD_MADDS)
+    return _contention.free_cores() < blas_threads - _SPARE_CORES
 
 
 def _product_madds(a: Any, b: Any) -> int:
@@ -333,8 +357,8 @@ def _share_out(kernel: Kernel, blocks: list[tuple[int, int]]) -> None:
         pool.submit(functools.partial(context.copy().run, _run_in_worker, kernel, share, call, lane))
         for lane, share in enumerate(shares[1:], start=1)
     ]
-    try:
-        _run_lane(kernel, shares[0], call, 0)
+    try:  # the caller's share as a worker's: a product or kernel in it is not cut again
+        _run_in_worker(kernel, shares[0], call, 0)
     finally:
         errors = _wait_for_all(tasks)
     for error in errors:
@@ -427,9 +451,11 @@ class step(_blas.Step):
 
 def _after_fork_in_child() -> None:
     """A forked child has only the thread that forked: the pool's threads are gone, and so
-    are the BLAS holds of other threads. A new pool is made on the child's first kernel."""
+    are the BLAS holds of other threads. A new pool is made on the child's first kernel, and
+    the free cores are measured anew (the child's CPU time starts from 0)."""
     global _pool, _pool_lock
     _pool, _pool_lock = None, threading.Lock()
+    _contention.reset()
     _blas.after_fork_in_child()
 
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from ..parallel import cut, for_blocks, num_threads
+from ..parallel import cut, for_blocks, matmul, num_threads
 
 __all__ = [
     "conv", "conv_transpose", "conv_output_size", "window_slices", "pad_spatial", "crop_spatial", "per_axis",
@@ -219,9 +219,9 @@ def _accumulate(sums: dict, key: Any, value: Any) -> None:
 def _matmul_into(out: Any, a: Any, b: Any, accumulate: bool) -> None:
     """``out = a @ b``, or ``out += a @ b``; `out` may be a strided view (BLAS writes it)."""
     if accumulate:
-        out += np.matmul(a, b)
+        out += matmul(a, b)
     else:
-        np.matmul(a, b, out=out)
+        matmul(a, b, out=out)
 
 
 def _col2im_add(target: Any, cols: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int) -> None:
@@ -245,7 +245,7 @@ def _gemm_col2im(a: Any, wg: Any, padded_shape: tuple[int, ...], kernel: tuple[i
     target = module_of(a).zeros(padded_shape, dtype)
     wt = wg.transpose(0, 2, 1)
     for n0, n1 in _blocks(padded_shape[0], per_image * wg.shape[1] * groups * np.dtype(dtype).itemsize):
-        cols = np.matmul(a[:, n0 * per_image : n1 * per_image], wt).astype(dtype, copy=False)
+        cols = matmul(a[:, n0 * per_image : n1 * per_image], wt).astype(dtype, copy=False)
         _col2im_add(target[n0:n1], cols, kernel, stride, dilation, out, groups)
         del cols  # before the next block is computed
     return target
@@ -267,7 +267,7 @@ def _correlate(
     written into `y` ``(n, *out, O)``: one im2col matrix, one GEMM per group. Called with a
     block of images, so that the matrix, about ``prod(kernel)`` times `x`, stays small."""
     cols = _im2col(_pad_or_crop(x, padding), kernel, stride, dilation, y.shape[1:-1], groups, into)
-    np.matmul(cols, wg, out=_by_group(y, groups))
+    matmul(cols, wg, out=_by_group(y, groups))
 
 
 def _im2col_gemms(
@@ -284,7 +284,7 @@ def _im2col_gemms(
         rows = slice(n0 * per_image, n1 * per_image)
         if forward is not None:
             wg, yg = forward
-            np.matmul(cols, wg, out=yg[:, rows])
+            matmul(cols, wg, out=yg[:, rows])
         if weight_grad is not None:
             gg, dwg = weight_grad
             _matmul_into(dwg, cols.transpose(0, 2, 1), gg[:, rows], accumulate=i > 0)
@@ -428,12 +428,12 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
             thread = threading.get_ident()
             with buffers.take() as cols:
                 if dxpad is not None:
-                    _col2im_add(dxpad[n0:n1], np.matmul(ggb, wg.transpose(0, 2, 1)), kernel, stride, dilation, out, groups)
+                    _col2im_add(dxpad[n0:n1], matmul(ggb, wg.transpose(0, 2, 1)), kernel, stride, dilation, out, groups)
                 elif dx is not None:
                     _correlate(gb, g_padding, wf, dx[n0:n1], kernel, stride, dilation, groups, cols)
                 if needs[1]:
                     xcols = _im2col(_pad_or_crop(x[n0:n1], padding), kernel, stride, dilation, out, groups, cols)
-                    _accumulate(dw_sums, thread, np.matmul(xcols.transpose(0, 2, 1), ggb))
+                    _accumulate(dw_sums, thread, matmul(xcols.transpose(0, 2, 1), ggb))
             if needs[2]:
                 _accumulate(db_sums, thread, _channel_sum(gb, o))
 

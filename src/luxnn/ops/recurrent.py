@@ -131,7 +131,7 @@ def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False, last_only=Fa
     hs = xp.empty(xw.shape, np.result_type(xw, w_hh, h0))
     for t in _order(seq, reverse):
         h = hs[t]
-        np.matmul(_previous(hs, h0, t, seq, reverse), w_hh, out=h)
+        matmul(_previous(hs, h0, t, seq, reverse), w_hh, out=h)
         h += xw[t]
         if activation == "tanh":
             np.tanh(h, out=h)
@@ -151,7 +151,7 @@ def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False, last_only=Fa
                 dt *= dh
             else:
                 np.multiply(dh, y > 0, out=dt)
-            np.matmul(dt, w_hh.T, out=dh)
+            matmul(dt, w_hh.T, out=dh)
         gw = _hidden_weight_grad(hs, h0, d, reverse) if needs[1] else None
         return d, gw, dh
 
@@ -174,7 +174,7 @@ def _lstm_forward_steps(inputs, weights, gates, out, tanh_c, c0, reverse):
     c_prev = c0
     for k, t in enumerate(order):
         a, h, c = gates[:, t], out[:, t, :H], out[:, t, H:]
-        np.matmul(inputs[:, t], weights, out=a)
+        matmul(inputs[:, t], weights, out=a)
         for sig in (a[:, : 2 * H], a[:, 3 * H :]):
             sig *= 0.5
             np.tanh(sig, out=sig)
@@ -223,7 +223,7 @@ def _lstm_backward_steps(gates, tanh_c, out, c0, g, dhc, d, weights, reverse, ne
         slopes[:, 2 * H : 3 * H] = 1 - gg * gg
         dt *= slopes
         if k > 0 or need_h0:
-            np.matmul(dt, weights[:H].T, out=dh)
+            matmul(dt, weights[:H].T, out=dh)
 
 
 def _lstm_passes(xp, dtype):
@@ -295,9 +295,9 @@ def lstm_sequence(x, w_ih, b, w_hh, h0, c0, *, reverse=False, last_only=False):
             # Then, over all of the block's steps at once (its rows are contiguous):
             d_rows = d[lo:hi].reshape(-1, 4 * H)
             if needs[0]:
-                np.matmul(d_rows, weights[H : H + n_in].T, out=gx[lo:hi].reshape(-1, n_in))
+                matmul(d_rows, weights[H : H + n_in].T, out=gx[lo:hi].reshape(-1, n_in))
             if any(needs[1:4]):
-                weight_grads[lo] = np.matmul(inputs[lo:hi].reshape(-1, width).T, d_rows)  # [w_hh; w_ih; b]'s
+                weight_grads[lo] = matmul(inputs[lo:hi].reshape(-1, width).T, d_rows)  # [w_hh; w_ih; b]'s
 
         _by_rows(backward, h0, seq * (w_hh.size + weights.size))
         gw_ih = gb = gw_hh = None
@@ -349,7 +349,7 @@ def gru_sequence(xw, w_hh, b_hh, h0, *, reverse=False, last_only=False):
     hs = xp.empty((seq, batch, H), dtype)
     for t in _order(seq, reverse):
         gh, a, h, x_t, h_prev = hidden_proj[t], gates[t], hs[t], xw[t], _previous(hs, h0, t, seq, reverse)
-        np.matmul(h_prev, w_hh, out=gh)
+        matmul(h_prev, w_hh, out=gh)
         if b_hh is not None:
             gh += b_hh
         rz = a[:, : 2 * H]
@@ -398,7 +398,7 @@ def gru_sequence(xw, w_hh, b_hh, h0, *, reverse=False, last_only=False):
             dhid[:, : 2 * H] = di[:, : 2 * H]
             np.multiply(dn, r, out=dhid[:, 2 * H :])
             dh *= z
-            dh += np.matmul(dhid, w_hh.T, out=scratch)
+            dh += matmul(dhid, w_hh.T, out=scratch)
         gw = _hidden_weight_grad(hs, h0, d_hid, reverse) if needs[1] else None
         gb = d_hid.reshape(-1, 3 * H).sum(axis=0) if b_hh is not None and needs[2] else None
         return d_in, gw, gb, dh
