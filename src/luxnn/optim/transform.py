@@ -943,6 +943,16 @@ def _factored_dims(shape: tuple, factored: bool, min_dim_size_to_factor: int) ->
     return int(order[-2]), int(order[-1])
 
 
+def _factored_decay(xp: Any, steps: Any, decay_rate: float) -> Any:
+    """Adafactor's decay ``1 - t**-decay_rate`` (t = steps + 1) as optax defines it: a float32
+    computation, the exponent a float32 too. The power is taken in float64 and rounded once,
+    which gives the correctly rounded float32 power (NumPy's float32 power is an ulp off it
+    at some steps, e.g. t = 4 for 0.8, which moves the updates by 1e-8 relative)."""
+    t = xp.asarray(steps + 1, dtype=np.float64)
+    power = (t ** float(np.float32(-decay_rate))).astype(np.float32)
+    return 1.0 - power
+
+
 class _ScaleByFactoredRms(InPlace):
     def __init__(self, factored: bool, decay_rate: float, step_offset: int, min_dim_size_to_factor: int,
                  epsilon: float) -> None:
@@ -972,28 +982,27 @@ class _ScaleByFactoredRms(InPlace):
         check_params("scale_by_factored_rms", params)
         check_match(params, "params", grads, "grads")
         xp = module_of(state.count)
-        # Adafactor's decay 1 - t^(-decay_rate), t the 1-based step, in float32 as optax.
-        t = xp.asarray(state.count - self.step_offset + 1, dtype=np.float32)
-        decay = 1.0 - t ** np.float32(-self.decay_rate)
+        decay = _factored_decay(xp, state.count - self.step_offset, self.decay_rate)
+        retain = 1.0 - decay  # in float32, as optax
         epsilon = self.epsilon
 
         def leaf(g: Any, v_row: Any, v_col: Any, v: Any) -> tuple[Any, ...]:
             gc = upcast(g)
-            d = scalar_as(decay, gc.dtype)
+            d, r = scalar_as(decay, gc.dtype), scalar_as(retain, gc.dtype)
             square = gc * gc
             square += epsilon
             dims = self._dims(g.shape)
             if dims is None:
                 new_v = xp.multiply(v, d, out=out_buffer(v, in_place))
-                new_v += square * (1.0 - d)
+                new_v += square * r
                 update = new_v ** -0.5
                 update *= gc
                 return cast_like(update, g), v_row, v_col, new_v
             d1, d0 = dims
             new_row = xp.multiply(v_row, d, out=out_buffer(v_row, in_place))
-            new_row += square.mean(axis=d0) * (1.0 - d)
+            new_row += square.mean(axis=d0) * r
             new_col = xp.multiply(v_col, d, out=out_buffer(v_col, in_place))
-            new_col += square.mean(axis=d1) * (1.0 - d)
+            new_col += square.mean(axis=d1) * r
             reduced_d1 = d1 - 1 if d1 > d0 else d1
             row_factor = (new_row / new_row.mean(axis=reduced_d1, keepdims=True)) ** -0.5
             col_factor = new_col ** -0.5
