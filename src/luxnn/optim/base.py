@@ -3,18 +3,23 @@ transformations of this package have in common.
 
 A `GradientTransformation` is a pair of functions, ``init(params) -> opt_state`` and
 ``update(grads, opt_state, params=None) -> (updates, opt_state)``; `chain` composes them.
-The functions are bound methods of small module-level classes (never local closures), so
-an optimiser pickles and deep-copies with its configuration.
+The functions are bound methods of small module-level classes, `Stage` subclasses (never
+local closures), so an optimiser pickles and deep-copies with its configuration. A stage
+declares what more than a pure `update` it can do by subclassing the capabilities below
+(`InPlaceUpdate`, `UpdateInto`, `FreshUpdates`, `OwnedUpdate`, `FoldedFactor`,
+`ScaledUpdate`); `chain`, the wrappers and `update_and_apply_` look for them with
+`isinstance`. A transformation made of other functions runs on the pure path.
 """
 
 from __future__ import annotations
 
+import abc
 import math
 import operator
 import typing
 import weakref
 from types import ModuleType
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Protocol, Union, runtime_checkable
 
 import numpy as np
 
@@ -23,6 +28,8 @@ from luxnn.backend import module_of
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "EmptyState",
+    "Stage", "Stateless", "InPlaceUpdate", "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor",
+    "ScaledUpdate", "InPlace", "Listening", "precheck", "update_into", "listen",
     "apply_updates", "apply_updates_", "update_and_apply_", "incremental_update", "periodic_update", "global_norm",
     "identity", "set_to_zero", "chain",
 ]  # fmt: skip
@@ -74,45 +81,126 @@ class GradientTransformation(NamedTuple):
         >>> state[0].mu["w"] is mu, mu
         (True, array([0.1, 0.1]))
         """
-        in_place = getattr(getattr(self.update, "__self__", None), "update_in_place", None)
-        return (in_place or self.update)(grads, opt_state, params)
+        stage = self.stage
+        if isinstance(stage, InPlaceUpdate):
+            return stage.update_in_place(grads, opt_state, params)
+        return self.update(grads, opt_state, params)
+
+    @property
+    def stage(self) -> Stage | None:
+        """The `Stage` whose ``update`` method this transformation's `update` is (every
+        building block, `chain` and wrapper of `luxnn.optim`), or None for one made of
+        other functions: what declares its capabilities."""
+        owner = getattr(self.update, "__self__", None)
+        return owner if isinstance(owner, Stage) and owner.update == self.update else None
 
 
 class EmptyState(NamedTuple):
     """The state of a transformation that remembers nothing."""
 
 
-def transformation(stage: Any) -> GradientTransformation:
-    """The `GradientTransformation` of `stage`, an object with `init` and `update` methods
-    whose configuration lives in its fields (so that it pickles)."""
+class Stage(abc.ABC):
+    """A building block of an optimiser: `init` and the pure `update` of a
+    `GradientTransformation` (see `transformation`), its configuration in its fields.
+
+    A stage that can do more declares it by also subclassing the capabilities below; what
+    it does not declare runs on the pure path, with the same numbers. The results of the
+    faster paths are those of `update`, bit for bit.
+    """
+
+    @abc.abstractmethod
+    def init(self, params: Params) -> OptState:
+        """The state before the first update."""
+
+    @abc.abstractmethod
+    def update(self, grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
+        """The updates and the new state; writes into none of its arguments."""
+
+    def precheck(self, state: OptState) -> None:
+        """Raise what `update` of `state` would raise for another reason than the gradients
+        (a hyperparameter or a schedule's value out of its domain); a stage holding inner
+        transformations passes it on to them (`precheck`). What lets `update_and_apply_`
+        refuse bad input before its first stage writes anything. Nothing, by default."""
+
+
+class InPlaceUpdate(Stage):
+    """A stage that can write its new state into the arrays of the old one."""
+
+    @abc.abstractmethod
+    def update_in_place(self, grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
+        """As `update`, with the new state written into the arrays of `state` where they can
+        be (`out_buffer`): what `GradientTransformation.update_` calls."""
+
+
+class UpdateInto(Stage):
+    """A stage that can add its updates into the parameters as it makes them."""
+
+    @abc.abstractmethod
+    def update_into(self, grads: Updates, state: OptState, params: Params, into: list) -> OptState:
+        """As ``update_in_place``, with each leaf's update added into ``into[i]`` (the
+        parameters' arrays, in leaf order) instead of returned, as soon as it is computed
+        (one leaf's update alive at a time; a `Workspace` may hold every leaf's scratch);
+        returns the new state. What `update_and_apply_` runs."""
+
+
+class FreshUpdates(Stage):
+    """A stage whose updates are arrays it has just made, held by nothing else (not the
+    gradients, not a buffer of its state): the next stage may write into them."""
+
+
+class OwnedUpdate(Stage):
+    """A stage that can compute its updates in the arrays of the updates it is given."""
+
+    @abc.abstractmethod
+    def update_owned(self, updates: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
+        """As `update`, free to write into `updates`: `chain` calls it after a stage with
+        `FreshUpdates`."""
+
+
+class FoldedFactor(Stage):
+    """A stage that only multiplies the updates by a scalar (a learning rate)."""
+
+    @abc.abstractmethod
+    def folded_factor(self, state: OptState) -> tuple[Any, OptState]:
+        """The factor of this update and the new state."""
+
+
+class ScaledUpdate(Stage):
+    """A stage that can multiply its updates by a factor within its last product: `chain`
+    folds a `FoldedFactor` stage that follows it into it (Adam's direction and the learning
+    rate: one pass over memory fewer per leaf)."""
+
+    @abc.abstractmethod
+    def update_scaled(self, grads: Updates, state: OptState, params: Params, factor: Any, in_place: bool,
+                      into: list | None = None) -> tuple[Updates, OptState]:
+        """The pure (`in_place` False), in-place or added-`into` update, times `factor`."""
+
+
+@runtime_checkable
+class Listening(Protocol):
+    """An optimizer that takes the gradients while the backward pass finishes them (e.g.
+    ``luxnn.distributed.DistributedOptimizer(..., overlap=True)``): see `listen`."""
+
+    def listen(self, params: Params) -> Callable[[int, Any], None] | None: ...
+
+
+def listen(optimizer: GradientTransformation, params: Params) -> Callable[[int, Any], None] | None:
+    """The training verbs call this before each backward pass: for a `Listening` optimizer,
+    its ``on_gradient(position, gradient)``, which `luxnn.ad.value_and_grad` calls once per
+    leaf of `params` (`position` in `luxnn.tree.leaves` order) as soon as its gradient is
+    final; None for any other optimizer (or one that does not listen to this pass).
+
+    >>> import numpy as np
+    >>> from luxnn import optim
+    >>> listen(optim.adam(1e-3), {"w": np.zeros(2)}) is None
+    True
+    """
+    return optimizer.listen(params) if isinstance(optimizer, Listening) else None
+
+
+def transformation(stage: Stage) -> GradientTransformation:
+    """The `GradientTransformation` of `stage` (its bound ``init`` and ``update``)."""
     return GradientTransformation(stage.init, stage.update)
-
-
-# Stages may take part in three protocols, which save arrays and passes over memory (a
-# chain's updates are its own until it returns them; the results are those of the stages
-# one after the other):
-# - ``update_in_place(grads, state, params)``: as ``update``, with the new state written
-#   into the arrays of `state` where they can be (`out_buffer`); what
-#   `GradientTransformation.update_` calls. `chain` and the wrappers forward it to their
-#   inner transformations (`InPlace` gives a stage both from one ``compute``).
-# - ``update_into(grads, state, params, into) -> new_state``: as ``update_in_place``, with
-#   each leaf's update added into ``into[i]`` (the parameters' arrays, in leaf order)
-#   instead of returned, as soon as it is computed: one leaf's update is alive at a time,
-#   and a block may compute every leaf in one `Workspace`. What `update_and_apply_` runs.
-# - ``fresh_updates = True``: the stage's updates are arrays it has just made, held by
-#   nothing else (not the gradients, not a buffer of its state);
-#   ``update_owned(updates, state, params)``: as ``update``, and free to write into
-#   `updates`; `chain` calls it after a stage with fresh updates.
-# - ``folded_factor(state) -> (factor, new_state)``: a stage that only multiplies the
-#   updates by a scalar (a learning rate);
-#   ``update_scaled(grads, state, params, factor, in_place, into)``: as ``compute`` with
-#   the updates multiplied by `factor`, folded into its last product. `chain` folds the first
-#   into the second when they follow each other (Adam's direction and the learning rate:
-#   one pass over memory fewer per leaf).
-# - ``precheck(state)``: raise what ``update`` of `state` would raise for another reason than
-#   the gradients (a hyperparameter or a schedule's value out of its domain), and pass it on
-#   to the inner transformations with their states (`precheck`): what lets
-#   `update_and_apply_` refuse bad input before its first stage writes anything.
 
 
 def state_type(stage: Any) -> type | None:
@@ -149,18 +237,22 @@ def check_state_type(stage: Any, state: Any) -> None:
 def precheck(transformation: GradientTransformation, state: OptState) -> None:
     """Raise, before anything is written, what `transformation`'s update of `state` would
     raise for another reason than its gradients: a state made by another optimizer, a
-    hyperparameter or a schedule's value out of its domain (see ``precheck`` above).
-    `update_and_apply_` runs it first."""
-    stage = getattr(transformation.update, "__self__", None)
-    if stage is None:
-        return
-    check_state_type(stage, state)
-    own = getattr(stage, "precheck", None)
-    if own is not None:
-        own(state)
+    hyperparameter or a schedule's value out of its domain (`Stage.precheck`).
+    `update_and_apply_` runs it first; a transformation that is no `Stage` checks nothing.
+
+    >>> import numpy as np
+    >>> from luxnn import optim
+    >>> precheck(optim.adam(1e-3), optim.sgd(0.1, momentum=0.9).init({"w": np.zeros(2)}))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: expected an optimizer state of type ScaleByAdamState, got one of type TraceState: ...
+    """
+    stage = transformation.stage
+    if stage is not None:
+        check_state_type(stage, state)
+        stage.precheck(state)
 
 
-class Stateless:
+class Stateless(Stage):
     """Base of the stages that remember nothing: `init` returns `EmptyState` (so their
     in-place update is their update)."""
 
@@ -168,16 +260,17 @@ class Stateless:
         return EmptyState()
 
 
-class InPlace:
-    """Base of the stages that can write their new state into the old state's arrays:
-    they define ``compute(grads, state, params, in_place, into=None)``, which is
-    ``update`` with ``in_place=False`` (pure, as optax), ``update_in_place`` with True,
-    and ``update_into`` with `into` given (it then returns None for the updates it added,
-    or the updates, which are then added here)."""
+class InPlace(InPlaceUpdate, UpdateInto):
+    """Base of the stages that make their three updates from one
+    ``compute(grads, state, params, in_place, into=None)``: ``update`` with
+    ``in_place=False`` (pure, as optax), ``update_in_place`` with True, and
+    ``update_into`` with `into` given (it then returns None for the updates it added, or
+    the updates, which are then added here)."""
 
+    @abc.abstractmethod
     def compute(self, grads: Updates, state: OptState, params: Params, in_place: bool,
                 into: list | None = None) -> tuple[Updates, OptState]:
-        raise NotImplementedError
+        """The update (see the class)."""
 
     def update(self, grads: Updates, state: OptState, params: Params = None) -> tuple[Updates, OptState]:
         check_state_type(self, state)
@@ -197,12 +290,22 @@ class InPlace:
 
 def update_into(transformation: GradientTransformation, grads: Updates, state: OptState, params: Params,
                 into: list) -> OptState:
-    """`transformation`'s in-place update with its updates added into `into` (arrays, one
-    per leaf of `grads`); returns the new state. Transformations without ``update_into``
-    run `GradientTransformation.update_`, and their updates are added after."""
-    stage_into = getattr(getattr(transformation.update, "__self__", None), "update_into", None)
-    if stage_into is not None:
-        return stage_into(grads, state, params, into)
+    """`transformation`'s in-place update (`GradientTransformation.update_`, which consumes
+    `state`) with its updates added into `into`, a list of arrays, one per leaf of `grads`
+    (usually the parameters' arrays, ``luxnn.tree.leaves(params)``); returns the new state.
+    A stage declaring `UpdateInto` adds each leaf's update as soon as it is computed; for
+    any other, the updates are computed first and then added.
+
+    >>> import numpy as np
+    >>> from luxnn import optim, tree
+    >>> params, opt = {"w": np.ones(2)}, optim.sgd(0.5)
+    >>> state = update_into(opt, {"w": np.ones(2)}, opt.init(params), params, tree.leaves(params))
+    >>> params["w"]
+    array([0.5, 0.5])
+    """
+    stage = transformation.stage
+    if isinstance(stage, UpdateInto):
+        return stage.update_into(grads, state, params, into)
     updates, state = transformation.update_(grads, state, params)
     add_into(into, updates, grads)
     return state
@@ -751,23 +854,45 @@ def set_to_zero() -> GradientTransformation:
     return transformation(_SetToZero())
 
 
+# How `chain` runs a stage: its own update (pure, in place or adding `into`), its update
+# into the updates the stage before made (`OwnedUpdate` after `FreshUpdates`), or its
+# update scaled by the factor of the stage after it (`ScaledUpdate`, then `FoldedFactor`).
+_OWN, _OWNED, _SCALED = "own", "owned", "scaled"
+
+
+def _plan(stages: list) -> list[tuple[int, str]]:
+    """(position of the stage, how it runs) for each step of a chain of `stages` (None for
+    a transformation that is no `Stage`), from what they declare."""
+    steps, i, fresh = [], 0, False  # fresh: the updates so far are arrays nothing else holds
+    while i < len(stages):
+        stage, follower = stages[i], stages[i + 1] if i + 1 < len(stages) else None
+        if isinstance(stage, ScaledUpdate) and isinstance(follower, FoldedFactor):
+            steps.append((i, _SCALED))
+            stage, i = follower, i + 2
+        else:
+            steps.append((i, _OWNED if fresh and isinstance(stage, OwnedUpdate) else _OWN))
+            i += 1
+        fresh = isinstance(stage, FreshUpdates)
+    return steps
+
+
 class _Chain(InPlace):
     def __init__(self, transforms: tuple[GradientTransformation, ...]) -> None:
         self.transforms = transforms
+        self.stages = [t.stage for t in transforms]
+        self.steps = _plan(self.stages)
 
     def init(self, params: Params) -> tuple:
         return tuple(t.init(params) for t in self.transforms)
 
-    def _check_state(self, state: Any) -> list:
-        """The stages, once `state` is checked to hold one state of the right type per stage."""
-        transforms = self.transforms
-        if not isinstance(state, tuple) or len(state) != len(transforms):
+    def _check_state(self, state: Any) -> None:
+        """A ValueError unless `state` holds one state of the right type per stage."""
+        n = len(self.transforms)
+        if not isinstance(state, tuple) or len(state) != n:
             size = len(state) if isinstance(state, tuple) else type(state).__name__
-            raise ValueError(f"chain of {len(transforms)} transformations got an optimizer state of {size} entries")
-        stages = [getattr(t.update, "__self__", None) for t in transforms]
-        for stage, s in zip(stages, state):
+            raise ValueError(f"chain of {n} transformations got an optimizer state of {size} entries")
+        for stage, s in zip(self.stages, state):
             check_state_type(stage, s)
-        return stages
 
     def precheck(self, state: tuple) -> None:
         self._check_state(state)
@@ -776,30 +901,23 @@ class _Chain(InPlace):
 
     def compute(self, grads: Updates, state: tuple, params: Params, in_place: bool,
                 into: list | None = None) -> tuple[Updates, tuple]:
-        transforms = self.transforms
-        stages = self._check_state(state)
+        self._check_state(state)
         new_states: list = []
-        owned = False  # whether `grads` are arrays the previous stage made and nothing else holds
-        i, n = 0, len(transforms)
-        while i < n:
-            stage, follower = stages[i], stages[i + 1] if i + 1 < n else None
-            owned_update = getattr(stage, "update_owned", None) if owned else None
-            if hasattr(stage, "update_scaled") and hasattr(follower, "folded_factor"):
-                factor, follower_state = follower.folded_factor(state[i + 1])
-                last = into if i + 2 == n else None
-                grads, s = stage.update_scaled(grads, state[i], params, factor, in_place, last)
+        last = len(self.transforms) - 1
+        for i, how in self.steps:
+            t, stage, s = self.transforms[i], self.stages[i], state[i]
+            if how == _SCALED:
+                factor, follower_state = self.stages[i + 1].folded_factor(state[i + 1])
+                grads, s = stage.update_scaled(grads, s, params, factor, in_place, into if i + 1 == last else None)
                 new_states += [s, follower_state]
-                i += 2
-            elif into is not None and i + 1 == n and owned_update is None:  # the last stage adds its updates
-                new_states.append(update_into(transforms[i], grads, state[i], params, into))
-                grads = None
-                i += 1
+                continue
+            if how == _OWNED:
+                grads, s = stage.update_owned(grads, s, params)
+            elif into is not None and i == last:  # the last stage adds its updates
+                grads, s = None, update_into(t, grads, s, params, into)
             else:
-                t = transforms[i]
-                grads, s = (owned_update or (t.update_ if in_place else t.update))(grads, state[i], params)
-                new_states.append(s)
-                i += 1
-            owned = getattr(stages[i - 1], "fresh_updates", False)
+                grads, s = (t.update_ if in_place else t.update)(grads, s, params)
+            new_states.append(s)
         return grads, tuple(new_states)
 
 

@@ -24,7 +24,8 @@ from luxnn import tree
 from luxnn.backend import module_of
 
 from .base import (
-    EmptyState, GradientTransformation, InPlace, Params, ScalarOrSchedule, Schedule, Stateless, Updates, Workspace,
+    EmptyState, FoldedFactor, FreshUpdates, GradientTransformation, InPlace, OwnedUpdate, Params, ScalarOrSchedule,
+    ScaledUpdate, Schedule, Stage, Stateless, UpdateInto, Updates, Workspace,
     cast_like, check_decay, global_norm, check_float, check_learning_rate, check_match, check_params,
     check_schedule_value, check_steps,
     compute_dtype, identity, leafwise, map_arrays, next_count, out_buffer, scalar_as, transformation, upcast,
@@ -223,8 +224,7 @@ def _correction(decay: float, count: Any) -> Any:
 # Scaling
 
 
-class _Scale(Stateless):
-    fresh_updates = True
+class _Scale(Stateless, FreshUpdates, OwnedUpdate, UpdateInto, FoldedFactor):
 
     def __init__(self, factor: float) -> None:
         self.factor = factor
@@ -279,9 +279,7 @@ def scale(factor: float) -> GradientTransformation:
     return transformation(_Scale(check_float("scale: factor", factor, low=-math.inf)))
 
 
-class _ScaleBySchedule:
-    fresh_updates = True
-
+class _ScaleBySchedule(FreshUpdates, OwnedUpdate, UpdateInto, FoldedFactor):
     def __init__(self, step_size_fn: Schedule) -> None:
         self.step_size_fn = step_size_fn
 
@@ -429,8 +427,7 @@ def ema(decay: float, debias: bool = True) -> GradientTransformation:
 # Adam and its family
 
 
-class _ScaleByAdam(InPlace):
-    fresh_updates = True
+class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate):
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
         self.b1, self.b2, self.eps, self.eps_root, self.nesterov = b1, b2, eps, eps_root, nesterov
@@ -491,8 +488,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
                                        check_float("eps_root", eps_root), bool(nesterov)))
 
 
-class _ScaleByAmsgrad(InPlace):
-    fresh_updates = True
+class _ScaleByAmsgrad(InPlace, FreshUpdates):
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, correct_mu: bool, correct_nu: bool) -> None:
         self.b1, self.b2, self.eps, self.eps_root = b1, b2, eps, eps_root
@@ -544,8 +540,7 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_
                                           bool(bias_correction_nu)))
 
 
-class _ScaleByAdamax(InPlace):
-    fresh_updates = True
+class _ScaleByAdamax(InPlace, FreshUpdates):
 
     def __init__(self, b1: float, b2: float, eps: float) -> None:
         self.b1, self.b2, self.eps = b1, b2, eps
@@ -587,8 +582,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
     return transformation(_ScaleByAdamax(check_decay("b1", b1), check_decay("b2", b2), check_float("eps", eps)))
 
 
-class _ScaleByLion(InPlace):
-    fresh_updates = True
+class _ScaleByLion(InPlace, FreshUpdates):
 
     def __init__(self, b1: float, b2: float) -> None:
         self.b1, self.b2 = b1, b2
@@ -621,8 +615,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     return transformation(_ScaleByLion(check_decay("b1", b1), check_decay("b2", b2)))
 
 
-class _ScaleByRadam(InPlace):
-    fresh_updates = True
+class _ScaleByRadam(InPlace, FreshUpdates):
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, threshold: float, nesterov: bool) -> None:
         self.b1, self.b2, self.eps, self.eps_root = b1, b2, eps, eps_root
@@ -682,8 +675,7 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_ro
                                         bool(nesterov)))
 
 
-class _ScaleByBelief(InPlace):
-    fresh_updates = True
+class _ScaleByBelief(InPlace, FreshUpdates):
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
         self.b1, self.b2, self.eps, self.eps_root, self.nesterov = b1, b2, eps, eps_root, nesterov
@@ -782,8 +774,7 @@ def _divide_by_root_plus_eps(g: Any, accumulator: Any, eps: float) -> Any:
     return denominator
 
 
-class _ScaleByRms(InPlace):
-    fresh_updates = True
+class _ScaleByRms(InPlace, FreshUpdates):
 
     def __init__(self, decay: float, eps: float) -> None:
         self.decay, self.eps = decay, eps
@@ -817,8 +808,7 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8) -> GradientTransformatio
     return transformation(_ScaleByRms(check_float("decay", decay, high=1.0), check_float("eps", eps)))
 
 
-class _ScaleByStddev(InPlace):
-    fresh_updates = True
+class _ScaleByStddev(InPlace, FreshUpdates):
 
     def __init__(self, decay: float, eps: float) -> None:
         self.decay, self.eps = decay, eps
@@ -854,8 +844,7 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8) -> GradientTransforma
     return transformation(_ScaleByStddev(check_float("decay", decay, high=1.0), check_float("eps", eps)))
 
 
-class _ScaleByRss(InPlace):
-    fresh_updates = True
+class _ScaleByRss(InPlace, FreshUpdates):
 
     def __init__(self, initial_accumulator_value: float, eps: float) -> None:
         self.initial_accumulator_value, self.eps = initial_accumulator_value, eps
@@ -1179,8 +1168,7 @@ def adaptive_grad_clip(clipping: float, eps: float = 1e-3) -> GradientTransforma
 # Weight decay, noise, NaNs
 
 
-class _AddDecayedWeights(Stateless):
-    fresh_updates = True
+class _AddDecayedWeights(Stateless, FreshUpdates):
 
     def __init__(self, weight_decay: float) -> None:
         self.weight_decay = weight_decay
@@ -1219,7 +1207,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: Any = None) -> Gradient
     return masked(t, mask)
 
 
-class _AddNoise:
+class _AddNoise(Stage):
     def __init__(self, eta: float, gamma: float, seed: int) -> None:
         self.eta, self.gamma, self.seed = eta, gamma, seed
 
@@ -1264,7 +1252,7 @@ def add_noise(eta: float = 0.01, gamma: float = 0.55, seed: int = 0) -> Gradient
                                     int(seed)))
 
 
-class _ZeroNans:
+class _ZeroNans(Stage):
     def init(self, params: Params) -> ZeroNansState:
         return ZeroNansState(found_nan=tree.map(lambda p: module_of(p).zeros((), dtype=bool), params))
 

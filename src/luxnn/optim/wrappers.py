@@ -393,12 +393,12 @@ class MultiSteps(GradientTransformation):
         return super().__new__(cls, stage.init, stage.update)
 
     def __getnewargs__(self) -> tuple:  # pickle and copy rebuild it from its arguments
-        stage = self.init.__self__
+        stage = self.stage
         return stage.opt, stage.every_k_schedule, stage.use_grad_mean
 
     @property
     def inner_opt(self) -> GradientTransformation:
-        return self.init.__self__.opt
+        return self.stage.opt
 
     def has_updated(self, state: MultiStepsState) -> Any:
         """Whether the update that produced `state` applied the inner optimizer."""
