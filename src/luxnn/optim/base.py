@@ -896,8 +896,9 @@ class _Chain(InPlace):
 
     def precheck(self, state: tuple) -> None:
         self._check_state(state)
-        for t, s in zip(self.transforms, state):
-            precheck(t, s)
+        for stage, s in zip(self.stages, state):
+            if stage is not None:
+                stage.precheck(s)
 
     def compute(self, grads: Updates, state: tuple, params: Params, in_place: bool,
                 into: list | None = None) -> tuple[Updates, tuple]:
