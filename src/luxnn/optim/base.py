@@ -100,12 +100,24 @@ class EmptyState(NamedTuple):
 
 
 class Stage(abc.ABC):
-    """A building block of an optimiser: `init` and the pure `update` of a
-    `GradientTransformation` (see `transformation`), its configuration in its fields.
+    """A building block of an optimiser: the `init` and pure `update` of the
+    ``GradientTransformation(stage.init, stage.update)``, its configuration in its fields.
 
     A stage that can do more declares it by also subclassing the capabilities below; what
     it does not declare runs on the pure path, with the same numbers. The results of the
     faster paths are those of `update`, bit for bit.
+
+    >>> import numpy as np
+    >>> from luxnn import optim, tree
+    >>> class Halve(optim.Stateless, optim.FoldedFactor):  # a factor chain folds into Adam
+    ...     def update(self, grads, state, params=None):
+    ...         return tree.map(lambda g: 0.5 * g, grads), state
+    ...     def folded_factor(self, state):
+    ...         return 0.5, state
+    >>> halve = Halve()
+    >>> opt = optim.chain(optim.scale_by_adam(), optim.GradientTransformation(halve.init, halve.update))
+    >>> opt.update({"w": np.ones(2)}, opt.init({"w": np.zeros(2)}))[0]["w"]
+    array([0.5, 0.5])
     """
 
     @abc.abstractmethod
