@@ -26,7 +26,7 @@ from .ad import AutoTape, Traced, value_and_grad
 from .core import Layer, describe
 from .devices import check_same_device
 from .memory import cached, get_allocator_cache, step
-from .optim.base import check_gradients
+from .optim.checks import check_gradients
 
 __all__ = [
     "TrainState", "compute_gradients", "apply_gradients", "apply_gradients_",

@@ -50,7 +50,9 @@ from .schedule import *  # noqa: F403
 from .schedule import __all__ as _schedule
 from .transform import *  # noqa: F403
 from .transform import __all__ as _transform
+from .update import *  # noqa: F403
+from .update import __all__ as _update
 from .wrappers import *  # noqa: F403
 from .wrappers import __all__ as _wrappers
 
-__all__ = [*_base, *_transform, *_alias, *_schedule, *_wrappers]
+__all__ = [*_base, *_update, *_transform, *_alias, *_schedule, *_wrappers]

@@ -12,11 +12,12 @@ from .arithmetic import (
     PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average, moving_average_of_squares,
     no_buffer,
 )  # fmt: skip
-from .base import (
-    FreshUpdates, GradientTransformation, InPlace, Params, ScaledUpdate, Updates, Workspace, cast_like, check_decay,
-    check_float, check_match, leafwise, next_count, out_buffer, scalar_as, transformation, upcast, zero_count,
-    zeros_like_tree,
+from .arrays import (
+    Params, Updates, Workspace, cast_like, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count,
+    zeros_like_tree
 )  # fmt: skip
+from .base import FreshUpdates, GradientTransformation, InPlace, ScaledUpdate, transformation
+from .checks import check_decay, check_float, check_match
 
 __all__ = [
     "ScaleByAdamState", "ScaleByAmsgradState", "ScaleByLionState", "ScaleByBeliefState", "scale_by_adam",

@@ -8,7 +8,7 @@ from typing import Any
 
 from luxnn.backend import module_of
 
-from .base import Updates, cast_like, compute_dtype, map_arrays, scalar_as, upcast
+from .arrays import Updates, cast_like, compute_dtype, map_arrays, scalar_as, upcast
 
 
 def moving_average(g: Any, m: Any, decay: float, scratch: Any = None, out: Any = None) -> Any:

@@ -10,10 +10,10 @@ from luxnn import tree
 from luxnn.backend import module_of
 
 from .arithmetic import root_mean_square, scaled, times
-from .base import (
-    EmptyState, GradientTransformation, Params, Stage, Stateless, Updates, cast_like, check_float, check_match,
-    check_params, global_norm, leafwise, map_arrays, transformation, upcast,
-)  # fmt: skip
+from .arrays import Params, Updates, cast_like, leafwise, map_arrays, upcast
+from .base import EmptyState, GradientTransformation, Stage, Stateless, transformation
+from .checks import check_float, check_match, check_params
+from .update import global_norm
 
 __all__ = [
     "ZeroNansState", "clip", "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip", "zero_nans",

@@ -10,10 +10,9 @@ import numpy as np
 
 from luxnn.backend import module_of
 
-from .base import (
-    EmptyState, FreshUpdates, GradientTransformation, Params, Stage, Stateless, Updates, cast_like, check_float,
-    check_match, check_params, map_arrays, next_count, scalar_as, transformation, upcast, zero_count,
-)  # fmt: skip
+from .arrays import Params, Updates, cast_like, map_arrays, next_count, scalar_as, upcast, zero_count
+from .base import EmptyState, FreshUpdates, GradientTransformation, Stage, Stateless, transformation
+from .checks import check_float, check_match, check_params
 
 __all__ = [
     "AddNoiseState", "add_decayed_weights", "add_noise",

@@ -7,10 +7,11 @@ from typing import Any, NamedTuple
 from luxnn.backend import module_of
 
 from .arithmetic import bias_correction, moving_average
-from .base import (
-    GradientTransformation, InPlace, Params, Updates, cast_like, check_decay, check_float, check_match, leafwise,
-    next_count, out_buffer, scalar_as, transformation, upcast, zero_count, zeros_like_tree,
+from .arrays import (
+    Params, Updates, cast_like, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count, zeros_like_tree
 )  # fmt: skip
+from .base import GradientTransformation, InPlace, transformation
+from .checks import check_decay, check_float, check_match
 
 __all__ = [
     "TraceState", "EmaState", "trace", "ema",

@@ -10,11 +10,12 @@ from typing import Any, NamedTuple
 from luxnn.backend import module_of
 
 from .arithmetic import at_least, l2_norm, root_mean_square, scale_in_place, scaled, times
+from .arrays import Params, ScalarOrSchedule, Schedule, Updates, map_arrays, next_count, zero_count
 from .base import (
-    EmptyState, FoldedFactor, FreshUpdates, GradientTransformation, OwnedUpdate, Params, ScalarOrSchedule, Schedule,
-    Stateless, UpdateInto, Updates, check_float, check_learning_rate, check_match, check_params,
-    check_schedule_value, identity, map_arrays, next_count, transformation, zero_count,
+    EmptyState, FoldedFactor, FreshUpdates, GradientTransformation, OwnedUpdate, Stateless, UpdateInto, identity,
+    transformation
 )  # fmt: skip
+from .checks import check_float, check_learning_rate, check_match, check_params, check_schedule_value
 
 __all__ = [
     "ScaleByScheduleState", "scale", "scale_by_schedule", "scale_by_learning_rate", "scale_by_trust_ratio",

@@ -12,11 +12,12 @@ from luxnn import tree
 from luxnn.backend import module_of
 
 from .arithmetic import divide_by_root_plus_eps, moving_average, moving_average_of_squares
-from .base import (
-    FreshUpdates, GradientTransformation, InPlace, Params, Updates, cast_like, check_decay, check_float,
-    check_match, check_params, check_steps, compute_dtype, leafwise, next_count, out_buffer, scalar_as,
-    transformation, upcast, zero_count, zeros_for, zeros_like_tree,
+from .arrays import (
+    Params, Updates, cast_like, compute_dtype, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count,
+    zeros_for, zeros_like_tree
 )  # fmt: skip
+from .base import FreshUpdates, GradientTransformation, InPlace, transformation
+from .checks import check_decay, check_float, check_match, check_params, check_steps
 
 __all__ = [
     "ScaleByRmsState", "ScaleByStddevState", "ScaleByRssState", "ScaleByAdaDeltaState", "FactoredState",
