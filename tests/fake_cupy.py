@@ -18,6 +18,7 @@ names it, by its signature ``intptr_t (void)``); and ``empty(shape, dtype=float)
 arrays take their memory from ``cuda.alloc`` and hold it (views share it): ``data``,
 ``nbytes``, ``shape``, ``dtype``, slicing. Arrays are never computed on; anything else of
 CuPy's is absent, so code that needs more fails here rather than passing on a guess.
+(tests/sim_cupy.py builds a simulated device that computes on this interface.)
 
 ``CFunctionAllocator`` calls the C functions as CuPy's Cython does: ``malloc(param, size,
 device_id)`` with the current device, only for ``size > 0`` (a 0-byte memory has pointer

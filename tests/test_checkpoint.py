@@ -123,6 +123,19 @@ def test_save_refuses_what_it_cannot_store_before_writing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_consumed_train_state_is_refused_before_writing(tmp_path):
+    # Its arrays hold the next step's parameters while its step and Adam count are the
+    # last's: a checkpoint of it would resume with moments one step off.
+    ts = _train_state()
+    data = (np.ones((8, 4), np.float32), np.zeros((8, 1), np.float32))
+    _, _, _, new = lx.single_train_step_(AD, lx.losses.MSELoss(), data, ts)
+    with pytest.raises(ValueError, match="save: this TrainState was consumed .* save the TrainState that verb returned"):
+        lx.save(tmp_path / "ckpt.safetensors", ts)
+    assert os.listdir(tmp_path) == []
+    lx.save(tmp_path / "ckpt.safetensors", new)
+    assert lx.load(tmp_path / "ckpt.safetensors", like=new).step == 1
+
+
 def test_a_train_state_file_and_a_pytree_do_not_load_as_each_other(tmp_path):
     ts = _train_state()
     with pytest.raises(lx.CheckpointError, match="holds a TrainState, but like= is a pytree"):

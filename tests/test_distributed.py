@@ -117,6 +117,8 @@ def test_a_rank_whose_step_raises_makes_every_rank_skip_that_step_with_or_withou
     ("allreduce-overlap", ("step 3", "rank 0 in allreduce_, rank 1 in DistributedOptimizer's backward pass (overlap=True)")),
     ("save", ("save", "rank 0 in save, rank 1 in synchronize")),
     ("extra-step", ("step 3", f"rank 0 in {AVERAGE}, rank 1 in save")),
+    ("layout", ("layout", "rank 0 in allreduce_ (op sum, 2 arrays: float64[2], float64[2]), "
+                          "rank 1 in allreduce_ (op sum, 3 arrays: float64[2], float64[2], float64[2])")),
 ])  # fmt: skip
 def test_ranks_in_different_calls_raise_on_every_rank_and_every_later_call_raises(case, calls, tmp_path):
     done = run_workers("disagree.py", case, str(tmp_path), timeout=60)  # on the old code: a hang, or one rank's error
@@ -128,6 +130,28 @@ def test_ranks_in_different_calls_raise_on_every_rank_and_every_later_call_raise
         assert f"rank {rank}: after: CallMismatch" in done.stdout and f"rank {rank}: finished" in done.stdout
     assert re.search(rf"^rank 0: {where}: CallMismatch", done.stdout, re.M), done.stdout[-4000:]
     assert not os.path.exists(tmp_path / "ckpt.safetensors")
+
+
+@needs_mpi
+@pytest.mark.parametrize("case, error", [
+    ("small-batch", "LayerError: layer_2: BatchNorm(8, activation=tanh): expected more than 1 value per channel"),
+    ("sync-empty", "ValueError: MSELoss: empty batch"),
+])  # fmt: skip
+def test_a_rank_whose_step_raises_around_batchnorm_makes_every_rank_skip_that_step(case, error):
+    # On the old code: with overlap=False every later step raised CallMismatch; with overlap=True a hang.
+    done = run_workers("batchnorm_steps.py", case, timeout=60)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert passed(done.stdout, "the replicas stay equal and training goes on"), done.stdout[-4000:]
+    assert done.stdout.count(f"rank 1: step 3: {error}") == 2, done.stdout[-4000:]  # both paths
+    assert done.stdout.count("rank 0: step 3: RuntimeError: DistributedOptimizer: a rank abandoned this step's gradients") == 2
+    assert "CallMismatch" not in done.stdout and all(f"rank {r}: finished" in done.stdout for r in (0, 1))
+
+
+@needs_mpi
+def test_batchnorm_outside_a_data_parallel_step_keeps_its_ranks_statistics():
+    done = run_workers("batchnorm_steps.py", "own-models", timeout=60)  # on the old code: averaged, then a CallMismatch
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert passed(done.stdout, "each rank keeps its own statistics"), done.stdout[-4000:]
 
 
 @needs_mpi

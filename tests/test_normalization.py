@@ -219,3 +219,58 @@ def test_scale_shift_rejects_an_affine_map_not_of_the_trailing_shape():
         lx.ops.scale_shift(y, np.ones(3), np.ones(3))
     with pytest.raises(ValueError, match=r"got \(4,\) and \(1,\)"):
         lx.ops.scale_shift(y, np.ones(4), np.ones(1))
+
+
+class _TwoRanks:
+    """A stand-in backend of 2 ranks holding the same batch (a sum over the ranks doubles),
+    recording its calls; `others` is what the agreement says the other rank is in."""
+
+    size = 2
+
+    def __init__(self, others=None):
+        self.calls, self.others = [], others
+
+    def call(self, name, compatible=(), layout=""):
+        import contextlib
+
+        self.calls.append(name)
+        return contextlib.nullcontext(None if self.others is None else [name, self.others])
+
+    def allreduce(self, a, op="sum"):
+        a *= 2
+
+
+def test_batchnorm_synchronises_over_the_ranks_only_inside_a_data_parallel_step():
+    from luxnn.distributed import step as dp
+
+    bn = lx.BatchNorm(3)
+    ps, st = f64(lx.setup(np.random.default_rng(0), bn))
+    x = np.random.default_rng(1).normal(size=(6, 3))
+    backend = _TwoRanks()
+    _, alone = bn(x, ps, st)
+    assert backend.calls == [] and dp.current() is None  # no step in progress: this rank's batch only
+    step = dp.Step(backend, drop=lambda: None)
+    dp.begin(step)
+    try:
+        _, averaged = bn(x, ps, st)
+    finally:
+        dp.end(step)
+    assert backend.calls == [dp.RUNNING] and dp.current() is None
+    np.testing.assert_allclose(averaged["running_mean"], alone["running_mean"], rtol=1e-12)  # the same batch on both ranks
+    np.testing.assert_allclose(averaged["running_var"], alone["running_var"], rtol=1e-12)
+
+
+def test_a_layer_whose_step_another_rank_abandoned_drops_the_step_and_raises():
+    from luxnn.distributed import step as dp
+
+    bn = lx.BatchNorm(3, sync=True)
+    ps, st = f64(lx.setup(np.random.default_rng(0), bn))
+    dropped = []
+    step = dp.Step(_TwoRanks(others=dp.UNUSED), drop=lambda: dropped.append(True))
+    dp.begin(step)
+    try:
+        with pytest.raises(RuntimeError, match="a rank abandoned this step's gradients"):
+            bn(np.ones((4, 3)), ps, st)
+        assert dropped == [True] and dp.current() is None  # the step ends on this rank too
+    finally:
+        dp.end(step)

@@ -188,7 +188,12 @@ def save(path: str | os.PathLike, obj: Any) -> None:
     docstring. Every leaf is checked before the file is written; the file appears whole or
     not at all (written under a name of its own in the same directory, then renamed), so
     concurrent saves to one path never mix, and with the umask's mode. Leftovers of saves
-    to `path` that were killed are removed (see the module docstring)."""
+    to `path` that were killed are removed (see the module docstring). A `TrainState`
+    consumed by an in-place verb is refused (`ValueError`): its arrays hold the next
+    step's parameters, its step and optimizer count the last's."""
+    if isinstance(obj, TrainState) and obj.consumed:
+        raise ValueError("save: this TrainState was consumed by an in-place verb (its arrays were updated since); "
+                         "save the TrainState that verb returned")
     content, sections = _sections(obj)
     arrays: dict[str, np.ndarray] = {}
     others: dict[str, Any] = {}

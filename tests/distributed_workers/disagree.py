@@ -8,6 +8,7 @@ CASE is one of
 - ``allreduce`` / ``allreduce-overlap``: rank 0 calls one ``allreduce_`` more in step 3;
 - ``save``: rank 0 alone calls ``dist.save``, then both call ``synchronize``;
 - ``extra-step``: rank 0 takes one step more, then both call ``dist.save``;
+- ``layout``: both call ``allreduce_``, rank 0 with 2 arrays, rank 1 with 3;
 - ``exit``: rank 1 ends its program (``sys.exit(0)``) after 2 steps while rank 0 goes on;
   ``exit-overlap``: with ``overlap=True``, after its third backward pass.
 
@@ -89,6 +90,11 @@ elif case == "save":
         dist.synchronize(backend, {"w": np.full(3, float(rank))})
     except Exception as err:  # noqa: BLE001
         say(f"synchronize: {type(err).__name__}: {err}")
+elif case == "layout":
+    try:
+        dist.allreduce_(backend, {key: np.ones(2) for key in ("ab" if rank == 0 else "abc")})
+    except Exception as err:  # noqa: BLE001
+        say(f"layout: {type(err).__name__}: {err}")
 elif case == "extra-step":
     ts = train(3 if rank == 0 else 2)
     try:

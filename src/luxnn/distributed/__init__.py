@@ -25,7 +25,8 @@ that raises abort the whole job instead of leaving the others waiting)::
 - `optimizer`: `DistributedOptimizer` and its `GradientBuckets`; with ``overlap=True``
   the buckets' allreduces run during the backward pass (a `ListeningTransformation`);
 - `data`: `DistributedDataLoader`; `checkpoint`: `save` (every rank calls it);
-- `norm`: batch statistics over the ranks, for `luxnn.BatchNorm` (``sync=True``);
+- `norm`: batch statistics over the ranks, for `luxnn.BatchNorm` (``sync=True``), inside
+  the data-parallel step in progress (`step`, opened by `DistributedOptimizer`);
 - `launch`: the ``mpiexec`` of mpi4py's MPI library, and ``luxnn demo --workers N``.
 
 luxnn imports without mpi4py; `initialize` then raises an error naming ``luxnn[mpi]``.

@@ -7,7 +7,8 @@ Python object). A backend's methods move one array each; the tree-level verbs in
 `luxnn.distributed` are written on top of them.
 
 Every call of the library is checked: before it moves anything, the ranks agree in one
-small allreduce that they are all in the same call (`Backend.call`). Ranks that are not
+small allreduce that they are all in the same call, moving arrays of the same layout
+(their number, dtypes and sizes, the op and root: `Backend.call`). Ranks that are not
 (one rank's step raised and its loop went on, one rank saves alone, one rank ended its
 program) get a `CallMismatch` on every rank, naming each rank's call, instead of a
 collective that averages another call's data or waits forever; the backend is then
@@ -36,7 +37,7 @@ from .. import parallel
 from ..backend import is_array
 
 __all__ = [
-    "Backend", "MPIBackend", "CollectiveStats", "Pending", "CallMismatch", "OPS", "initialize",
+    "Backend", "MPIBackend", "CollectiveStats", "Pending", "CallMismatch", "OPS", "initialize", "describe",
     "is_initialized", "current", "local_rank", "total_workers", "check_backend", "check_root", "check_int",
 ]  # fmt: skip
 
@@ -150,46 +151,52 @@ class Backend:
     # ---- calls: every rank in the same one ----------------------------------------------------
 
     @contextlib.contextmanager
-    def call(self, name: str, compatible: Collection[str] = ()) -> Iterator[list[str] | None]:
-        """A call of the library named `name`: on entering the outermost one, every rank
-        checks that every other is in a call of the same name (`agree`); calls inside it
-        check nothing more. Yields None, or the ranks' calls where some rank is in one of
-        `compatible` instead (the caller decides what that means).
+    def call(self, name: str, compatible: Collection[str] = (), layout: str = "") -> Iterator[list[str] | None]:
+        """A call of the library named `name`, moving arrays laid out as `layout` (what
+        must be the same on every rank: the number of collectives, their dtypes, sizes,
+        ops, roots): on entering the outermost one, every rank checks that every other is
+        in the same call (`agree`); calls inside it check nothing more. Yields None, or
+        the ranks' calls where some rank is in one of `compatible` instead (the caller
+        decides what that means).
 
-        >>> with backend.call("my step"):  # doctest: +SKIP
+        >>> with backend.call("my step", layout="float64[3], int64[1]"):  # doctest: +SKIP
         ...     backend.allreduce(a)
         ...     backend.bcast(b)
         """
-        calls = self.agree(name, compatible) if self._depth == 0 else None
+        calls = self.agree(name, compatible, layout) if self._depth == 0 else None
         self._depth += 1
         try:
             yield calls
         finally:
             self._depth -= 1
 
-    def agree(self, name: str, compatible: Collection[str] = ()) -> list[str] | None:
-        """One small allreduce in which every rank compares its call `name` with the
-        others'. None if they all agree; the ranks' calls by rank if some differ but each
-        is `name` or in `compatible`; otherwise `CallMismatch` on every rank, after which
-        every call of this backend raises it at once (the ranks can no longer tell which
-        of their collectives belong together)."""
+    def agree(self, name: str, compatible: Collection[str] = (), layout: str = "") -> list[str] | None:
+        """One small allreduce in which every rank compares its call `name` and its
+        `layout` with the others'. None if they all agree; the ranks' calls by rank if
+        some differ but each is `name` (of the same layout) or in `compatible`; otherwise
+        `CallMismatch` on every rank, naming each rank's call (and layout where two ranks
+        in one call differ in it), after which every call of this backend raises it at
+        once (the ranks can no longer tell which of their collectives belong together)."""
         if self._broken is not None:
             raise CallMismatch(self._broken, [])
-        code = zlib.crc32(name.encode())
+        code = zlib.crc32(f"{name}\0{layout}".encode())
         check = np.array([code, -code], np.int64)
         t0 = time.perf_counter()
         self.comm.Allreduce(self._in_place, check, op=self._min)
         self.stats.seconds += time.perf_counter() - t0
         if check[0] == -check[1]:
             return None
-        calls = self.comm.allgather(name)  # every rank is here: the check's result is shared
-        if all(c == name or c in compatible for c in calls):
+        gathered = self.comm.allgather((name, layout))  # every rank is here: the check's result is shared
+        calls = [c for c, _ in gathered]
+        if all((c, l) == (name, layout) or c in compatible for c, l in gathered):
             return calls
-        where = ", ".join(f"rank {r} in {c}" for r, c in enumerate(calls))
+        where = ", ".join(f"rank {r} in {c}" + (f" ({_clip(l)})" if calls.count(c) > gathered.count((c, l)) else "")
+                          for r, (c, l) in enumerate(gathered))
         self._broken = (
             f"luxnn.distributed: the ranks are in different calls: {where}; every rank must make the same calls of "
-            f"luxnn.distributed in the same order (a rank whose step raised and went on, that saved alone or took an "
-            f"extra step falls out of step). No collective can be trusted now: every later call raises this error"
+            f"luxnn.distributed in the same order, with arrays of the same dtypes and sizes (a rank whose step raised "
+            f"and went on, that saved alone or took an extra step falls out of step). No collective can be trusted "
+            f"now: every later call raises this error"
         )
         raise CallMismatch(self._broken, calls)
 
@@ -209,19 +216,19 @@ class Backend:
     def allreduce(self, a: Any, op: str = "sum") -> None:
         """Reduce `a` (a NumPy or CuPy array) over the ranks with `op`; every rank gets the result."""
         _check_writeable("allreduce", a)
-        with self.call("allreduce"):
+        with self.call("allreduce", layout=describe([a], op)):
             self._collective("allreduce", a, op, None)
 
     def reduce(self, a: Any, op: str = "sum", root: int = 0) -> None:
         """Reduce `a` over the ranks into `root`'s `a`; the other ranks' arrays are unchanged."""
         _check_writeable("reduce", a)
-        with self.call("reduce"):
+        with self.call("reduce", layout=describe([a], op, root)):
             self._collective("reduce", a, op, root)
 
     def bcast(self, a: Any, root: int = 0) -> None:
         """Overwrite `a` on every rank with `root`'s `a`."""
         _check_writeable("bcast", a)
-        with self.call("bcast"):
+        with self.call("bcast", layout=describe([a], root=root)):
             self._collective("bcast", a, None, root)
 
     def start_allreduce(self, a: Any, op: str = "sum") -> Pending:
@@ -320,6 +327,19 @@ class MPIBackend(Backend):
     """Collectives over MPI (mpi4py): NumPy arrays in place, CuPy arrays through the host."""
 
     kind = "mpi"
+
+
+def describe(arrays: list[Any], op: str | None = None, root: int | None = None) -> str:
+    """What the ranks of a call moving `arrays` (with `op`, to or from `root`) must agree
+    on, in words: ``"op sum, 2 arrays: float64[3], float32[2]"`` (dtypes and sizes)."""
+    head = [f"op {op}"] if op else []
+    head += [f"root {root}"] if root is not None else []
+    head.append(f"{len(arrays)} array{'s' * (len(arrays) != 1)}")
+    return ", ".join(head) + ": " + ", ".join(f"{a.dtype}[{a.size}]" for a in arrays)
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check_writeable(what: str, a: Any) -> None:

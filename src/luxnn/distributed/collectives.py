@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import tree
 from ..backend import is_array
-from .backend import OPS, Backend, check_backend, check_root
+from .backend import OPS, Backend, check_backend, check_root, describe
 
 __all__ = ["bcast_", "allreduce_", "reduce_", "synchronize", "check_same_layout", "layout"]
 
@@ -60,7 +60,7 @@ def bcast_(backend: Backend, x: Any, root: int = 0) -> Any:
     backend = check_backend(backend, "bcast_")
     check_root(backend, "bcast_", root)
     arrays = _arrays("bcast_", x)
-    with backend.call("bcast_"):
+    with backend.call("bcast_", layout=describe(arrays, root=root)):
         for a in arrays:
             backend.bcast(a, root)
     return x
@@ -76,7 +76,7 @@ def allreduce_(backend: Backend, x: Any, op: str = "sum") -> Any:
     backend = check_backend(backend, "allreduce_")
     arrays = _arrays("allreduce_", x)
     _check_op(backend, "allreduce_", op, arrays)
-    with backend.call("allreduce_"):
+    with backend.call("allreduce_", layout=describe(arrays, op)):
         for a in arrays:
             backend.allreduce(a, op)
     return x
@@ -93,7 +93,7 @@ def reduce_(backend: Backend, x: Any, op: str = "sum", root: int = 0) -> Any:
     check_root(backend, "reduce_", root)
     arrays = _arrays("reduce_", x)
     _check_op(backend, "reduce_", op, arrays)
-    with backend.call("reduce_"):
+    with backend.call("reduce_", layout=describe(arrays, op, root)):
         for a in arrays:
             backend.reduce(a, op, root)
     return x

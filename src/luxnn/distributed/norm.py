@@ -9,8 +9,10 @@ statistics) under data parallelism.
   ``BatchNorm(..., sync=True)``, as PyTorch's SyncBatchNorm. The ranks' results are then
   those of one process normalising the whole batch.
 
-Each is one call of every rank (`Backend.call`) with one small allreduce in float64, so
-that sums over many samples and a mean far from zero lose nothing to rounding.
+Each is one call of every rank in the data-parallel step in progress (`step.Step.call`:
+a rank that abandoned the step makes the others' call raise, with the step dropped on
+every rank) with one small allreduce in float64, so that sums over many samples and a mean
+far from zero lose nothing to rounding.
 """
 
 from __future__ import annotations
@@ -23,17 +25,18 @@ import numpy as np
 from ..ad.tape import primitive
 from ..backend import module_of
 from ..ops.norm import moments
-from .backend import Backend
+from .backend import describe
+from .step import GRADIENT_SUMS, MOMENTS, RUNNING, Step
 
 __all__ = ["average_running", "batch_moments", "normalize"]
 
 
-def _summed(backend: Backend, name: str, parts: list[Any]) -> list[Any]:
+def _summed(step: Step, name: str, parts: list[Any]) -> list[Any]:
     """`parts` (arrays of one device) summed over the ranks in float64, in one allreduce."""
     xp = module_of(parts[0])
     flat = xp.concatenate([xp.asarray(p, dtype=xp.float64).reshape(-1) for p in parts])
-    with backend.call(name):
-        backend.allreduce(flat, "sum")
+    with step.call(name, describe([flat], "sum")):
+        step.backend.allreduce(flat, "sum")
     out, start = [], 0
     for p in parts:
         out.append(flat[start : start + p.size].reshape(p.shape))
@@ -46,19 +49,19 @@ def _one(like: Any, value: float) -> Any:
     return module_of(like).full((1,), value, np.float64)
 
 
-def average_running(backend: Backend, mean: Any, var: Any, weight: int) -> tuple[Any, Any]:
+def average_running(step: Step, mean: Any, var: Any, weight: int) -> tuple[Any, Any]:
     """The running statistics `mean` and `var` (this rank's, from `weight` samples)
     averaged over the ranks with their weights, in their dtype; every rank gets the same.
 
-    >>> mean, var = average_running(backend, st["running_mean"], st["running_var"], len(x))  # doctest: +SKIP
+    >>> mean, var = average_running(step, st["running_mean"], st["running_var"], len(x))  # doctest: +SKIP
     """
     w = float(weight)
-    m, v, total = _summed(backend, "the running statistics' average (BatchNorm)", [mean * w, var * w, _one(mean, w)])
+    m, v, total = _summed(step, RUNNING, [mean * w, var * w, _one(mean, w)])
     total = float(total[0])
     return (m / total).astype(mean.dtype), (v / total).astype(var.dtype)
 
 
-def batch_moments(backend: Backend, x: Any, axes: tuple[int, ...]) -> tuple[Any, Any, int]:
+def batch_moments(step: Step, x: Any, axes: tuple[int, ...]) -> tuple[Any, Any, int]:
     """``(mean, var, count)`` of the raw array `x` over `axes` on every rank together: the
     global batch's mean and biased variance with kept dimensions (as `ops.norm.moments`),
     in `x`'s dtype, and the number of values each statistic is of.
@@ -74,7 +77,7 @@ def batch_moments(backend: Backend, x: Any, axes: tuple[int, ...]) -> tuple[Any,
     else:
         mean = var = xp.zeros(keep, x.dtype)
     s_mean, s_m2, s_sq, count = _summed(
-        backend, "the batch statistics (BatchNorm(sync=True))", [mean * n, var * n, mean * mean * n, _one(x, n)]
+        step, MOMENTS, [mean * n, var * n, mean * mean * n, _one(x, n)]
     )
     total = float(count[0])
     global_mean = s_mean / total
@@ -83,13 +86,13 @@ def batch_moments(backend: Backend, x: Any, axes: tuple[int, ...]) -> tuple[Any,
 
 
 @primitive
-def normalize(x, *, axis, epsilon, stats, count, backend):
+def normalize(x, *, axis, epsilon, stats, count, step):
     """``(x - mean) / sqrt(var + epsilon)`` with `stats` ``(mean, var)`` of the global batch
     (`batch_moments`, of `count` values each). Gradient, with sums over every rank's batch:
     ``rstd * (g - sum(g) / count - xhat * sum(g * xhat) / count)``.
 
-    >>> mean, var, count = batch_moments(backend, x, (0,))  # doctest: +SKIP
-    >>> y = normalize(x, axis=(0,), epsilon=1e-5, stats=(mean, var), count=count, backend=backend)  # doctest: +SKIP
+    >>> mean, var, count = batch_moments(step, x, (0,))  # doctest: +SKIP
+    >>> y = normalize(x, axis=(0,), epsilon=1e-5, stats=(mean, var), count=count, step=step)  # doctest: +SKIP
     """
     mean, var = stats
     xp = module_of(x)
@@ -97,8 +100,7 @@ def normalize(x, *, axis, epsilon, stats, count, backend):
     xhat = (x - mean) * rstd
 
     def vjp(g, needs):
-        s_g, s_gx = _summed(backend, "the gradient's sums (BatchNorm(sync=True))", [g.sum(axis=axis, keepdims=True),
-                                                                                   (g * xhat).sum(axis=axis, keepdims=True)])
+        s_g, s_gx = _summed(step, GRADIENT_SUMS, [g.sum(axis=axis, keepdims=True), (g * xhat).sum(axis=axis, keepdims=True)])
         return (rstd * (g - (s_g / count).astype(g.dtype) - xhat * (s_gx / count).astype(g.dtype)),)
 
     return xhat, vjp

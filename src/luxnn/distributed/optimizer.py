@@ -23,6 +23,8 @@ ahead or behind the others, or in another call, raises on every rank instead of 
 another step's gradients. A step whose gradients were computed but never applied (its
 objective raised and the loop went on) is made known to the others at the rank's next
 `compute_gradients`; their update of that step then raises, and no rank applies it.
+The step also scopes the layers' collectives (`step`): they run only between a step's
+start (``listen``) and its update, and a rank abandoning the step meets them there.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .. import memory, optim, tree
 from ..backend import is_array, module_of
 from .backend import Backend, Pending, check_backend, check_int
 from .collectives import check_same_layout
+from .step import ABANDONED, ABANDONED_STEP, BACKWARD, LAYER_CALLS, UNUSED, Step, begin, end
 
 __all__ = ["DistributedOptimizer", "GradientBuckets", "ListeningTransformation", "DEFAULT_BUCKET_BYTES"]
 
@@ -42,15 +45,9 @@ DEFAULT_BUCKET_BYTES = 25 << 20  # PyTorch DDP's default bucket_cap_mb
 # A round's verdicts, by rank (`GradientBuckets.collect`): the lowest of the ranks' wins.
 _ABANDONED, _REPLACED, _USED = 0, 1, 2
 # The calls (`Backend.call`) of a step: its gradients' average (the update, or the
-# backward pass with overlap), and a new backward pass while the last one's gradients
-# were never used (overlap=False).
+# backward pass with overlap); those of abandoning a step are `step`'s.
 AVERAGE = "DistributedOptimizer's average of the gradients"
 OVERLAPPED = "DistributedOptimizer's backward pass (overlap=True)"
-UNUSED = "compute_gradients again before an update (DistributedOptimizer)"
-_ABANDONED_STEP = (
-    "DistributedOptimizer: a rank abandoned this step's gradients (its compute_gradients raised, or it computed "
-    "gradients again before an update); no rank applies the step, so the replicas stay equal"
-)
 
 
 def _not_on_one_device(x: Any, name: str) -> str | None:
@@ -84,11 +81,14 @@ class GradientBuckets:
     gradient)``, which copies leaf `position` in and starts a bucket's non-blocking
     allreduce once the bucket is full and every bucket before it has started; `collect`
     waits for them and unpacks. A round ends with one more small allreduce, the ranks'
-    verdict, so that they all take the same path: `collect(leaves)` says "used" if
-    `leaves` are the very arrays the round received, "replaced" otherwise; `discard` (a
-    round not collected: its backward pass raised; also called by `begin`, `pack`) says
-    "abandoned", after starting the buckets not yet started, whatever they hold, so that
-    every rank has started the same collectives. `collect` returns the averages only when
+    verdict, so that they all take the same path. Before its first bucket starts, a
+    round agrees that every rank is in the backward pass (`step.BACKWARD`); a round ended
+    before that (its forward pass raised) started nothing on any rank, and `discard` only
+    tells the others (`step.ABANDONED`), whose step then raises. Past that point,
+    `collect(leaves)` says "used" if `leaves` are the very arrays the round received,
+    "replaced" otherwise; `discard` (a round not collected: its backward pass raised;
+    also called by `begin`, `pack`) says "abandoned", after starting the buckets not yet
+    started, whatever they hold, so that every rank has started the same collectives. `collect` returns the averages only when
     every rank used its round, None when some rank replaced its gradients (every rank
     then averages the gradients it has with `average`), and raises when some rank
     abandoned it.
@@ -149,6 +149,8 @@ class GradientBuckets:
         round_ = self._round
         if round_ is None:
             raise RuntimeError("GradientBuckets: a gradient came after its round ended (a receive kept from an earlier begin)")
+        if not round_.backward:
+            self._begin_backward()
         if round_.received[position] is not None:  # counted twice, its bucket would start before it is full
             raise ValueError(f"GradientBuckets: leaf {position}'s gradient came twice in one round")
         self._views[position][...] = gradient
@@ -166,6 +168,24 @@ class GradientBuckets:
         while len(pending) < len(missing) and missing[len(pending)] == 0:
             pending.append(self.backend.start_allreduce(self.buffers[len(pending)], "sum"))
 
+    def _begin_backward(self) -> None:
+        """The ranks agree that they are all in the open round's backward pass, before any
+        bucket starts: `RuntimeError`, with the round dropped, where some rank abandoned
+        the round instead."""
+        with self.backend.call(BACKWARD, compatible=(ABANDONED,)) as calls:
+            if calls is not None:
+                self.drop()
+                raise RuntimeError(ABANDONED_STEP)
+        self._round.backward = True
+
+    def drop(self) -> None:
+        """Forget the open round, if any, without a collective: only while no rank has
+        started its buckets (before `step.BACKWARD`), where every rank drops it."""
+        if self._round is not None:
+            assert not self._round.pending, "a round whose allreduces started cannot be dropped"
+            self._round = None
+            self.backend.release(self)
+
     @property
     def is_open(self) -> bool:
         """Whether a round is open: `begin` has run and no `collect` or `discard` since."""
@@ -177,17 +197,27 @@ class GradientBuckets:
         round received; None if some rank's are not (they were replaced: average them with
         `average`, as every rank then does); a `RuntimeError` if some rank abandoned its
         round (see the class docstring)."""
+        if not self._round.backward:  # no gradient came in (parameters without leaves)
+            self._begin_backward()
         round_ = self._round
         received = len(leaves) == len(round_.received) and all(a is b for a, b in zip(leaves, round_.received))
         verdict = self._end(_USED if received else _REPLACED)
         if verdict == _ABANDONED:
-            raise RuntimeError(_ABANDONED_STEP)
+            raise RuntimeError(ABANDONED_STEP)
         return self.unpack() if verdict == _USED else None
 
     def discard(self) -> None:
         """Finish the open round, if any, without using it (see the class docstring)."""
-        if self._round is not None:
+        if self._round is None:
+            return
+        if self._round.backward:
             self._end(_ABANDONED)
+            return
+        # The others are in this round's forward pass (a layer's call) or at its
+        # backward's start: they drop it too, and nothing of it ever travelled.
+        self.drop()
+        with self.backend.call(ABANDONED, compatible=(*LAYER_CALLS, BACKWARD)):
+            pass
 
     def _end(self, mine: int) -> int:
         """Close the round: start its buckets not yet started, then the verdicts'
@@ -245,12 +275,14 @@ class GradientBuckets:
 
 
 class _Round:
-    """What one round has done: leaves still missing per bucket, the started allreduces
+    """What one round has done: whether its backward pass began on every rank, leaves
+    still missing per bucket, the started allreduces
     (of buckets ``0..len(pending)-1``), and the gradients received, by position."""
 
-    __slots__ = ("missing", "pending", "received")
+    __slots__ = ("missing", "pending", "received", "backward")
 
     def __init__(self, members: list[int]) -> None:
+        self.backward = False  # whether the ranks agreed to be in the backward pass
         self.missing = list(members)
         self.pending: list[Pending] = []
         self.received: list[Any] = [None] * sum(members)
@@ -290,6 +322,7 @@ class _Averaged(optim.InPlaceUpdate, optim.UpdateInto):
     def __init__(self, optimizer: optim.GradientTransformation, buckets: GradientBuckets, overlap: bool) -> None:
         self.optimizer, self.buckets, self.overlap = optimizer, buckets, overlap
         self._computed = False  # overlap=False: gradients computed and not yet averaged
+        self.step = Step(buckets.backend, self._drop)  # in progress from `listen` to the update
 
     def init(self, params: Any) -> Any:
         _check_one_device("DistributedOptimizer", params, "parameters")
@@ -304,7 +337,13 @@ class _Averaged(optim.InPlaceUpdate, optim.UpdateInto):
     def update_into(self, grads: Any, state: Any, params: Any, into: list) -> Any:
         return optim.update_into(self.optimizer, self._averaged(grads), state, params, into)
 
+    def _drop(self) -> None:
+        """Every rank abandons the step in progress before its gradients travel (`step.Step`)."""
+        self._computed = False
+        self.buckets.drop()
+
     def _averaged(self, grads: Any) -> Any:
+        end(self.step)
         if self.buckets.is_open:
             leaves, structure = tree.flatten(grads)
             averages = self.buckets.collect(leaves)
@@ -314,19 +353,24 @@ class _Averaged(optim.InPlaceUpdate, optim.UpdateInto):
         self._computed = False  # before the call: an update that raises leaves no step behind
         with self.buckets.backend.call(AVERAGE, compatible=(UNUSED,)) as calls:
             if calls is not None:  # a rank dropped the gradients of this step: it raised in its own
-                raise RuntimeError(_ABANDONED_STEP)
+                raise RuntimeError(ABANDONED_STEP)
             return self.buckets.average(grads)
 
     def listen(self, params: Any) -> Callable[[int, Any], None] | None:
-        """Called by the training verbs before each backward pass: with overlap, opens a
-        round; without, says to the others when the last backward pass's gradients were
-        never averaged (what the round's verdict says with overlap)."""
+        """Called by the training verbs before each forward and backward pass: with
+        overlap, opens a round; without, says to the others when the last backward pass's
+        gradients were never averaged (what the round's verdict says with overlap). Then
+        the step is in progress (`step.begin`): layers synchronise over the ranks."""
+        end(self.step)
         if self.overlap:
-            return self.buckets.begin(*tree.flatten(params))
+            receive = self.buckets.begin(*tree.flatten(params))
+            begin(self.step)
+            return receive
         if self._computed:
-            with self.buckets.backend.call(UNUSED, compatible=(AVERAGE,)):
-                pass  # the ranks in the update raise; this one goes on with its new step
+            with self.buckets.backend.call(UNUSED, compatible=(AVERAGE, *LAYER_CALLS)):
+                pass  # the ranks in the update or in a layer's call raise; this one goes on with its new step
         self._computed = True
+        begin(self.step)
         return None
 
 
@@ -352,6 +396,15 @@ def DistributedOptimizer(backend: Backend, optimizer: optim.GradientTransformati
     `compute_gradients`; so with either, every rank calls `compute_gradients` as often as
     the others. Ranks in different calls (a step more on one rank, a rank ended) raise
     `CallMismatch` on every rank (see `Backend.call`).
+
+    The training verbs (`compute_gradients`, `single_train_step*`) open each step (they
+    call its ``listen``); the step lasts until the update. Inside it, and only there,
+    layers synchronise over the ranks (`BatchNorm`'s running statistics, ``sync=True``'s
+    batch statistics: `luxnn.distributed.step`), and a rank that raised in a forward pass
+    makes the others' step raise too, the next step going on on every rank. A loop of its
+    own around `luxnn.value_and_grad` and `apply_gradients(_)` opens no step: its
+    `BatchNorm`s use their rank's batch, and a rank that skips an update there makes the
+    ranks average different steps' gradients, which nothing detects.
 
     >>> opt = dist.DistributedOptimizer(backend, lx.optim.adam(1e-3), overlap=True)  # doctest: +SKIP
     >>> ts = lx.TrainState(model, ps, st, opt)  # doctest: +SKIP

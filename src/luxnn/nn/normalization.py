@@ -100,12 +100,12 @@ def _check_channels_last(layer: Layer, x: Any, channels: int) -> tuple[int, ...]
     return shape
 
 
-def _ranks() -> Any:
-    """The `luxnn.distributed` backend when this process is one of several ranks, else None."""
-    from ..distributed.backend import current
+def _data_parallel_step() -> Any:
+    """The data-parallel step in progress over several ranks (a `DistributedOptimizer`'s,
+    see `luxnn.distributed.step`), else None."""
+    from ..distributed.step import current
 
-    backend = current()
-    return backend if backend is not None and backend.size > 1 else None
+    return current()
 
 
 class _RunningNorm(_Norm):
@@ -114,12 +114,14 @@ class _RunningNorm(_Norm):
     ``running = (1 - momentum) * running + momentum * batch`` with the unbiased variance;
     in test mode the running statistics. Subclasses say which axes a statistic spans.
 
-    Under `luxnn.distributed` with several ranks, the running statistics updated in
-    training mode are averaged over the ranks (weighted by their batch sizes), so that the
-    replicas' states stay equal: an average rather than rank 0's (what PyTorch DDP
+    In a data-parallel step over several ranks (the forward pass of `compute_gradients` or
+    `single_train_step*` with a `luxnn.distributed.DistributedOptimizer`), the running
+    statistics updated in training mode are averaged over the ranks (weighted by their
+    batch sizes), so that the replicas' states stay equal: an average rather than rank 0's (what PyTorch DDP
     broadcasts) because it uses every rank's batch, for one small allreduce per layer as
     a broadcast would take. ``sync`` (BatchNorm's) normalises with the global batch's
-    statistics."""
+    statistics there. Anywhere else (a rank training a model of its own, evaluation, a
+    loop of its own around `luxnn.value_and_grad`) the layer uses its rank's batch alone."""
 
     default_track_stats = True
     statistic_of = "channel"  # what one statistic is of, for messages
@@ -163,9 +165,9 @@ class _RunningNorm(_Norm):
         return self._activate(x * scale + (ps["bias"] - st["running_mean"] * scale)), st
 
     def _batch_statistics(self, x: Any, st: dict[str, Any], axes: tuple[int, ...], update: bool) -> tuple[Any, dict[str, Any]]:
-        ranks = _ranks()
-        if self.sync and ranks is not None:
-            return self._global_batch_statistics(x, st, axes, update, ranks)
+        step = _data_parallel_step()
+        if self.sync and step is not None:
+            return self._global_batch_statistics(x, st, axes, update, step)
         if not update:
             return normalize(x, axis=axes, epsilon=self.epsilon), st
         count = self._check_count(x, math.prod(x.shape[a] for a in axes))
@@ -174,21 +176,21 @@ class _RunningNorm(_Norm):
         mean, var = moments(stop_gradient(x), axes)
         y = normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var))
         running = self._running(st, mean, var, count)
-        if ranks is not None:
+        if step is not None:
             from ..distributed import norm
 
-            running = norm.average_running(ranks, *running, x.shape[0])
+            running = norm.average_running(step, *running, x.shape[0])
         return y, self._state(st, *running)
 
     def _global_batch_statistics(self, x: Any, st: dict[str, Any], axes: tuple[int, ...], update: bool,
-                                 ranks: Any) -> tuple[Any, dict[str, Any]]:
+                                 step: Any) -> tuple[Any, dict[str, Any]]:
         """`_batch_statistics` with the statistics of every rank's batch together."""
         from ..distributed import norm
 
-        mean, var, count = norm.batch_moments(ranks, stop_gradient(x), axes)
+        mean, var, count = norm.batch_moments(step, stop_gradient(x), axes)
         if update:
             self._check_count(x, count)
-        y = norm.normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var), count=count, backend=ranks)
+        y = norm.normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var), count=count, step=step)
         return (y, self._state(st, *self._running(st, mean, var, count))) if update else (y, st)
 
     def _check_count(self, x: Any, count: int) -> int:
@@ -238,15 +240,18 @@ class BatchNorm(_RunningNorm):
     variance. In test mode (`luxnn.testmode`) it uses the running statistics; with
     ``track_stats=False`` it always uses the batch statistics.
 
-    Data parallelism (`luxnn.distributed` with several ranks): in training mode the
+    Data parallelism (`luxnn.distributed` with several ranks): inside a data-parallel
+    step, that is the forward pass of `compute_gradients` or `single_train_step*` with a
+    `DistributedOptimizer` (from the step's start to its update), the training-mode
     running statistics are averaged over the ranks, so the replicas' states stay equal
     (the running mean is then that of the global batch; the running variance the mean
     of the ranks' variances). ``sync=True`` makes the batch statistics those of the global
     batch, in the forward pass and in the gradient, as PyTorch's ``SyncBatchNorm``: the
     ranks then compute what one process would on the whole batch, running variance
     included, for two small allreduces per layer and step (one in the forward pass, one
-    in the backward) where the default takes one. Without several ranks, `sync` changes
-    nothing.
+    in the backward) where the default takes one. Outside such a step (ranks training
+    models of their own, an evaluation, a loop of its own around `value_and_grad`) and
+    without several ranks the layer uses its rank's batch alone, `sync` or not.
 
     >>> import luxnn as lx
     >>> bn = lx.BatchNorm(3, "relu")

@@ -192,9 +192,20 @@ def _blocks(n: int, bytes_per_image: int) -> list[tuple[int, int]]:
     return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
 
 
-def _block_images(bytes_per_image: int) -> int:
-    """Images per block when the blocks run on all threads at once: the blocks in flight
-    hold about `_BLOCK_BYTES` of im2col matrix together, as one block does on one thread."""
+# On a GPU: about this many bytes of im2col matrix per block. The blocks run one after
+# another, whatever the host's threads: fewer blocks launch fewer kernels, but one block of
+# the whole batch would hold its whole matrix (the bench's CNN on the simulated device of
+# tests/sim_cupy.py: 409 launches per step and 113 MiB peak with these blocks; 246 and
+# 356 MiB with one block; 6323 and 81 MiB with the CPU's blocks on 16 threads).
+_DEVICE_BLOCK_BYTES = 32 << 20
+
+
+def _block_images(like: Any, bytes_per_image: int) -> int:
+    """Images per block of the batch `like` ``(n, ...)``. NumPy: the blocks run on all
+    threads at once, and those in flight hold about `_BLOCK_BYTES` of im2col matrix together,
+    as one block does on one thread. CuPy: blocks of `_DEVICE_BLOCK_BYTES`, one at a time."""
+    if not isinstance(like, np.ndarray):
+        return max(1, _DEVICE_BLOCK_BYTES // max(1, bytes_per_image))
     return max(1, _BLOCK_BYTES // num_threads() // max(1, bytes_per_image))
 
 
@@ -367,7 +378,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
     # bytes (of float32), made while each block is in cache; the VJP keeps it, not y.
     passed = xp.empty(y.shape, bool) if relu else None
     image_bytes = per_image * max(math.prod(kernel) * c, o) * y.itemsize
-    rows = _block_images(image_bytes)
+    rows = _block_images(x, image_bytes)
     buffers = _ColumnBuffers(xp, n, rows, per_image * math.prod(kernel) * c, x.dtype)
 
     def forward(n0, n1):
@@ -408,7 +419,7 @@ def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
         # The weight and bias gradients sum over every block: each thread sums its own blocks.
         dw_sums, db_sums = {}, {}
 
-        rows = _block_images(block_bytes)
+        rows = _block_images(g, block_bytes)
         buffers = _ColumnBuffers(xp, n, rows, cols_per_image, np.result_type(x.dtype, g.dtype))
 
         def backward(n0, n1):

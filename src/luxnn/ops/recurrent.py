@@ -66,9 +66,10 @@ def _by_rows(kernel, like, madds_per_row):
     """Run ``kernel(lo, hi)`` over the rows of `like` ``(batch, ...)``, an array of the
     pass's backend: one block per thread, each with the BLAS on one thread, when each gets
     enough rows and the pass's GEMMs are large enough (their multiply-adds per batch row
-    given); else one block on this thread."""
+    given); else one block on this thread. CuPy arrays: always one block (blocks would run
+    one after another on the device, launches growing with the host's threads)."""
     batch = like.shape[0]
-    parts = min(num_threads(), batch // _ROWS_PER_THREAD)
+    parts = min(num_threads(), batch // _ROWS_PER_THREAD) if isinstance(like, np.ndarray) else 1
     split = parts > 1 and batch * madds_per_row >= _CUT_MADDS
     for_blocks(kernel, like, rows=-(-batch // parts) if split else max(batch, 1), blas=True)
 

@@ -59,7 +59,8 @@ Core_bind_cuda(CoreObject *self, PyObject *args)
  *   kept in `foreign` until CuPy frees the pointer.
  * - Out of device memory (the core has already released its whole free blocks
  *   and retried), `release` lets CuPy's default pool give its free blocks back,
- *   and the core tries once more; a request still refused, or one over the
+ *   and the core tries once more (never in a forked child, where every CUDA
+ *   call is refused); a request still refused, or one over the
  *   limit, raises what `refuse(size)` makes: CuPy's Cython checks for a Python
  *   error after malloc (`except *`) and raises it, and a memory object whose
  *   malloc raised is never freed.
@@ -126,7 +127,9 @@ hook_malloc(void *param, size_t size, int device_id)
     int zero_filled;
     lx_status status;
     void *ptr = lx_alloc(c, size, 0, &zero_filled, &status);
-    if (ptr == NULL && status == LX_OUT_OF_MEMORY) {
+    /* In a forked child the core's upstream refuses every request (upstream_cuda.c):
+     * CuPy's pool is not asked either, its release being a CUDA call. */
+    if (ptr == NULL && status == LX_OUT_OF_MEMORY && getpid() == h->core->api.pid) {
         PyObject *done = PyObject_CallNoArgs(h->release);
         if (done == NULL) {
             return NULL;

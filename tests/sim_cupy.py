@@ -1,0 +1,442 @@
+"""A simulated CUDA device: the part of CuPy's array API that luxnn computes with, run by
+NumPy over the memory of tests/fake_cupy.py's allocator interface, with every kernel
+launch counted (in the spirit of PyTorch's FakeTensor mode, but computing the values).
+
+Install it as ``cupy`` in ``sys.modules`` (tests/test_sim_gpu.py's fixture does): luxnn's
+backend dispatch then sees CuPy arrays (`ndarray` is a type of its own, of module
+``cupy``), `CUDADevice` moves data onto it, and a CUDA `AllocCache` serves its memory
+through the same C hook as on a GPU. Each array's values live in the memory its allocation
+returned (the cache's blocks included), so a block handed out while still in use corrupts
+results here as it would on a device.
+
+A launch is what a GPU would run for the call, counted in `launches` by kind and name:
+``kernel`` (an elementwise ufunc, a reduction, a copy, an indexing gather or scatter, each
+``ElementwiseKernel`` run through its NumPy twin in `TWINS`), ``fill`` (zeros, ones,
+``fill``), ``cublas`` (a matrix product) and ``memcpy`` (host to device or back). Views
+(reshape without a copy, transposes, broadcasts, basic slicing) launch nothing. As in CuPy,
+a NumPy array is refused as an operand and an implicit conversion to NumPy raises; NumPy's
+functions on these arrays go to this module's (``__array_ufunc__``, ``__array_function__``).
+Anything of CuPy's not here is absent: code that needs more fails rather than passing on a
+guess.
+
+>>> import numpy as np, sim_cupy as cp
+>>> with cp.counting() as counts:
+...     y = cp.asarray(np.ones(3)) * 2.0
+>>> y.get().tolist(), counts["memcpy"], counts["kernel"]
+([2.0, 2.0, 2.0], 1, 1)
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import types
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+import fake_cupy
+
+# CuPy's allocator interface is the fake's; only the runtime learns how many devices exist.
+cuda = types.SimpleNamespace(**vars(fake_cupy.cuda))
+cuda.runtime = types.SimpleNamespace(getDevice=fake_cupy.runtime.getDevice, getDeviceCount=lambda: 1)
+get_default_memory_pool = fake_cupy.get_default_memory_pool
+__version__ = "14.0.0-simulated"
+
+launches: collections.Counter = collections.Counter()  # (kind, name) -> launches, since import
+
+
+def _launch(kind: str, name: str) -> None:
+    launches[kind, name] += 1
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[collections.Counter]:
+    """The launches made inside the block, by kind (``counts["kernel"]``) and by
+    ``(kind, name)``; filled in when the block ends."""
+    before = launches.copy()
+    counts: collections.Counter = collections.Counter()
+    try:
+        yield counts
+    finally:
+        by_name = launches - before
+        counts.update(by_name)
+        for (kind, _), n in by_name.items():
+            counts[kind] += n
+
+
+class _Memory:
+    """Exposes a device allocation to NumPy (its ``__array_interface__``) and holds it."""
+
+    def __init__(self, pointer: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.pointer = pointer
+        self.__array_interface__ = {"data": (pointer.ptr, False), "shape": shape, "typestr": dtype.str, "version": 3}
+
+
+def empty(shape, dtype=float) -> "ndarray":
+    """Uninitialised device memory from the current allocator (no launch)."""
+    shape, dtype = ((shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)), np.dtype(dtype)
+    pointer = cuda.alloc(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    values = np.asarray(_Memory(pointer, shape, dtype)) if pointer.ptr else np.empty(shape, dtype)
+    return ndarray(values, pointer)
+
+
+def _to_device(values: np.ndarray, kind: str, name: str) -> "ndarray":
+    out = empty(values.shape, values.dtype)
+    out._values[...] = values
+    _launch(kind, name)
+    return out
+
+
+def _unwrap(x: Any) -> Any:
+    if isinstance(x, ndarray):
+        return x._values
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"Unsupported type {type(x)}")  # CuPy's words: no implicit host operands
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(v) for v in x)
+    return x
+
+
+def _index(key: Any) -> Any:
+    """An index for NumPy. CuPy copies NumPy arrays and lists in an index to the device
+    (``_prepare_slice_list``), and reads a boolean mask's count back to the host (a sync);
+    each counts as a copy here."""
+    if isinstance(key, tuple):
+        return tuple(_index(k) for k in key)
+    if isinstance(key, (np.ndarray, list)):
+        _launch("memcpy", "host_to_device")
+        return np.asarray(key)
+    if isinstance(key, ndarray) and key.dtype == bool:
+        _launch("memcpy", "device_to_host")
+    return _unwrap(key)
+
+
+def _wrap(result: Any, inputs: tuple, kind: str, name: str) -> Any:
+    """A NumPy result as a device array: a view of an input's memory stays a view (no
+    launch); anything else is what the launch computed, moved into fresh device memory."""
+    if isinstance(result, (tuple, list)):  # several results (divmod) or views (split)
+        return type(result)(_wrap(r, inputs, kind, name) for r in result)
+    if isinstance(result, np.generic):
+        result = np.asarray(result)
+    if not isinstance(result, np.ndarray):
+        return result
+    for x in _arrays(inputs):
+        if np.may_share_memory(result, x._values):
+            return x._view(result)
+    return _to_device(result, kind, name)
+
+
+def _arrays(args: Any) -> Iterator["ndarray"]:
+    for a in args:
+        if isinstance(a, ndarray):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from _arrays(a)
+
+
+def _run(function: Callable, kind: str, name: str, args: tuple, kwargs: dict) -> Any:
+    out = kwargs.get("out")
+    result = function(*_unwrap(args), **{k: _unwrap(v) for k, v in kwargs.items()})
+    if out is not None:
+        _launch(kind, name)
+        return out[0] if isinstance(out, tuple) and len(out) == 1 else out  # NumPy's protocol passes a tuple
+    return _wrap(result, args, kind, name)
+
+
+class ufunc:  # noqa: N801 - CuPy's name
+    """A NumPy ufunc as CuPy's: one launch per call (a cuBLAS call for matmul), reduction or
+    scatter (``at``)."""
+
+    def __init__(self, np_ufunc: np.ufunc) -> None:
+        self._ufunc, self.__name__ = np_ufunc, np_ufunc.__name__
+        self._kind = _kind(self.__name__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _run(self._ufunc, self._kind, self.__name__, args, kwargs)
+
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        return _run(self._ufunc.reduce, "kernel", f"{self.__name__}.reduce", args, kwargs)
+
+    def at(self, a: "ndarray", indices: Any, b: Any = None) -> None:
+        extra = () if b is None else (_unwrap(b),)
+        self._ufunc.at(a._values, _index(indices), *extra)
+        _launch("kernel", f"{self.__name__}.at")
+
+
+# NumPy functions by what a GPU launches for them. Views launch nothing; a reshape or a
+# contiguous copy launches a copy only when NumPy had to copy.
+_VIEWS = {
+    "reshape", "permute_dims", "transpose", "swapaxes", "moveaxis", "expand_dims", "squeeze",
+    "broadcast_to", "ravel", "ascontiguousarray", "atleast_2d", "split", "array_split",
+}  # fmt: skip
+_KERNELS = {
+    "where", "clip", "concatenate", "stack", "tile", "tril", "triu", "take", "take_along_axis",
+    "argmax", "argmin", "sum", "mean", "max", "min", "amax", "amin", "prod", "var", "std",
+    "cumsum", "repeat", "pad", "flip", "isnan", "isfinite", "any", "all", "outer", "copy",
+    "sort", "argsort", "diff", "count_nonzero",
+}  # fmt: skip
+_BLAS = {"matmul", "dot", "vdot", "tensordot", "einsum"}
+
+
+def _kind(name: str) -> str:
+    return "cublas" if name in _BLAS else "kernel"
+
+
+def _function(name: str) -> Callable:
+    np_function, kind = getattr(np, name), _kind(name)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _run(np_function, kind, name, args, kwargs)
+
+    call.__name__ = name
+    return call
+
+
+def _fill(name: str) -> tuple[Callable, Callable]:
+    """CuPy's `name` and `name`_like (NumPy's signatures): a fill launch each."""
+    filled, filled_like = getattr(np, name), getattr(np, f"{name}_like")
+
+    def make(*args: Any, **kwargs: Any) -> "ndarray":
+        return _to_device(filled(*args, **kwargs), "fill", name)
+
+    def make_like(a: "ndarray", *args: Any, **kwargs: Any) -> "ndarray":
+        return _to_device(filled_like(a._values, *args, **kwargs), "fill", name)
+
+    make.__name__, make_like.__name__ = name, f"{name}_like"
+    return make, make_like
+
+
+zeros, zeros_like = _fill("zeros")
+ones, ones_like = _fill("ones")
+full, full_like = _fill("full")
+
+
+def empty_like(a: "ndarray", dtype=None) -> "ndarray":
+    return empty(a.shape, a.dtype if dtype is None else dtype)
+
+
+def asarray(a: Any, dtype=None) -> "ndarray":
+    """A device array of `a`: itself when already one of `dtype`; host data is copied over."""
+    if isinstance(a, ndarray):
+        return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    return _to_device(np.asarray(a, dtype), "memcpy", "host_to_device")
+
+
+array = asarray
+
+
+def arange(*args: Any, dtype=None) -> "ndarray":
+    return _to_device(np.arange(*args, dtype=dtype), "kernel", "arange")
+
+
+def copyto(dst: "ndarray", src: Any, casting: str = "same_kind", where: Any = True) -> None:
+    np.copyto(dst._values, _unwrap(src), casting=casting, where=_unwrap(where))
+    _launch("kernel", "copyto")
+
+
+def result_type(*arrays_and_dtypes: Any) -> np.dtype:
+    return np.result_type(*(a.dtype if isinstance(a, ndarray) else a for a in arrays_and_dtypes))
+
+
+def asnumpy(a: Any) -> np.ndarray:
+    return a.get() if isinstance(a, ndarray) else np.asarray(a)
+
+
+def _as_strided(x: "ndarray", shape=None, strides=None) -> "ndarray":
+    return x._view(np.lib.stride_tricks.as_strided(x._values, shape, strides))
+
+
+lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=_as_strided))
+
+
+def _splitmix_mask(seed: np.uint64, p: float, scale: float, mask: np.ndarray) -> None:
+    """luxnn_dropout_mask (src/luxnn/nn/dropout.py): splitmix64 of seed + i * golden, the top
+    53 bits as a uniform in [0, 1), `scale` where it is >= p, else 0."""
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) + np.arange(mask.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    uniform = (z >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+    mask.reshape(-1)[...] = np.where(uniform >= p, scale, 0.0)
+
+
+# NumPy twins of luxnn's CUDA kernels, by kernel name: f(*inputs, *outputs) fills outputs.
+TWINS: dict[str, Callable] = {"luxnn_dropout_mask": _splitmix_mask}
+
+
+class ElementwiseKernel:
+    """``ElementwiseKernel(in_params, out_params, operation, name)``, run by its NumPy twin
+    in `TWINS` (one launch per call); a kernel without a twin cannot run here."""
+
+    def __init__(self, in_params: str, out_params: str, operation: str, name: str = "kernel", **_: Any) -> None:
+        if name not in TWINS:
+            raise NotImplementedError(f"sim_cupy: no NumPy twin for CUDA kernel {name!r}; add one to TWINS")
+        self.name, self._inputs = name, len([p for p in in_params.split(",") if p.strip()])
+
+    def __call__(self, *args: Any) -> Any:
+        inputs, outputs = args[: self._inputs], args[self._inputs :]
+        TWINS[self.name](*_unwrap(inputs), *_unwrap(outputs))
+        _launch("kernel", self.name)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+class _DeviceOf:
+    """An array's ``device``: luxnn reads its ``id``."""
+
+    def __init__(self, device_id: int) -> None:
+        self.id = device_id
+
+
+def _api(name: str) -> Any:
+    """This module's function `name` (module attributes made on first use included)."""
+    return globals()[name] if name in globals() else __getattr__(name)
+
+
+def _operator(name: str, swap: bool = False) -> Callable:
+    def method(self: "ndarray", other: Any) -> Any:
+        return _api(name)(other, self) if swap else _api(name)(self, other)
+
+    return method
+
+
+def _in_place(name: str) -> Callable:
+    def method(self: "ndarray", other: Any) -> "ndarray":
+        _api(name)(self, other, out=self)
+        return self
+
+    return method
+
+
+class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
+    """A device array: its values (a NumPy array over its device memory) and the memory
+    pointer that holds them (views share it)."""
+
+    __module__ = "cupy"
+
+    def __init__(self, values: np.ndarray, data: Any, base: "ndarray | None" = None) -> None:
+        super().__init__(values, data)  # the fake's metadata view is here the values themselves
+        self.base = base  # the array whose memory a view shares, as in CuPy
+
+    def _view(self, values: np.ndarray) -> "ndarray":
+        return ndarray(values, self.data, self if self.base is None else self.base)
+
+    _values = property(lambda self: self._meta)
+    ndim = property(lambda self: self._meta.ndim)
+    size = property(lambda self: self._meta.size)
+    itemsize = property(lambda self: self._meta.itemsize)
+    strides = property(lambda self: self._meta.strides)
+    flags = property(lambda self: self._meta.flags)
+    T = property(lambda self: _api("transpose")(self))
+    mT = property(lambda self: _api("swapaxes")(self, -1, -2))
+    device = property(lambda self: _DeviceOf(self.data.device_id))
+
+    def __repr__(self) -> str:
+        return f"sim_cupy.ndarray({self._meta!r})"
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def __iter__(self) -> Iterator["ndarray"]:
+        return (self[i] for i in range(len(self)))
+
+    def __array__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a NumPy array explicitly.")
+
+    def __array_ufunc__(self, np_ufunc: np.ufunc, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(_api(np_ufunc.__name__), method)(*args, **kwargs)
+
+    def __array_function__(self, function: Callable, types: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            ours = _api(function.__name__)
+        except AttributeError:
+            return NotImplemented
+        return ours(*args, **kwargs)
+
+    def get(self) -> np.ndarray:
+        _launch("memcpy", "device_to_host")
+        return self._meta.copy()
+
+    def item(self) -> Any:
+        return self.get().item()
+
+    def tolist(self) -> Any:
+        return self.get().tolist()
+
+    __float__ = lambda self: float(self.item())  # noqa: E731
+    __int__ = lambda self: int(self.item())  # noqa: E731
+    __bool__ = lambda self: bool(self.item())  # noqa: E731
+
+    def __getitem__(self, key: Any) -> "ndarray":
+        return _wrap(self._meta[_index(key)], (self,), "kernel", "gather")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._meta[_index(key)] = _unwrap(value)
+        _launch("fill" if np.isscalar(value) else "kernel", "setitem")
+
+    def fill(self, value: Any) -> None:
+        self._meta.fill(value)
+        _launch("fill", "fill")
+
+    def astype(self, dtype: Any, copy: bool = True) -> "ndarray":
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return _to_device(self._meta.astype(dtype), "kernel", "astype")
+
+    def copy(self) -> "ndarray":
+        return _to_device(self._meta, "kernel", "copy")
+
+    def view(self, dtype: Any = None) -> "ndarray":
+        return self._view(self._meta.view() if dtype is None else self._meta.view(dtype))
+
+    def reshape(self, *shape: Any) -> "ndarray":
+        return _api("reshape")(self, shape[0] if len(shape) == 1 else shape)
+
+    def transpose(self, *axes: Any) -> "ndarray":
+        return _api("transpose")(self, axes[0] if len(axes) == 1 else (axes or None))
+
+    def ravel(self) -> "ndarray":
+        return _api("ravel")(self)
+
+    def swapaxes(self, a: int, b: int) -> "ndarray":
+        return _api("swapaxes")(self, a, b)
+
+    def squeeze(self, axis: Any = None) -> "ndarray":
+        return _api("squeeze")(self, axis)
+
+    def __neg__(self) -> "ndarray":
+        return _api("negative")(self)
+
+    def __invert__(self) -> "ndarray":
+        return _api("invert")(self)
+
+    def __abs__(self) -> "ndarray":
+        return _api("absolute")(self)
+
+
+for _name in ("sum", "mean", "max", "min", "argmax", "argmin", "prod", "var", "std", "any", "all", "cumsum", "clip", "dot"):
+    setattr(ndarray, _name, (lambda n: lambda self, *a, **k: _api(n)(self, *a, **k))(_name))
+for _op, _ufunc in {
+    "add": "add", "sub": "subtract", "mul": "multiply", "truediv": "divide", "floordiv": "floor_divide",
+    "pow": "power", "matmul": "matmul", "mod": "remainder", "lt": "less", "le": "less_equal", "gt": "greater",
+    "ge": "greater_equal", "eq": "equal", "ne": "not_equal", "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor",
+}.items():  # fmt: skip
+    setattr(ndarray, f"__{_op}__", _operator(_ufunc))
+    setattr(ndarray, f"__r{_op}__", _operator(_ufunc, swap=True))
+    setattr(ndarray, f"__i{_op}__", _in_place(_ufunc))
+
+
+def __getattr__(name: str) -> Any:
+    """CuPy's ufuncs, functions and dtypes, made on first use."""
+    target = getattr(np, name, None)
+    if isinstance(target, np.ufunc):
+        made = ufunc(target)
+    elif name in _VIEWS or name in _KERNELS or name in _BLAS:
+        made = _function(name)
+    elif isinstance(target, (type, float)) or name in ("dtype", "finfo", "iinfo", "newaxis", "promote_types"):
+        made = target  # dtypes, constants and dtype helpers are NumPy's in CuPy too
+    else:
+        raise AttributeError(f"module 'cupy' (simulated by tests/sim_cupy.py) has no attribute {name!r}")
+    globals()[name] = made
+    return made
