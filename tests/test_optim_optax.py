@@ -28,12 +28,14 @@ def float64_jax():
 
 
 def make_params(rng: np.random.Generator) -> dict:
-    """Leaves of 0 to 4 axes, in dicts and a list: a Dense layer, a conv kernel, a scalar."""
+    """Leaves of 0 to 4 axes, in dicts and a list: a Dense layer, a conv kernel, a scalar, and an
+    embedding table large enough for Adafactor's default factoring (both axes >= 128)."""
     return {
         "dense": {"weight": rng.normal(size=(3, 4)), "bias": rng.normal(size=(4,))},
         "conv": {"kernel": rng.normal(size=(2, 2, 3, 5))},
         "scale": rng.normal(size=()),
         "blocks": [rng.normal(size=(5, 3)), rng.normal(size=(6,))],
+        "embedding": rng.normal(size=(160, 128)),
     }
 
 
@@ -52,7 +54,8 @@ def weights_only_jax(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-LABELS = {"dense": {"weight": "adam", "bias": "sgd"}, "conv": "adam", "scale": "frozen", "blocks": ["sgd", "adam"]}
+LABELS = {"dense": {"weight": "adam", "bias": "sgd"}, "conv": "adam", "scale": "frozen", "blocks": ["sgd", "adam"],
+          "embedding": "sgd"}
 
 
 def run(opt, params: dict, grads: list[dict], *, to_array, apply, jit: bool = False) -> list[list[np.ndarray]]:
@@ -129,9 +132,7 @@ OPTIMISERS = [
 
 @pytest.mark.parametrize("name, ours, theirs", OPTIMISERS, ids=[c[0] for c in OPTIMISERS])
 def test_optimiser_matches_optax(name, ours, theirs):
-    # Adafactor's decay 1 - t**-0.8 is float32 in optax (and here); XLA's float32 pow is an
-    # ulp off NumPy's correctly rounded one at some steps (t=4), which moves updates by ~1e-7.
-    compare(ours, theirs, rtol=1e-6 if name.startswith("adafactor") else RTOL)
+    compare(ours, theirs)
 
 
 BLOCKS = [
@@ -148,10 +149,10 @@ BLOCKS = [
     ("scale_by_adadelta", lambda: optim.scale_by_adadelta(0.95, 1e-4), lambda: optax.scale_by_adadelta(0.95, 1e-4)),
     ("scale_by_trust_ratio", lambda: optim.scale_by_trust_ratio(min_norm=0.5, trust_coefficient=0.1, eps=1e-3),
      lambda: optax.scale_by_trust_ratio(min_norm=0.5, trust_coefficient=0.1, eps=1e-3)),
-    # decay_rate=1: Adafactor's decay 1 - 1/t is computed in float32 (optax's definition), where
-    # XLA's pow for other exponents can be an ulp off the correctly rounded value (t=4, 0.8).
-    ("scale_by_factored_rms", lambda: optim.scale_by_factored_rms(min_dim_size_to_factor=3, decay_rate=1.0),
-     lambda: optax.scale_by_factored_rms(min_dim_size_to_factor=3, decay_rate=1.0)),
+    # Adafactor's decay 1 - t**-decay_rate is a float32 computation in optax: the same float32 here.
+    ("scale_by_factored_rms", optim.scale_by_factored_rms, optax.scale_by_factored_rms),
+    ("scale_by_factored_rms small", lambda: optim.scale_by_factored_rms(min_dim_size_to_factor=3, decay_rate=0.65),
+     lambda: optax.scale_by_factored_rms(min_dim_size_to_factor=3, decay_rate=0.65)),
     ("scale_by_param_block_rms", lambda: optim.scale_by_param_block_rms(0.5), lambda: optax.scale_by_param_block_rms(0.5)),
     # Schedules of dyadic values: optax evaluates a schedule of its int32 count in float32.
     ("scale_by_schedule", lambda: optim.scale_by_schedule(optim.exponential_decay(1.0, 3, 0.5, staircase=True)),
@@ -179,8 +180,8 @@ def test_zero_nans_matches_optax():
 
 WRAPPERS = [
     ("masked", lambda: optim.masked(optim.adam(1e-2), weights_only), lambda: optax.masked(optax.adam(1e-2), weights_only_jax)),
-    ("masked prefix", lambda: optim.masked(optim.sgd(0.1, 0.9), {"dense": True, "conv": False, "scale": True, "blocks": False}),
-     lambda: optax.masked(optax.sgd(0.1, 0.9), {"dense": True, "conv": False, "scale": True, "blocks": False})),
+    ("masked prefix", lambda: optim.masked(optim.sgd(0.1, 0.9), {"dense": True, "conv": False, "scale": True, "blocks": False, "embedding": True}),
+     lambda: optax.masked(optax.sgd(0.1, 0.9), {"dense": True, "conv": False, "scale": True, "blocks": False, "embedding": True})),
     ("multi_transform", lambda: optim.multi_transform(
         {"adam": optim.adam(1e-2), "sgd": optim.sgd(0.1, 0.5), "frozen": optim.set_to_zero()}, LABELS),
      lambda: optax.multi_transform(

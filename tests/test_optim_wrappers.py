@@ -417,5 +417,5 @@ def test_update_never_reads_the_step_count_on_the_host(make):
 
 def test_numpy_scalars_from_the_count_do_not_promote_float32_arithmetic():
     # np.float64 is a Python float; under NEP 50 it would promote every float32 product.
-    assert optim.base.scalar_as(np.float64(0.5), np.float32).dtype == np.float32
-    assert optim.base.scalar_as(0.5, np.float32) == 0.5
+    assert optim.arrays.scalar_as(np.float64(0.5), np.float32).dtype == np.float32
+    assert optim.arrays.scalar_as(0.5, np.float32) == 0.5

@@ -26,7 +26,7 @@ from .ad import AutoTape, Traced, value_and_grad
 from .core import Layer, describe
 from .devices import check_same_device
 from .memory import cached, get_allocator_cache, step
-from .optim.base import check_gradients
+from .optim.checks import check_gradients
 
 __all__ = [
     "TrainState", "compute_gradients", "apply_gradients", "apply_gradients_",
@@ -221,11 +221,9 @@ def _compute_gradients(objective: Objective, data: Any, ts: TrainState) -> tuple
                              f"ts.states: {problem}; return the st the model returned (y, st = model(x, ps, st))")
         return loss, (st, stats)
 
-    # An optimizer with `listen(params)` (a `ListeningTransformation`, such as
-    # `distributed.DistributedOptimizer(..., overlap=True)`) takes each gradient as soon as
-    # the backward pass has finished it; `update` then gets the same arrays.
-    listen = getattr(ts.optimizer, "listen", None)
-    on_gradient = None if listen is None else listen(ts.parameters)
+    # A `luxnn.optim.Listening` optimizer (such as `distributed.DistributedOptimizer(...,
+    # overlap=True)`) takes each gradient as soon as the backward pass has finished it.
+    on_gradient = optim.listen(ts.optimizer, ts.parameters)
     (loss, (states, stats)), grads = value_and_grad(loss_fn, has_aux=True, on_gradient=on_gradient)(ts.parameters)
     return grads, loss, stats, ts.replace(states=states)
 

@@ -35,7 +35,6 @@ import numpy as np
 
 from .. import memory, optim, tree
 from ..backend import is_array, module_of
-from ..optim.base import update_into
 from .backend import Backend, Pending, check_backend, check_int
 from .collectives import check_same_layout
 from .step import ABANDONED, ABANDONED_STEP, BACKWARD, LAYER_CALLS, UNUSED, Step, begin, end
@@ -297,9 +296,10 @@ class _Round:
 
 class ListeningTransformation(optim.GradientTransformation):
     """A `GradientTransformation` that also takes gradients while the backward pass
-    finishes them: ``listen(params)`` is called by the training verbs before each
-    backward pass and returns ``on_gradient(position, gradient)`` (or None), which
-    `luxnn.ad.value_and_grad` calls once per leaf of the parameters' tree (`position` in
+    finishes them (an `optim.Listening` optimizer, see `optim.listen`): ``listen(params)``
+    is called by the training verbs before each backward pass and returns
+    ``on_gradient(position, gradient)`` (or None), which `luxnn.ad.value_and_grad` calls
+    once per leaf of the parameters' tree (`position` in
     `luxnn.tree.leaves` order) as soon as its gradient is final. `update` then gets those
     very gradient arrays; arrays replaced in between are taken as they come, but arrays
     written to in place are not seen.
@@ -314,9 +314,10 @@ class ListeningTransformation(optim.GradientTransformation):
         return type(self), (self.init, self.update, self.listen)
 
 
-class _Averaged:
+class _Averaged(optim.InPlaceUpdate, optim.UpdateInto):
     """`optimizer` on the gradients averaged by `buckets`, streamed in during the backward
-    pass with `overlap`."""
+    pass with `overlap`; in place as the inner optimizer is (`apply_gradients_` then updates
+    its moments in place and adds each leaf's update into its parameter)."""
 
     def __init__(self, optimizer: optim.GradientTransformation, buckets: GradientBuckets, overlap: bool) -> None:
         self.optimizer, self.buckets, self.overlap = optimizer, buckets, overlap
@@ -330,14 +331,11 @@ class _Averaged:
     def update(self, grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         return self.optimizer.update(self._averaged(grads), state, params)
 
-    # The in-place protocols of luxnn.optim's stages (optim/base.py), forwarded to the
-    # inner optimizer as luxnn.optim's wrappers forward them: `apply_gradients_` then
-    # updates its moments in place and adds each leaf's update into its parameter.
     def update_in_place(self, grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         return self.optimizer.update_(self._averaged(grads), state, params)
 
     def update_into(self, grads: Any, state: Any, params: Any, into: list) -> Any:
-        return update_into(self.optimizer, self._averaged(grads), state, params, into)
+        return optim.update_into(self.optimizer, self._averaged(grads), state, params, into)
 
     def _drop(self) -> None:
         """Every rank abandons the step in progress before its gradients travel (`step.Step`)."""

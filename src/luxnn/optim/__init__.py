@@ -6,10 +6,12 @@ A `GradientTransformation` is a pair of functions:
 - ``update(grads, opt_state, params=None) -> (updates, opt_state)``
 
 The updates already carry the minus sign: ``apply_updates(params, updates)`` adds them.
-The package is laid out as optax: `base` (the interface, `chain`, `apply_updates`),
-`transform` (the ``scale_by_*`` building blocks, clipping, decay, noise, averages), `alias`
-(the named optimisers, each a `chain` of building blocks), `schedule`, and `wrappers`
-(`masked`, `multi_transform`, `MultiSteps`, `apply_if_finite`, `inject_hyperparams`).
+The package is laid out as optax: `base` (the interface: `GradientTransformation`, the
+`Stage` a building block subclasses and the capabilities it declares, `chain`,
+`apply_updates`), the building blocks by family (`scaling`, `momentum`, `adam`,
+`second_moments`, `clipping`, `decay_noise`, gathered in `transform`), `alias` (the named
+optimisers, each a `chain` of building blocks), `schedule`, and `wrappers` (`masked`,
+`multi_transform`, `MultiSteps`, `apply_if_finite`, `inject_hyperparams`).
 
 >>> import numpy as np
 >>> from luxnn import optim
@@ -48,7 +50,9 @@ from .schedule import *  # noqa: F403
 from .schedule import __all__ as _schedule
 from .transform import *  # noqa: F403
 from .transform import __all__ as _transform
+from .update import *  # noqa: F403
+from .update import __all__ as _update
 from .wrappers import *  # noqa: F403
 from .wrappers import __all__ as _wrappers
 
-__all__ = [*_base, *_transform, *_alias, *_schedule, *_wrappers]
+__all__ = [*_base, *_update, *_transform, *_alias, *_schedule, *_wrappers]

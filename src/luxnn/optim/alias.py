@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import GradientTransformation, ScalarOrSchedule, chain, check_float, check_learning_rate
+from .arrays import ScalarOrSchedule
+from .base import GradientTransformation, chain
+from .checks import check_float, check_learning_rate
 from .transform import (
     add_decayed_weights, add_noise, clip_by_block_rms, ema, scale, scale_by_adadelta, scale_by_adam,
     scale_by_adamax, scale_by_amsgrad, scale_by_belief, scale_by_factored_rms, scale_by_learning_rate,

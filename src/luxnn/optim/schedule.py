@@ -19,7 +19,8 @@ import numpy as np
 
 from luxnn.backend import module_of
 
-from .base import Schedule, check_float, check_steps
+from .arrays import Schedule
+from .checks import check_float, check_steps
 
 __all__ = [
     "constant_schedule", "polynomial_schedule", "linear_schedule", "cosine_decay_schedule",

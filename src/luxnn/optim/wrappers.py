@@ -23,11 +23,12 @@ import numpy as np
 from luxnn import tree
 from luxnn.backend import module_of
 
-from .base import (
-    GradientTransformation, InPlace, Params, Updates, cast_like, check_match, check_steps, check_transformation,
-    map_arrays, module_of_tree, next_count, out_buffer, precheck, scalar_as, shaped_like, transformation, update_into,
-    upcast, where, zero_count, zeros_like_tree,
+from .arrays import (
+    Params, Updates, cast_like, map_arrays, module_of_tree, next_count, out_buffer, scalar_as, shaped_like, upcast,
+    zero_count, zeros_like_tree
 )  # fmt: skip
+from .base import GradientTransformation, InPlace, check_transformation, precheck, transformation, update_into
+from .checks import check_match, check_steps, where
 
 __all__ = [
     "MaskedNode", "MaskedState", "MultiTransformState", "MultiStepsState", "ApplyIfFiniteState",
@@ -393,12 +394,12 @@ class MultiSteps(GradientTransformation):
         return super().__new__(cls, stage.init, stage.update)
 
     def __getnewargs__(self) -> tuple:  # pickle and copy rebuild it from its arguments
-        stage = self.init.__self__
+        stage = self.stage
         return stage.opt, stage.every_k_schedule, stage.use_grad_mean
 
     @property
     def inner_opt(self) -> GradientTransformation:
-        return self.init.__self__.opt
+        return self.stage.opt
 
     def has_updated(self, state: MultiStepsState) -> Any:
         """Whether the update that produced `state` applied the inner optimizer."""

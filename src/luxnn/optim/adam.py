@@ -1,0 +1,353 @@
+"""Adam and its family: directions from bias-corrected first and second moments (Adam,
+NAdam, AMSGrad, Adamax, RAdam, AdaBelief) and Lion's sign of the momentum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from luxnn.backend import module_of
+
+from .arithmetic import (
+    PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average, moving_average_of_squares,
+    no_buffer,
+)  # fmt: skip
+from .arrays import (
+    Params, Updates, Workspace, cast_like, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count,
+    zeros_like_tree
+)  # fmt: skip
+from .base import FreshUpdates, GradientTransformation, InPlace, ScaledUpdate, transformation
+from .checks import check_decay, check_float, check_match
+
+__all__ = [
+    "ScaleByAdamState", "ScaleByAmsgradState", "ScaleByLionState", "ScaleByBeliefState", "scale_by_adam",
+    "scale_by_amsgrad", "scale_by_adamax", "scale_by_lion", "scale_by_radam", "scale_by_belief",
+]  # fmt: skip
+
+
+class ScaleByAdamState(NamedTuple):
+    """Step count and first and second moments (`scale_by_adam`, `scale_by_adamax`,
+    `scale_by_radam`; for adamax `nu` is the infinity norm)."""
+
+    count: Any
+    mu: Any
+    nu: Any
+
+
+class ScaleByAmsgradState(NamedTuple):
+    """`scale_by_adam`'s state plus the running maximum of the second moment."""
+
+    count: Any
+    mu: Any
+    nu: Any
+    nu_max: Any
+
+
+class ScaleByLionState(NamedTuple):
+    """Step count and momentum of `scale_by_lion`."""
+
+    count: Any
+    mu: Any
+
+
+class ScaleByBeliefState(NamedTuple):
+    """Step count, first moment and the moment of the prediction error (`scale_by_belief`)."""
+
+    count: Any
+    mu: Any
+    nu: Any
+
+
+class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate):
+
+    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
+        self.b1, self.b2, self.eps, self.eps_root, self.nesterov = b1, b2, eps, eps_root, nesterov
+
+    def init(self, params: Params) -> ScaleByAdamState:
+        return ScaleByAdamState(count=zero_count(params), mu=zeros_like_tree(params), nu=zeros_like_tree(params))
+
+    def compute(self, grads: Updates, state: ScaleByAdamState, params: Params, in_place: bool,
+                into: list | None = None):
+        return self.update_scaled(grads, state, params, 1.0, in_place, into)
+
+    def update_scaled(self, grads: Updates, state: ScaleByAdamState, params: Params, factor: Any, in_place: bool,
+                      into: list | None = None):
+        check_match(state.mu, "the optimizer state (adam moments)", grads, "grads")
+        b1, b2, eps, eps_root, nesterov = self.b1, self.b2, self.eps, self.eps_root, self.nesterov
+        count = next_count(state.count)
+        c1, c2 = bias_correction(b1, count), bias_correction(b2, count)
+        a, b = corrected_mu_coefficients(b1, count, c1, nesterov)
+        scalars = PerDtype(c2, a * factor, None if b is None else b * factor)
+        scratch_for = Workspace(into) if into is not None else no_buffer
+
+        def leaf(g: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
+            gc = upcast(g)
+            xp = module_of(gc)
+            c2_, a_, b_ = scalars[gc.dtype]
+            scratch = xp.multiply(gc, 1.0 - b1, out=scratch_for(gc))
+            mu = xp.multiply(m, b1, out=out_buffer(m, in_place))
+            mu += scratch
+            nu = moving_average_of_squares(gc, v, b2, scratch, out_buffer(v, in_place))
+            # scratch <- sqrt(nu_hat + eps_root) + eps
+            xp.multiply(nu, c2_, out=scratch)
+            if eps_root:
+                scratch += eps_root
+            xp.sqrt(scratch, out=scratch)
+            scratch += eps
+            if nesterov:
+                xp.divide(corrected_mu(mu, gc, a_, b_), scratch, out=scratch)
+            else:  # (mu / denominator) * a: one array fewer than m_hat first
+                xp.divide(mu, scratch, out=scratch)
+                scratch *= a_
+            return cast_like(scratch, g), mu, nu
+
+        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
+        return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
+                  nesterov: bool = False) -> GradientTransformation:
+    """Adam's direction ``m_hat / (sqrt(v_hat + eps_root) + eps)`` with bias-corrected
+    moments ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g**2``, ``m_hat = m / (1 - b1**t)``,
+    ``v_hat = v / (1 - b2**t)``, t the 1-based step (PyTorch and optax); ``nesterov=True``
+    is NAdam's momentum (optax's, Dozat 2016).
+
+    >>> from luxnn import optim
+    >>> opt = optim.chain(scale_by_adam(), optim.scale_by_learning_rate(1e-3))  # == adam(1e-3)
+    """
+    return transformation(_ScaleByAdam(check_decay("b1", b1), check_decay("b2", b2), check_float("eps", eps),
+                                       check_float("eps_root", eps_root), bool(nesterov)))
+
+
+class _ScaleByAmsgrad(InPlace, FreshUpdates):
+
+    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, correct_mu: bool, correct_nu: bool) -> None:
+        self.b1, self.b2, self.eps, self.eps_root = b1, b2, eps, eps_root
+        self.correct_mu, self.correct_nu = correct_mu, correct_nu
+
+    def init(self, params: Params) -> ScaleByAmsgradState:
+        zeros = zeros_like_tree
+        return ScaleByAmsgradState(count=zero_count(params), mu=zeros(params), nu=zeros(params), nu_max=zeros(params))
+
+    def compute(self, grads: Updates, state: ScaleByAmsgradState, params: Params, in_place: bool,
+                into: list | None = None):
+        check_match(state.mu, "the optimizer state (amsgrad moments)", grads, "grads")
+        b1, b2, eps, eps_root = self.b1, self.b2, self.eps, self.eps_root
+        count = next_count(state.count)
+        c1 = bias_correction(b1, count) if self.correct_mu else 1.0
+        c2 = bias_correction(b2, count) if self.correct_nu else 1.0
+
+        def leaf(g: Any, m: Any, v: Any, v_max: Any) -> tuple[Any, ...]:
+            gc = upcast(g)
+            xp, dtype = module_of(gc), gc.dtype
+            scratch = xp.multiply(gc, 1.0 - b1)
+            mu = xp.multiply(m, b1, out=out_buffer(m, in_place))
+            mu += scratch
+            nu = moving_average_of_squares(gc, v, b2, scratch, out_buffer(v, in_place))
+            corrected = xp.multiply(nu, scalar_as(c2, dtype), out=scratch)
+            nu_max = xp.maximum(v_max, corrected, out=out_buffer(v_max, in_place))
+            xp.add(nu_max, eps_root, out=scratch)
+            xp.sqrt(scratch, out=scratch)
+            scratch += eps
+            xp.divide(mu, scratch, out=scratch)
+            scratch *= scalar_as(c1, dtype)
+            return cast_like(scratch, g), mu, nu, nu_max
+
+        updates, mu, nu, nu_max = leafwise(leaf, grads, state.mu, state.nu, state.nu_max, outputs=4, into=into)
+        return updates, ScaleByAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max)
+
+
+def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+                     bias_correction_mu: bool = True, bias_correction_nu: bool = True) -> GradientTransformation:
+    """AMSGrad's direction: Adam's, with the running maximum of the (bias-corrected) second
+    moment in the denominator (optax; PyTorch's ``Adam(amsgrad=True)`` takes the maximum
+    of the uncorrected moment and corrects it by the current step, which differs).
+
+    >>> from luxnn import optim
+    >>> opt = optim.chain(scale_by_amsgrad(), optim.scale_by_learning_rate(1e-3))  # == amsgrad(1e-3)
+    """
+    return transformation(_ScaleByAmsgrad(check_decay("b1", b1), check_decay("b2", b2), check_float("eps", eps),
+                                          check_float("eps_root", eps_root), bool(bias_correction_mu),
+                                          bool(bias_correction_nu)))
+
+
+class _ScaleByAdamax(InPlace, FreshUpdates):
+
+    def __init__(self, b1: float, b2: float, eps: float) -> None:
+        self.b1, self.b2, self.eps = b1, b2, eps
+
+    def init(self, params: Params) -> ScaleByAdamState:
+        return ScaleByAdamState(count=zero_count(params), mu=zeros_like_tree(params), nu=zeros_like_tree(params))
+
+    def compute(self, grads: Updates, state: ScaleByAdamState, params: Params, in_place: bool,
+                into: list | None = None):
+        check_match(state.mu, "the optimizer state (adamax moments)", grads, "grads")
+        b1, b2, eps = self.b1, self.b2, self.eps
+        count = next_count(state.count)
+        c1 = bias_correction(b1, count)
+
+        def leaf(g: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
+            gc = upcast(g)
+            xp = module_of(gc)
+            scratch = xp.multiply(gc, 1.0 - b1)
+            mu = xp.multiply(m, b1, out=out_buffer(m, in_place))
+            mu += scratch
+            xp.multiply(v, b2, out=scratch)  # nu = max(b2 nu, |g| + eps), b2 nu taken before nu is written
+            nu = xp.abs(gc, out=out_buffer(v, in_place))
+            nu += eps
+            xp.maximum(scratch, nu, out=nu)
+            xp.divide(mu, nu, out=scratch)
+            scratch *= scalar_as(c1, gc.dtype)
+            return cast_like(scratch, g), mu, nu
+
+        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
+        return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+
+def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adamax's direction ``m_hat / u``, ``u = max(b2 u, |g| + eps)`` (optax, ``torch.optim.Adamax``).
+
+    >>> from luxnn import optim
+    >>> opt = optim.chain(scale_by_adamax(), optim.scale_by_learning_rate(2e-3))  # == adamax(2e-3)
+    """
+    return transformation(_ScaleByAdamax(check_decay("b1", b1), check_decay("b2", b2), check_float("eps", eps)))
+
+
+class _ScaleByLion(InPlace, FreshUpdates):
+
+    def __init__(self, b1: float, b2: float) -> None:
+        self.b1, self.b2 = b1, b2
+
+    def init(self, params: Params) -> ScaleByLionState:
+        return ScaleByLionState(count=zero_count(params), mu=zeros_like_tree(params))
+
+    def compute(self, grads: Updates, state: ScaleByLionState, params: Params, in_place: bool,
+                into: list | None = None):
+        check_match(state.mu, "the optimizer state (lion momentum)", grads, "grads")
+        b1, b2 = self.b1, self.b2
+
+        def leaf(g: Any, m: Any) -> tuple[Any, Any]:
+            gc = upcast(g)
+            xp = module_of(gc)
+            direction = moving_average(gc, m, b1)
+            xp.sign(direction, out=direction)
+            return cast_like(direction, g), moving_average(gc, m, b2, out=out_buffer(m, in_place))
+
+        updates, mu = leafwise(leaf, grads, state.mu, outputs=2, into=into)
+        return updates, ScaleByLionState(count=next_count(state.count), mu=mu)
+
+
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+    """Lion's direction ``sign((1 - b1) g + b1 m)``, then ``m = b2 m + (1 - b2) g`` (optax).
+
+    >>> from luxnn import optim
+    >>> opt = optim.chain(scale_by_lion(), optim.scale_by_learning_rate(1e-4))
+    """
+    return transformation(_ScaleByLion(check_decay("b1", b1), check_decay("b2", b2)))
+
+
+class _ScaleByRadam(InPlace, FreshUpdates):
+
+    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, threshold: float, nesterov: bool) -> None:
+        self.b1, self.b2, self.eps, self.eps_root = b1, b2, eps, eps_root
+        self.threshold, self.nesterov = threshold, nesterov
+        self.ro_inf = 2.0 / (1.0 - b2) - 1.0
+
+    def init(self, params: Params) -> ScaleByAdamState:
+        return ScaleByAdamState(count=zero_count(params), mu=zeros_like_tree(params), nu=zeros_like_tree(params))
+
+    def compute(self, grads: Updates, state: ScaleByAdamState, params: Params, in_place: bool,
+                into: list | None = None):
+        check_match(state.mu, "the optimizer state (radam moments)", grads, "grads")
+        b1, b2, eps, eps_root, ro_inf = self.b1, self.b2, self.eps, self.eps_root, self.ro_inf
+        count = next_count(state.count)
+        xp = module_of(count)
+        c1, c2 = bias_correction(b1, count), bias_correction(b2, count)
+        b2t = b2**count
+        ro = ro_inf - 2 * count * b2t / (1 - b2t)
+        rectify = ro >= self.threshold  # a 0-d bool: selected by `where`, never read on the host
+        ro = xp.where(rectify, ro, ro_inf)  # a value whose root is real where it is not used
+        r = xp.sqrt((ro - 4.0) * (ro - 2.0) * ro_inf / ((ro_inf - 4.0) * (ro_inf - 2.0) * ro))
+        scalars = PerDtype(c2, *corrected_mu_coefficients(b1, count, c1, self.nesterov), r)
+
+        def leaf(g: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
+            gc = upcast(g)
+            dtype = gc.dtype
+            scratch = xp.multiply(gc, 1.0 - b1)
+            mu = xp.multiply(m, b1, out=out_buffer(m, in_place))
+            mu += scratch
+            nu = moving_average_of_squares(gc, v, b2, scratch, out_buffer(v, in_place))
+            c2_, a, b, r_ = scalars[dtype]
+            mu_hat = corrected_mu(mu, gc, a, b)
+            xp.multiply(nu, c2_, out=scratch)
+            if eps_root:
+                scratch += eps_root
+            xp.sqrt(scratch, out=scratch)
+            scratch += eps
+            xp.divide(mu_hat, scratch, out=scratch)
+            scratch *= r_
+            return cast_like(xp.where(rectify, scratch, mu_hat), g), mu, nu
+
+        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
+        return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+
+def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+                   threshold: float = 5.0, *, nesterov: bool = False) -> GradientTransformation:
+    """Rectified Adam's direction (optax): Adam's times the rectification
+    ``sqrt((ro - 4)(ro - 2) ro_inf / ((ro_inf - 4)(ro_inf - 2) ro))`` once the variance is
+    tractable (``ro >= threshold``), the bias-corrected momentum before.
+
+    >>> from luxnn import optim
+    >>> opt = optim.chain(scale_by_radam(), optim.scale_by_learning_rate(1e-3))  # == radam(1e-3)
+    """
+    return transformation(_ScaleByRadam(check_decay("b1", b1), check_decay("b2", b2), check_float("eps", eps),
+                                        check_float("eps_root", eps_root), check_float("threshold", threshold),
+                                        bool(nesterov)))
+
+
+class _ScaleByBelief(InPlace, FreshUpdates):
+
+    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
+        self.b1, self.b2, self.eps, self.eps_root, self.nesterov = b1, b2, eps, eps_root, nesterov
+
+    def init(self, params: Params) -> ScaleByBeliefState:
+        return ScaleByBeliefState(count=zero_count(params), mu=zeros_like_tree(params), nu=zeros_like_tree(params))
+
+    def compute(self, grads: Updates, state: ScaleByBeliefState, params: Params, in_place: bool,
+                into: list | None = None):
+        check_match(state.mu, "the optimizer state (adabelief moments)", grads, "grads")
+        b1, b2, eps, eps_root = self.b1, self.b2, self.eps, self.eps_root
+        count = next_count(state.count)
+        c1, c2 = bias_correction(b1, count), bias_correction(b2, count)
+        scalars = PerDtype(c2, *corrected_mu_coefficients(b1, count, c1, self.nesterov))
+
+        def leaf(g: Any, m: Any, s: Any) -> tuple[Any, Any, Any]:
+            gc = upcast(g)
+            xp, dtype = module_of(gc), gc.dtype
+            mu = moving_average(gc, m, b1, out=out_buffer(m, in_place))
+            error = xp.subtract(gc, mu)  # the prediction error, against the new moment
+            nu = moving_average_of_squares(error, s, b2, error, out_buffer(s, in_place))
+            nu += eps_root
+            c2_, a, b = scalars[dtype]
+            mu_hat = corrected_mu(mu, gc, a, b)
+            scratch = xp.multiply(nu, c2_, out=error)
+            xp.sqrt(scratch, out=scratch)
+            scratch += eps
+            xp.divide(mu_hat, scratch, out=scratch)
+            return cast_like(scratch, g), mu, nu
+
+        updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
+        return updates, ScaleByBeliefState(count=count, mu=mu, nu=nu)
+
+
+def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_root: float = 1e-16, *,
+                    nesterov: bool = False) -> GradientTransformation:
+    """AdaBelief's direction (optax): Adam's with the second moment of the prediction
+    error ``g - m`` in place of that of ``g``.
+
+    >>> from luxnn import optim
+    >>> opt = optim.chain(scale_by_belief(), optim.scale_by_learning_rate(1e-3))  # == adabelief(1e-3)
+    """
+    return transformation(_ScaleByBelief(check_decay("b1", b1), check_decay("b2", b2), check_float("eps", eps),
+                                         check_float("eps_root", eps_root), bool(nesterov)))
