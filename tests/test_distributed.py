@@ -49,7 +49,8 @@ def passed(output: str, name: str) -> bool:
      "overlap: allreduces start in the backward pass, results as without overlap",
      "overlap: a backward pass that raises leaves nothing pending", "overlap: compute_gradients then apply_gradients, replaced gradients",
      "shards disjoint and covering", "loader settings",
-     "batchnorm: states equal on every rank, sync=True equals one process on the whole batch", "checkpoint"],
+     "batchnorm: states equal on every rank, sync=True equals one process on the whole batch",
+     "checks before writing, the DistributedOptimizer outermost", "checkpoint"],
 )  # fmt: skip
 def test_two_ranks(checks, name):
     assert passed(checks, name), checks[-4000:]

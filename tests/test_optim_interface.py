@@ -184,3 +184,18 @@ def test_listen_finds_the_listener_of_a_listening_optimizer():
     assert isinstance(opt, optim.Listening) and not isinstance(sgd, optim.Listening)
     assert optim.listen(opt, {"w": 1}) == heard.append and heard == [{"w": 1}]
     assert optim.listen(sgd, {"w": 1}) is None
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda t: optim.chain(optim.clip(1.0), t), lambda t: optim.MultiSteps(t, 2), lambda t: optim.masked(t, {"w": True}),
+     lambda t: optim.multi_transform({"a": t}, {"w": "a"}), lambda t: optim.apply_if_finite(t, 3)],
+    ids=["chain", "MultiSteps", "masked", "multi_transform", "apply_if_finite"],
+)  # fmt: skip
+def test_a_listening_optimizer_inside_another_is_refused(wrap):
+    # Inside another, the training verbs would not find it: no step opened, so BatchNorm's
+    # statistics would drift apart over the ranks without a word.
+    sgd = optim.sgd(0.1)
+    with pytest.raises(ValueError, match=r"listens to the backward pass .* must be the outermost optimizer"):
+        wrap(ListeningTransformation(sgd.init, sgd.update, lambda params: None))
+    wrap(sgd)  # the same wrapper around a plain optimizer is built

@@ -389,6 +389,17 @@ instance_data = (np.random.default_rng(rank).standard_normal((2 + rank, 4, 3)), 
 assert same_on_every_rank(lx.single_train_step(ad, loss_fn, instance_data, instance_ts)[3].states)
 say("PASS batchnorm: states equal on every rank, sync=True equals one process on the whole batch")
 
+# ---- checks before writing: the inner optimizer's; the DistributedOptimizer outermost only -----------------
+injected = lx.optim.chain(lx.optim.trace(0.9), lx.optim.inject_hyperparams(lx.optim.adam)(learning_rate=0.1))
+checked = lx.TrainState(model, lx.tree.map(np.copy, ps), st, dist.DistributedOptimizer(backend, injected))
+checked = lx.single_train_step_(ad, loss_fn, batches[0], checked)[3]
+before = digest(checked.optimizer_state)
+assert "b1 must be in [0.0, 1.0)" in raises(ValueError, lx.optim.set_hyperparams, checked, b1=5.0)
+assert digest(checked.optimizer_state) == before  # trace's momentum untouched: nothing was written
+message = raises(ValueError, lx.optim.MultiSteps, dist.DistributedOptimizer(backend, lx.optim.sgd(0.1)), 2)
+assert "must be the outermost optimizer" in message, message
+say("PASS checks before writing, the DistributedOptimizer outermost")
+
 # ---- a checkpoint written by rank 0 loads on both ----------------------------------------------------------
 path = os.path.join(tmpdir, "ckpt.safetensors")
 dist.save(backend, path, ts)

@@ -328,6 +328,9 @@ class _Averaged(optim.InPlaceUpdate, optim.UpdateInto):
         _check_one_device("DistributedOptimizer", params, "parameters")
         return self.optimizer.init(params)
 
+    def precheck(self, state: Any) -> None:
+        optim.precheck(self.optimizer, state)  # the inner optimizer's state is this one's
+
     def update(self, grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         return self.optimizer.update(self._averaged(grads), state, params)
 

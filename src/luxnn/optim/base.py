@@ -26,12 +26,16 @@ from luxnn.backend import module_of
 
 from .arrays import OptState, Params, ScalarOrSchedule, Schedule, Updates, Workspace, out_buffer
 from .checks import check_gradients, where
-from .update import add_into, apply_updates_, check_separate, in_place_pairs
+from .update import (  # apply_updates and its kin are part of base's interface, as in optax's base
+    add_into, apply_updates, apply_updates_, check_separate, global_norm, in_place_pairs, incremental_update,
+    periodic_update,
+)
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "EmptyState", "Stage", "Stateless", "InPlaceUpdate",
     "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "InPlace", "Listening", "precheck",
-    "update_into", "listen", "update_and_apply_", "identity", "set_to_zero", "chain",
+    "update_into", "listen", "apply_updates", "apply_updates_", "update_and_apply_", "incremental_update",
+    "periodic_update", "global_norm", "identity", "set_to_zero", "chain",
 ]  # fmt: skip
 
 
@@ -318,8 +322,19 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
 
 
 def check_transformation(name: str, value: Any) -> GradientTransformation:
+    """`value`, checked to be an optimizer that can go inside another (`chain`, the
+    wrappers). A `Listening` one (a DistributedOptimizer) cannot: the training verbs look
+    for it outermost (`listen`), to stream the gradients and to open the step in which
+    layers keep their statistics in step over the ranks; inside another it would silently
+    do neither."""
     if not isinstance(value, GradientTransformation):
         raise ValueError(f"{name} must be a GradientTransformation, got {type(value).__name__}")
+    if isinstance(value, Listening):
+        raise ValueError(
+            f"{name} is an optimizer that listens to the backward pass (a DistributedOptimizer), which must be the "
+            "outermost optimizer, where the training verbs find it: wrap the other way round, e.g. "
+            "DistributedOptimizer(backend, MultiSteps(adam(1e-3), 4))"
+        )
     return value
 
 
