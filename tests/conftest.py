@@ -16,6 +16,18 @@ def torch():
     return pytest.importorskip("torch")
 
 
+@pytest.fixture(autouse=True)
+def _the_same_bits_on_a_quiet_and_a_busy_machine():
+    """Products whose BLAS threads follow the machine's load would compute to other last
+    bits as other processes come and go: every test holds them to one thread (tests of
+    the rule itself turn it back on)."""
+    from luxnn import parallel
+
+    parallel.set_follow_load(False)
+    yield
+    parallel.set_follow_load(True)
+
+
 @pytest.fixture
 def threads():
     """Set luxnn's kernel threads for one test (``threads(2)``); restored after it."""

@@ -354,9 +354,11 @@ class FreeCores:
 
 @pytest.fixture
 def machine(monkeypatch):
-    """The machine as `parallel.matmul` sees it: ``machine(free=0)`` (busy) by default."""
+    """The machine as `parallel.matmul` sees it: ``machine(free=0)`` (busy) by default,
+    its load followed (the tests' own setting, `conftest`, holds every product)."""
     stand_in = FreeCores(0)
     monkeypatch.setattr(parallel, "_contention", stand_in)
+    parallel.set_follow_load(True)
     return stand_in
 
 
@@ -413,6 +415,19 @@ def test_a_small_product_keeps_the_blas_threads_while_the_cores_they_need_are_fr
         blas_sets.clear()
         assert_product_close(parallel.matmul(a, b), a, b)
         assert blas_sets == want, f"{free} cores free, {rows} x 512 x {columns}"
+
+
+def test_a_small_product_not_following_the_load_runs_on_one_blas_thread_on_a_quiet_machine_too(blas_sets, machine, threads):
+    threads(1)
+    machine.free = 4
+    a, b = np.ones((64, 512)), np.ones((512, 512))  # 16 M multiply-adds: the BLAS's threads while quiet
+    parallel.set_follow_load(False)
+    assert_product_close(parallel.matmul(a, b), a, b)
+    assert blas_sets == [1, 4]  # the same bits as on a busy machine
+    blas_sets.clear()
+    parallel.set_follow_load(True)
+    parallel.matmul(a, b)
+    assert blas_sets == []
 
 
 def test_a_product_the_blas_runs_on_one_thread_itself_asks_nothing_of_the_machine(machine, threads, monkeypatch):

@@ -52,7 +52,7 @@ from . import _blas
 from ._contention import Contention
 from .memory import _core as _memory_core
 
-__all__ = ["cut", "for_blocks", "matmul", "num_threads", "set_num_threads", "single_threaded_blas", "step"]
+__all__ = ["cut", "for_blocks", "matmul", "num_threads", "set_num_threads", "set_follow_load", "single_threaded_blas", "step"]
 
 Kernel = Callable[[int, int], None]
 
@@ -92,10 +92,14 @@ _CUT_MADDS = 1 << 26
 # `_BLAS_ONE_THREAD_MADDS` on one thread (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD,
 # 65536 * 4, in its gemm interface), so those are left as they are, at the price of one
 # comparison.
+# OpenBLAS's bits differ between one thread and several, so a product that follows the
+# load can end a few ulp apart from one run (or one step) to the next: `set_follow_load(False)`
+# holds every such product to one thread, for the same bits whatever the load.
 _ONE_THREAD_MADDS = 1 << 26
 _BLAS_ONE_THREAD_MADDS = 1 << 18
 _SPARE_CORES = 0.5
 _contention = Contention()
+_follow_load = True
 
 _threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _pool: _Workers | None = None
@@ -205,12 +209,30 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     return out
 
 
+def set_follow_load(enabled: bool) -> None:
+    """Whether products of fewer than 2^26 multiply-adds follow the machine's load (the
+    default): on the BLAS's threads while other processes leave the cores free, on one
+    thread while they take them (see "The BLAS's threads on a busy machine"). OpenBLAS
+    computes such a product to other bits on one thread than on several, so that a run's
+    numbers then differ in their last bits with the load; ``set_follow_load(False)`` runs
+    them on one thread always, for the same bits on a quiet and a busy machine (and up to
+    ~1.4x slower small steps on a quiet one).
+
+    >>> set_follow_load(False); set_follow_load(True)
+    """
+    global _follow_load
+    _follow_load = bool(enabled)
+
+
 def _held(madds: int) -> bool:
     """Whether a product of `madds` multiply-adds runs with the BLAS held to one thread:
     one the BLAS would thread, shorter than a scheduler's turn, on a machine that has not
-    the cores free for the BLAS's threads (see "The BLAS's threads on a busy machine")."""
+    the cores free for the BLAS's threads, or always when the load is not followed (see
+    "The BLAS's threads on a busy machine")."""
     if not _BLAS_ONE_THREAD_MADDS < madds < _ONE_THREAD_MADDS:
         return False
+    if not _follow_load:
+        return True
     blas_threads = min(_contention.cores, madds // _BLAS_ONE_THREAD_MADDS)
     return _contention.free_cores() < blas_threads - _SPARE_CORES
 
