@@ -334,7 +334,7 @@ def test_a_step_of_small_requests_only_is_handed_over_without_rows_and_never_rea
     monkeypatch.setattr(plan, "_table", read)
     for _ in range(8):
         with memory.step(cache):
-            x = np.ones(4096)  # 32 KiB: above MATCH_ABOVE, and small (a slab's)
+            x = np.ones(2048)  # 16 KiB: at most MATCH_ABOVE (a slab's)
             y = x * 2.0
     record = cache._core.take_record()
     assert record.plannable == 0 and record.rows == b"" and record.previous == b""
