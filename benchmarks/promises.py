@@ -58,6 +58,7 @@ def models() -> dict:
         lx.MaxPool((2, 2)), lx.Flatten(), lx.Dense(5 * 5 * 32, 10),
     )  # fmt: skip
     gru = lx.Chain(lx.Recurrence(lx.GRUCell(8, 32)), lx.Dense(32, 3))
+    bilstm = lx.Chain(lx.LSTM(6, 12, num_layers=2, bidirectional=True), lx.Flatten(), lx.Dense(7 * 24, 5))
     return {
         "cnn": (cnn.luxnn_model(), adam, ce, cnn.data(), "in place"),
         "cnn-split": (cnn.luxnn_model(), adam, ce, cnn.data(), "split"),
@@ -75,6 +76,8 @@ def models() -> dict:
         "mlp-dropout": (dropout_mlp, lx.optim.adamw(1e-3), ce, images((256, 128)), "in place"),
         "cnn-small": (small_cnn, adam, ce, images((32, 28, 28, 1)), "in place"),
         "gru": (gru, adam, ce, images((16, 20, 8), classes=3), "in place"),
+        # Blocks of at most 64 KiB (slabs'), many of tens of KiB: planned, not left to slabs.
+        "bilstm-small": (bilstm, adam, ce, images((16, 7, 6), classes=5), "in place"),
         # Out of place: two generations of parameters and moments alive at each step's end.
         "mlp-adam-out-of-place": (mlp(256, 1024, 1024, 10), adam, ce, images((512, 256)), "out of place"),
         "mlp-dropout-out-of-place": (dropout_mlp, lx.optim.adamw(1e-3), ce, images((256, 128)), "out of place"),

@@ -165,3 +165,13 @@ def test_the_command_run_as_a_process_exits_2_with_one_line():
     done = subprocess.run([sys.executable, "-m", "luxnn.cli", "demo", "--lr", "nan"], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "luxnn demo: argument --lr: expected a finite number above 0, got 'nan' (see luxnn demo --help)\n"
+
+
+def test_the_demo_counts_upstream_allocations_from_the_step_the_promise_counts():
+    # The warm-up may reach upstream in steps 2 and 3 (docs/design.md); from step 4 on a
+    # fixed-shape loop must not, and the closing lines say which steps they counted.
+    figures = luxnn.demo.run("mlp", epochs=1, batch_size=256, progress=False)
+    assert figures["steps"] > luxnn.demo.WARM_UP_STEPS
+    assert figures["upstream_allocs_after_warm_up"] == 0
+    assert figures["upstream_allocs_after_first_step"] >= figures["upstream_allocs_after_warm_up"]
+    assert "0 upstream allocations from step 4 on" in luxnn.demo.report(figures)

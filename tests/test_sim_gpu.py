@@ -207,6 +207,17 @@ def test_the_cuda_path_trains_as_the_cpu_path_and_plans_its_memory(name, sim_gpu
     assert gpu[2][3:] == [0] * (STEPS - 3), f"{name}: upstream allocations per step {gpu[2]}"
 
 
+def test_a_step_of_blocks_of_tens_of_kib_only_is_planned_on_the_device(sim_gpu):
+    # Every block of this step is at most 64 KiB (a slab's), many above MATCH_ABOVE: the
+    # slabs alone, placing online, took a new one on its fourth step, over the budget.
+    cache = _device_cache()
+    allocs = _train(LAYERS["bidirectional_lstm"], sim_gpu, cache, steps=8)[2]
+    s = cache.stats()
+    assert allocs[3:] == [0] * 5, f"upstream allocations per step {allocs}"
+    assert s.plans == 1 and s.peak_reserved <= memory.plan.BUDGET * s.peak_live, s
+    cache._core.audit()
+
+
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_each_layer_trains_on_the_cuda_path_as_on_the_cpu_path(name, sim_gpu):
     _assert_same_training(*_run_both(LAYERS[name], sim_gpu))

@@ -129,7 +129,7 @@ def test_demo_trains_the_digits_mlp_to_95_percent():
 
     figures = run("mlp", progress=False)
     assert figures["test_accuracy"] >= 0.95
-    assert figures["upstream_allocs_after_first_step"] == 0
+    assert figures["upstream_allocs_after_warm_up"] == 0
     assert figures["cache"].peak_reserved <= 1.1 * figures["cache"].peak_live
 
 

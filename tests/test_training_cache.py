@@ -338,11 +338,11 @@ def test_a_steps_small_results_are_planned_not_left_in_slabs(model, batch, threa
 
 def test_a_loop_of_small_requests_only_is_served_by_its_slabs_from_its_second_step(threads):
     threads(1)
-    # Dense 64 -> 64 -> 10, batch 128: every request is a small block (32 KiB at most), and
+    # Dense 64 -> 64 -> 10, batch 64: every request is a small block (16 KiB at most), and
     # a step with no larger one is not planned: the warm-up ends after the first step.
     model = lx.Chain(lx.Dense(64, 64, activation="relu"), lx.Dense(64, 10))
     rng = np.random.default_rng(1)
-    data = rng.standard_normal((128, 64)).astype(np.float32), rng.integers(0, 10, 128)
+    data = rng.standard_normal((64, 64)).astype(np.float32), rng.integers(0, 10, 64)
     cache, upstream = _train(model, lx.optim.sgd(0.01), data, 12)
     assert cache.stats().plans == 0 and upstream[1:] == [0] * 11 and upstream[0] > 0
     cache._core.audit()

@@ -245,8 +245,9 @@ typedef struct {
 /* What the planner learns of a cycle with its record (luxnn.memory.plan). */
 typedef struct {
     uint64_t misses;     /* the requests its plan missed */
-    uint64_t plannable;  /* its requests a plan is made for: above the split
-                            threshold, or a kernel's lanes' (0: it is not planned) */
+    uint64_t plannable;  /* its requests that make it planned: above the split
+                            threshold or LX_MATCH_ABOVE, or a kernel's lanes'
+                            (0: it is not planned) */
     int plan;            /* the place of the plan that served it, or -1: none */
     uint32_t installed;  /* bit k: a plan is in place k now */
     size_t split_peak;   /* the most bytes the split pool held during it */

@@ -80,14 +80,16 @@
  *   left where the next step's plan places its own; what the split pool served
  *   before a warm-up step (an optimizer's first state) goes back when the step
  *   begins, if it died. Small requests out of lanes are planned too, but
- *   only in a step with larger ones or lanes' (Record.plannable): a step's go
+ *   only in a step with larger ones, ones above LX_MATCH_ABOVE or lanes'
+ *   (Record.plannable; slabs placing online may take steps to settle on
+ *   a step's blocks of tens of KiB): a step's go
  *   upstream too once it or the step before had such requests (warm_small),
  *   after its first request above LX_MATCH_ABOVE, so that no slab holds a
  *   step's small results or gradients over the next step's peak; before
  *   that they take slabs (the first step cannot know yet), and the slabs left
  *   whole and free go back as each step begins once one had such requests.
- *   A step with nothing to plan ends the warm-up (WarmUp.end): a loop of small
- *   requests only is served by its slabs from its second step.
+ *   A step with nothing to plan ends the warm-up (WarmUp.end): a loop of
+ *   requests of at most LX_MATCH_ABOVE only is served by its slabs.
  * - Lanes: a request made inside a share of a threaded kernel
  *   (luxnn.parallel.for_blocks) carries its lane, set per thread (tl_lane,
  *   record.c): the kernel call (numbered from the step's beginning), the share,

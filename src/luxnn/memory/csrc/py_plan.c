@@ -13,9 +13,9 @@ static PyStructSequence_Field record_fields[] = {
              "rows, one per request (call, lane: -1 out of a kernel's lanes; lane_died: -1 "
              "unless it died in its lane); empty when plannable is 0"},
     {"misses", "the step's recorded requests that the plan serving it missed"},
-    {"plannable", "the step's recorded requests that a plan is made for: those above the split "
-                  "threshold and those of a kernel's lanes (0: the step is not planned, as "
-                  "when its rows are empty)"},
+    {"plannable", "the step's recorded requests that make it planned: those above the split "
+                  "threshold or above MATCH_ABOVE and those of a kernel's lanes (0: the step "
+                  "is not planned, as when its rows are empty)"},
     {"plan", "the place of the plan that served the step (install_plan's), or -1: none"},
     {"installed", "the places that hold a plan now, as bits (bit k: place k)"},
     {"split_peak", "the most bytes the split pool held during the step"},

@@ -33,7 +33,10 @@ note_birth_locked(lx_core *c, lx_block *b, int64_t call, int64_t lane)
         c->rec = rec;
         c->rec_cap = cap;
     }
-    c->cycle_plannable += b->bin >= c->split_bin || call >= 0;
+    /* A step is planned once it has a request a plan is matched by (above LX_MATCH_ABOVE),
+     * a split pool's or a lane's: slabs alone, placing online, may take steps to settle
+     * (a bidirectional LSTM's 20-48 KiB blocks took a new slab on its fourth step). */
+    c->cycle_plannable += b->bin >= c->split_bin || call >= 0 || b->size > LX_MATCH_ABOVE;
     c->rec[c->nrec] = (lx_request){(int64_t)b->size, c->tick++, -1, call, lane,
                                    call >= 0 ? tl_lane.tick++ : -1, -1, b};
     b->rec = ++c->nrec;
