@@ -262,8 +262,19 @@ def _splitmix_mask(seed: np.uint64, p: float, scale: float, mask: np.ndarray) ->
     mask.reshape(-1)[...] = np.where(uniform >= p, scale, 0.0)
 
 
+def _adam(g, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, c2, a, b, nesterov, p, mu, nu) -> None:
+    """luxnn_adam (src/luxnn/optim/adam.py): its NumPy passes, `adam_leaf`, in place, the
+    update added into `p`."""
+    from luxnn.optim.adam import adam_leaf
+
+    g, p, mu, nu = (np.atleast_1d(x) for x in (g, p, mu, nu))  # 0-d leaves: views NumPy can write through
+    direction = adam_leaf(g.astype(mu.dtype, copy=False), mu, nu, None, mu, nu, b1, one_minus_b1, b2, one_minus_b2,
+                          eps, eps_root, c2, a, b if nesterov else None)[0]
+    p += direction.astype(p.dtype, copy=False)
+
+
 # NumPy twins of luxnn's CUDA kernels, by kernel name: f(*inputs, *outputs) fills outputs.
-TWINS: dict[str, Callable] = {"luxnn_dropout_mask": _splitmix_mask}
+TWINS: dict[str, Callable] = {"luxnn_dropout_mask": _splitmix_mask, "luxnn_adam": _adam}
 
 
 class ElementwiseKernel:

@@ -43,6 +43,19 @@ class Workspace:
         return view
 
 
+_KERNELS: dict = {}
+
+
+def elementwise_kernel(xp: ModuleType, in_params: str, out_params: str, operation: str, name: str,
+                       preamble: str = "") -> Any:
+    """CuPy's ``ElementwiseKernel`` of these sources, made once per array module `xp`
+    (CuPy compiles it once per combination of dtypes, at its first launch with them)."""
+    found = _KERNELS.get((xp, name))
+    if found is None:
+        found = _KERNELS[xp, name] = xp.ElementwiseKernel(in_params, out_params, operation, name, preamble=preamble)
+    return found
+
+
 def out_buffer(old: Any, in_place: bool, otherwise: Any = None) -> Any:
     """The ``out=`` of a new state leaf: `old` itself when an in-place update may overwrite
     it (a writable array: CuPy's flags have no ``writeable``), else `otherwise` (None: a

@@ -9,7 +9,7 @@ The functions are bound methods of small module-level classes, `Stage` subclasse
 local closures), so an optimiser pickles and deep-copies with its configuration. A stage
 declares what more than a pure `update` it can do by subclassing the capabilities below
 (`InPlaceUpdate`, `UpdateInto`, `FreshUpdates`, `OwnedUpdate`, `FoldedFactor`,
-`ScaledUpdate`); `chain`, the wrappers and `update_and_apply_` look for them with
+`ScaledUpdate`, `KernelUpdate`); `chain`, the wrappers and `update_and_apply_` look for them with
 `isinstance`. A transformation made of other functions runs on the pure path.
 """
 
@@ -30,7 +30,7 @@ from .update import add_into, apply_updates_, check_separate, in_place_pairs
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "EmptyState", "Stage", "Stateless", "InPlaceUpdate",
-    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "InPlace", "Listening", "precheck",
+    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "KernelUpdate", "InPlace", "Listening", "precheck",
     "update_into", "listen", "update_and_apply_", "identity", "set_to_zero", "chain",
 ]  # fmt: skip
 
@@ -182,6 +182,24 @@ class ScaledUpdate(Stage):
         """The pure (`in_place` False), in-place or added-`into` update, times `factor`."""
 
 
+class KernelUpdate(Stage):
+    """A stage whose update added into parameters on the GPU is one elementwise kernel per
+    leaf, computing the whole stage and writing the parameter and the state's moments in
+    place: `update_into` and `chain` (this stage last, or followed by a `FoldedFactor`
+    stage, folded in) run it when the parameters are CuPy arrays."""
+
+    @abc.abstractmethod
+    def kernel_update_into(self, grads: Updates, state: OptState, params: Params, into: list,
+                           factor: Any = 1.0) -> OptState:
+        """As `UpdateInto.update_into`, with the updates times `factor`, one kernel launch
+        per leaf; `into` holds CuPy arrays."""
+
+
+def on_device(into: list) -> bool:
+    """Whether `into` (the parameters' arrays) are CuPy arrays: what a `KernelUpdate` fuses."""
+    return bool(into) and module_of(into[0]) is not np
+
+
 @runtime_checkable
 class Listening(Protocol):
     """An optimizer that takes the gradients while the backward pass finishes them (e.g.
@@ -299,8 +317,8 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
     """`transformation`'s in-place update (`GradientTransformation.update_`, which consumes
     `state`) with its updates added into `into`, a list of arrays, one per leaf of `grads`
     (usually the parameters' arrays, ``luxnn.tree.leaves(params)``); returns the new state.
-    A stage declaring `UpdateInto` adds each leaf's update as soon as it is computed; for
-    any other, the updates are computed first and then added.
+    A stage declaring `KernelUpdate` computes each leaf of CuPy arrays in one kernel; one
+    declaring `UpdateInto` adds each leaf's update as soon as it is computed; for any other, the updates are computed first and then added.
 
     >>> import numpy as np
     >>> from luxnn import optim, tree
@@ -310,6 +328,9 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
     array([0.5, 0.5])
     """
     stage = transformation.stage
+    if isinstance(stage, KernelUpdate) and on_device(into):
+        check_state_type(stage, state)
+        return stage.kernel_update_into(grads, state, params, into)
     if isinstance(stage, UpdateInto):
         return stage.update_into(grads, state, params, into)
     updates, state = transformation.update_(grads, state, params)
@@ -439,7 +460,10 @@ class _Chain(InPlace):
             t, stage, s = self.transforms[i], self.stages[i], state[i]
             if how == _SCALED:
                 factor, follower_state = self.stages[i + 1].folded_factor(state[i + 1])
-                grads, s = stage.update_scaled(grads, s, params, factor, in_place, into if i + 1 == last else None)
+                if i + 1 == last and isinstance(stage, KernelUpdate) and into is not None and on_device(into):
+                    grads, s = None, stage.kernel_update_into(grads, s, params, into, factor)
+                else:
+                    grads, s = stage.update_scaled(grads, s, params, factor, in_place, into if i + 1 == last else None)
                 new_states += [s, follower_state]
                 continue
             if how == _OWNED:
