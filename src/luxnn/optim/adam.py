@@ -145,10 +145,10 @@ class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate, KernelUpdate):
 
     def kernel_update_into(self, grads: Updates, state: ScaleByAdamState, params: Params, into: list,
                            factor: Any = 1.0) -> ScaleByAdamState:
+        count, scalars = self._step(grads, state, factor)
         leaves = list(zip(tree.leaves(grads), tree.leaves(state.mu), tree.leaves(state.nu), into))
         if not all(p.dtype == g.dtype and m.dtype == v.dtype == compute_dtype(g.dtype) for g, m, v, p in leaves):
-            return self.update_scaled(grads, state, params, factor, True, into)[1]  # moments of other dtypes
-        count, scalars = self._step(grads, state, factor)
+            return self.update_scaled(grads, state, params, factor, True, into)[1]  # dtypes the kernel does not mix
         kernel = elementwise_kernel(module_of(into[0]), *ADAM_KERNEL)
         for g, m, v, p in leaves:
             as_dtype = m.dtype.type  # the kernel's T: Python floats rounded as NumPy's passes round them

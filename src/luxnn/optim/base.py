@@ -30,8 +30,8 @@ from .update import add_into, apply_updates_, check_separate, in_place_pairs
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "EmptyState", "Stage", "Stateless", "InPlaceUpdate",
-    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "KernelUpdate", "InPlace", "Listening", "precheck",
-    "update_into", "listen", "update_and_apply_", "identity", "set_to_zero", "chain",
+    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "KernelUpdate", "InPlace",
+    "Listening", "precheck", "update_into", "listen", "update_and_apply_", "identity", "set_to_zero", "chain",
 ]  # fmt: skip
 
 
@@ -318,7 +318,8 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
     `state`) with its updates added into `into`, a list of arrays, one per leaf of `grads`
     (usually the parameters' arrays, ``luxnn.tree.leaves(params)``); returns the new state.
     A stage declaring `KernelUpdate` computes each leaf of CuPy arrays in one kernel; one
-    declaring `UpdateInto` adds each leaf's update as soon as it is computed; for any other, the updates are computed first and then added.
+    declaring `UpdateInto` adds each leaf's update as soon as it is computed; for any
+    other, the updates are computed first and then added.
 
     >>> import numpy as np
     >>> from luxnn import optim, tree
