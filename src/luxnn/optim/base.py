@@ -408,8 +408,9 @@ def set_to_zero() -> GradientTransformation:
 
 # How `chain` runs a stage: its own update (pure, in place or adding `into`), its update
 # into the updates the stage before made (`OwnedUpdate` after `FreshUpdates`), or its
-# update scaled by the factor of the stage after it (`ScaledUpdate`, then `FoldedFactor`).
-_OWN, _OWNED, _SCALED = "own", "owned", "scaled"
+# update scaled by the factor of the stage after it (`ScaledUpdate`, then `FoldedFactor`),
+# or, adding into CuPy parameters, its kernel with that factor (`KernelUpdate`).
+_OWN, _OWNED, _SCALED, _KERNEL = "own", "owned", "scaled", "kernel"
 
 
 def _plan(stages: list) -> list[tuple[int, str]]:
@@ -428,11 +429,23 @@ def _plan(stages: list) -> list[tuple[int, str]]:
     return steps
 
 
+def _kernel_plan(stages: list) -> list[tuple[int, str]] | None:
+    """The steps of a chain of `stages` adding into CuPy parameters when it ends with a
+    `KernelUpdate` stage and a `FoldedFactor` one (a learning rate): that pair runs as one
+    kernel per leaf, the factor folded in. None for any other chain (a `KernelUpdate`
+    stage last runs its kernel through `update_into`)."""
+    n = len(stages)
+    if n >= 2 and isinstance(stages[-2], KernelUpdate) and isinstance(stages[-1], FoldedFactor):
+        return _plan(stages[:-2]) + [(n - 2, _KERNEL)]
+    return None
+
+
 class _Chain(InPlace):
     def __init__(self, transforms: tuple[GradientTransformation, ...]) -> None:
         self.transforms = transforms
         self.stages = [t.stage for t in transforms]
         self.steps = _plan(self.stages)
+        self.kernel_steps = _kernel_plan(self.stages)
 
     def init(self, params: Params) -> tuple:
         return tuple(t.init(params) for t in self.transforms)
@@ -457,14 +470,16 @@ class _Chain(InPlace):
         self._check_state(state)
         new_states: list = []
         last = len(self.transforms) - 1
-        for i, how in self.steps:
+        fused = into is not None and self.kernel_steps is not None and on_device(into)
+        for i, how in self.kernel_steps if fused else self.steps:
             t, stage, s = self.transforms[i], self.stages[i], state[i]
+            if how == _KERNEL:  # the last step
+                factor, follower_state = self.stages[i + 1].folded_factor(state[i + 1])
+                new_states += [stage.kernel_update_into(grads, s, params, into, factor), follower_state]
+                return None, tuple(new_states)
             if how == _SCALED:
                 factor, follower_state = self.stages[i + 1].folded_factor(state[i + 1])
-                if i + 1 == last and isinstance(stage, KernelUpdate) and into is not None and on_device(into):
-                    grads, s = None, stage.kernel_update_into(grads, s, params, into, factor)
-                else:
-                    grads, s = stage.update_scaled(grads, s, params, factor, in_place, into if i + 1 == last else None)
+                grads, s = stage.update_scaled(grads, s, params, factor, in_place, into if i + 1 == last else None)
                 new_states += [s, follower_state]
                 continue
             if how == _OWNED:
