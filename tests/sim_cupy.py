@@ -273,8 +273,19 @@ def _adam(g, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, c2, a, b, nester
     p += direction.astype(p.dtype, copy=False)
 
 
+def _trace(g, decay, factor, nesterov, p, t) -> None:
+    """luxnn_trace (src/luxnn/optim/momentum.py): `trace_leaf` in place, its update times
+    `factor` (`times`) added into `p`."""
+    from luxnn.optim.arithmetic import times
+    from luxnn.optim.momentum import trace_leaf
+
+    g, p, t = (np.atleast_1d(x) for x in (g, p, t))
+    update = trace_leaf(g.astype(t.dtype, copy=False), t, t, decay, nesterov)[0]
+    p += times(update.astype(p.dtype, copy=False), factor)
+
+
 # NumPy twins of luxnn's CUDA kernels, by kernel name: f(*inputs, *outputs) fills outputs.
-TWINS: dict[str, Callable] = {"luxnn_dropout_mask": _splitmix_mask, "luxnn_adam": _adam}
+TWINS: dict[str, Callable] = {"luxnn_dropout_mask": _splitmix_mask, "luxnn_adam": _adam, "luxnn_trace": _trace}
 
 
 class ElementwiseKernel:

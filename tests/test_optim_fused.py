@@ -1,5 +1,5 @@
-"""The optimisers' fused GPU updates (`KernelUpdate`): Adam's whole update of a leaf in one
-CUDA kernel, on the simulated device of tests/sim_cupy.py (the kernel run by its NumPy
+"""The optimisers' fused GPU updates (`KernelUpdate`): Adam's and momentum's (`trace`, SGD)
+whole update of a leaf in one CUDA kernel, on the simulated device of tests/sim_cupy.py (the kernel run by its NumPy
 twin, launches counted) against the CPU path, and on a real GPU when one is present.
 
 What the simulator cannot tell: whether the CUDA source computes what its twin does (the
@@ -53,38 +53,46 @@ def _assert_close(got, want, dtype):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * 1e-3, err_msg=path)
 
 
+# name: (the optimiser, the kernel that updates each leaf)
 OPTIMISERS = {
-    "adam": lambda: optim.adam(1e-2),
-    "nadam": lambda: optim.adam(1e-2, nesterov=True),
-    "adam_eps_root": lambda: optim.adam(1e-2, eps_root=1e-6),
-    "adam_schedule": lambda: optim.adam(optim.exponential_decay(1e-2, 2, 0.5)),
-    "scale_by_adam": lambda: optim.scale_by_adam(),
+    "adam": (lambda: optim.adam(1e-2), "luxnn_adam"),
+    "nadam": (lambda: optim.adam(1e-2, nesterov=True), "luxnn_adam"),
+    "adam_eps_root": (lambda: optim.adam(1e-2, eps_root=1e-6), "luxnn_adam"),
+    "adam_schedule": (lambda: optim.adam(optim.exponential_decay(1e-2, 2, 0.5)), "luxnn_adam"),
+    "scale_by_adam": (lambda: optim.scale_by_adam(), "luxnn_adam"),
+    "sgd_momentum": (lambda: optim.sgd(0.1, momentum=0.9), "luxnn_trace"),
+    "sgd_nesterov": (lambda: optim.sgd(0.1, momentum=0.9, nesterov=True), "luxnn_trace"),
+    "sgd_schedule": (lambda: optim.sgd(optim.exponential_decay(0.1, 2, 0.5), momentum=0.9), "luxnn_trace"),
+    "trace": (lambda: optim.trace(0.9), "luxnn_trace"),
 }
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
 @pytest.mark.parametrize("name", OPTIMISERS)
-def test_the_fused_adam_update_gives_the_cpus_parameters_and_moments(name, dtype, sim_gpu):
-    cpu = _run_updates(OPTIMISERS[name](), lx.cpu_device(), dtype)
+def test_the_fused_update_gives_the_cpus_parameters_and_moments(name, dtype, sim_gpu):
+    make, kernel = OPTIMISERS[name]
+    cpu = _run_updates(make(), lx.cpu_device(), dtype)
     with sim_cupy.counting() as counts:
-        gpu = _run_updates(OPTIMISERS[name](), sim_gpu, dtype)
-    assert counts["kernel", "luxnn_adam"] == 5 * len(LEAF_SHAPES)  # the fused kernel ran, once per leaf
+        gpu = _run_updates(make(), sim_gpu, dtype)
+    assert counts["kernel", kernel] == 5 * len(LEAF_SHAPES)  # the fused kernel ran, once per leaf
     _assert_close(gpu, cpu, dtype)
     moment_dtypes = {m.dtype for m in lx.tree.leaves(gpu[1]) if m.dtype.kind == "f"}
     assert moment_dtypes == {np.dtype(np.float32 if dtype == np.float16 else dtype)}  # float16: float32 moments
 
 
-def test_one_adam_update_of_a_20_leaf_model_launches_one_kernel_per_leaf(sim_gpu):
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
+def test_one_update_of_a_20_leaf_model_launches_one_kernel_per_leaf(name, sim_gpu):
     shapes = [(8, 8), (8,)] * 10
     rng = np.random.default_rng(0)
     params, grads = sim_gpu(_tree(rng, np.float32, shapes)), sim_gpu(_tree(rng, np.float32, shapes))
-    opt = optim.adam(1e-3)
+    make, kernel = OPTIMISERS[name]
+    opt = make()
     state = optim.update_and_apply_(opt, grads, opt.init(params), params)  # the first update: kernels compiled
     with sim_cupy.counting() as counts:
         optim.update_and_apply_(opt, grads, state, params)
-    assert counts["kernel", "luxnn_adam"] == 20
-    # besides the 20 fused kernels, only the step's scalars (count, bias corrections) are computed
-    assert counts["kernel"] - 20 <= 12, counts
+    assert counts["kernel", kernel] == 20
+    # besides the 20 fused kernels, only the step's scalars (Adam's count, bias corrections)
+    assert counts["kernel"] - 20 <= 10, counts
     assert counts["memcpy"] == 0 and counts["fill"] == 0
 
 
@@ -161,10 +169,9 @@ def test_a_stage_that_declares_a_kernel_update_is_fused_on_the_gpu_only(chained,
     assert stage.ran == ["update_into", ("kernel", 1.0)]
 
 
-def test_the_fused_adam_kernel_on_a_gpu_gives_the_cpus_numbers(gpu):
+def test_the_fused_kernels_on_a_gpu_give_the_cpus_numbers(gpu):
     """On a real GPU: the CUDA source against the CPU path (float32 to a few roundings)."""
-    for name in ("adam", "nadam", "adam_eps_root"):
+    for make, _ in OPTIMISERS.values():
         for dtype in (np.float64, np.float32, np.float16):
-            cpu = _run_updates(OPTIMISERS[name](), lx.cpu_device(), dtype)
-            gpu_result = _run_updates(OPTIMISERS[name](), gpu, dtype)
-            _assert_close(gpu_result, cpu, dtype)
+            cpu = _run_updates(make(), lx.cpu_device(), dtype)
+            _assert_close(_run_updates(make(), gpu, dtype), cpu, dtype)

@@ -10,11 +10,11 @@ from luxnn import tree
 from luxnn.backend import module_of
 
 from .arithmetic import (
-    PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average, moving_average_of_squares,
+    MUL_PREAMBLE, PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average, moving_average_of_squares,
     no_buffer,
 )  # fmt: skip
 from .arrays import (
-    Params, Updates, Workspace, cast_like, compute_dtype, elementwise_kernel, leafwise, next_count, out_buffer,
+    Params, Updates, Workspace, cast_like, compute_dtype, elementwise_kernel, kernel_scalar, leafwise, next_count, out_buffer,
     scalar_as, upcast, zero_count, zeros_like_tree
 )  # fmt: skip
 from .base import FreshUpdates, GradientTransformation, InPlace, KernelUpdate, ScaledUpdate, transformation
@@ -87,8 +87,8 @@ def adam_leaf(gc: Any, m: Any, v: Any, scratch: Any, mu_out: Any, nu_out: Any, b
     return scratch, mu, nu
 
 
-# `adam_leaf` as one CUDA kernel, its update added into the parameter: the products are
-# rounded one by one (``mul``: no fused multiply-add), as NumPy's passes round them.
+# `adam_leaf` as one CUDA kernel, its update added into the parameter; products rounded
+# one by one (`MUL_PREAMBLE`).
 ADAM_KERNEL = (
     "G g, T b1, T one_minus_b1, T b2, T one_minus_b2, T eps, T eps_root, T c2, T a, T b, bool nesterov",
     "P p, T mu, T nu",
@@ -101,10 +101,7 @@ ADAM_KERNEL = (
     p = (P)((T)p + (T)(P)update);
     """,
     "luxnn_adam",
-    """
-    __device__ float mul(float x, float y) { return __fmul_rn(x, y); }
-    __device__ double mul(double x, double y) { return __dmul_rn(x, y); }
-    """,
+    MUL_PREAMBLE,
 )
 
 
@@ -151,9 +148,9 @@ class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate, KernelUpdate):
             return self.update_scaled(grads, state, params, factor, True, into)[1]  # dtypes the kernel does not mix
         kernel = elementwise_kernel(module_of(into[0]), *ADAM_KERNEL)
         for g, m, v, p in leaves:
-            as_dtype = m.dtype.type  # the kernel's T: Python floats rounded as NumPy's passes round them
             c2, a, b = scalars[m.dtype]
-            kernel(g, *map(as_dtype, self.hyper), c2, a, as_dtype(0.0) if b is None else b, self.nesterov, p, m, v)
+            constants = (kernel_scalar(x, m.dtype) for x in self.hyper)
+            kernel(g, *constants, c2, a, kernel_scalar(0.0 if b is None else b, m.dtype), self.nesterov, p, m, v)
         return ScaleByAdamState(count=count, mu=state.mu, nu=state.nu)
 
 

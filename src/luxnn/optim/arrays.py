@@ -56,6 +56,12 @@ def elementwise_kernel(xp: ModuleType, in_params: str, out_params: str, operatio
     return found
 
 
+def kernel_scalar(value: Any, dtype: Any) -> Any:
+    """`value` as a scalar argument of a kernel computing in `dtype`: rounded to `dtype`
+    as NumPy rounds a scalar operand of an array of `dtype` (a 0-d array stays one)."""
+    return np.dtype(dtype).type(value) if isinstance(value, (int, float)) else value.astype(dtype)
+
+
 def out_buffer(old: Any, in_place: bool, otherwise: Any = None) -> Any:
     """The ``out=`` of a new state leaf: `old` itself when an in-place update may overwrite
     it (a writable array: CuPy's flags have no ``writeable``), else `otherwise` (None: a
