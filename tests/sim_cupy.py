@@ -284,8 +284,21 @@ def _trace(g, decay, factor, nesterov, p, t) -> None:
     p += times(update.astype(p.dtype, copy=False), factor)
 
 
+def _lion(g, b1, one_minus_b1, b2, one_minus_b2, factor, p, mu) -> None:
+    """luxnn_lion (src/luxnn/optim/adam.py): `lion_leaf` in place, its direction times
+    `factor` (`times`) added into `p`."""
+    from luxnn.optim.adam import lion_leaf
+    from luxnn.optim.arithmetic import times
+
+    g, p, mu = (np.atleast_1d(x) for x in (g, p, mu))
+    direction = lion_leaf(g.astype(mu.dtype, copy=False), mu, mu, b1, one_minus_b1, b2, one_minus_b2)[0]
+    p += times(direction.astype(p.dtype, copy=False), factor)
+
+
 # NumPy twins of luxnn's CUDA kernels, by kernel name: f(*inputs, *outputs) fills outputs.
-TWINS: dict[str, Callable] = {"luxnn_dropout_mask": _splitmix_mask, "luxnn_adam": _adam, "luxnn_trace": _trace}
+TWINS: dict[str, Callable] = {
+    "luxnn_dropout_mask": _splitmix_mask, "luxnn_adam": _adam, "luxnn_trace": _trace, "luxnn_lion": _lion,
+}
 
 
 class ElementwiseKernel:

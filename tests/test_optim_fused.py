@@ -53,17 +53,26 @@ def _assert_close(got, want, dtype):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * 1e-3, err_msg=path)
 
 
+def _halving(value):
+    return optim.exponential_decay(value, 2, 0.5)
+
+
 # name: (the optimiser, the kernel that updates each leaf)
 OPTIMISERS = {
     "adam": (lambda: optim.adam(1e-2), "luxnn_adam"),
     "nadam": (lambda: optim.adam(1e-2, nesterov=True), "luxnn_adam"),
     "adam_eps_root": (lambda: optim.adam(1e-2, eps_root=1e-6), "luxnn_adam"),
-    "adam_schedule": (lambda: optim.adam(optim.exponential_decay(1e-2, 2, 0.5)), "luxnn_adam"),
+    "adam_schedule": (lambda: optim.adam(_halving(1e-2)), "luxnn_adam"),
     "scale_by_adam": (lambda: optim.scale_by_adam(), "luxnn_adam"),
     "sgd_momentum": (lambda: optim.sgd(0.1, momentum=0.9), "luxnn_trace"),
     "sgd_nesterov": (lambda: optim.sgd(0.1, momentum=0.9, nesterov=True), "luxnn_trace"),
-    "sgd_schedule": (lambda: optim.sgd(optim.exponential_decay(0.1, 2, 0.5), momentum=0.9), "luxnn_trace"),
+    "sgd_schedule": (lambda: optim.sgd(_halving(0.1), momentum=0.9), "luxnn_trace"),
     "trace": (lambda: optim.trace(0.9), "luxnn_trace"),
+    "lion": (lambda: optim.chain(optim.scale_by_lion(), optim.scale_by_learning_rate(1e-3)), "luxnn_lion"),
+    "lion_schedule": (
+        lambda: optim.chain(optim.scale_by_lion(0.8, 0.95), optim.scale_by_learning_rate(_halving(1e-3))), "luxnn_lion"
+    ),
+    "scale_by_lion": (lambda: optim.scale_by_lion(), "luxnn_lion"),
 }
 
 
@@ -80,7 +89,7 @@ def test_the_fused_update_gives_the_cpus_parameters_and_moments(name, dtype, sim
     assert moment_dtypes == {np.dtype(np.float32 if dtype == np.float16 else dtype)}  # float16: float32 moments
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "lion"])
 def test_one_update_of_a_20_leaf_model_launches_one_kernel_per_leaf(name, sim_gpu):
     shapes = [(8, 8), (8,)] * 10
     rng = np.random.default_rng(0)

@@ -10,8 +10,8 @@ from luxnn import tree
 from luxnn.backend import module_of
 
 from .arithmetic import (
-    MUL_PREAMBLE, PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average, moving_average_of_squares,
-    no_buffer,
+    MUL_PREAMBLE, PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average,
+    moving_average_of_squares, no_buffer, scaled,
 )  # fmt: skip
 from .arrays import (
     Params, Updates, Workspace, cast_like, compute_dtype, elementwise_kernel, kernel_scalar, leafwise, next_count, out_buffer,
@@ -262,10 +262,41 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
     return transformation(_ScaleByAdamax(check_decay("b1", b1), check_decay("b2", b2), check_float("eps", eps)))
 
 
-class _ScaleByLion(InPlace, FreshUpdates):
+def lion_leaf(gc: Any, m: Any, mu_out: Any, b1: Any, one_minus_b1: Any, b2: Any, one_minus_b2: Any) -> tuple[Any, Any]:
+    """Lion's direction and momentum of one leaf `gc` (in its compute dtype, `m` its
+    momentum): (the direction, a new array; mu, in `mu_out`, None: a new array).
+    `LION_KERNEL` fuses these passes, in order."""
+    xp = module_of(gc)
+    direction = xp.multiply(m, b1)
+    direction += xp.multiply(gc, one_minus_b1)
+    xp.sign(direction, out=direction)
+    mu = xp.multiply(m, b2, out=mu_out)
+    mu += xp.multiply(gc, one_minus_b2)
+    return direction, mu
+
+
+# `lion_leaf` as one CUDA kernel, its direction cast to the parameter's dtype, times
+# `factor` (a learning rate, `times`) and added into the parameter (NumPy's sign: NaN stays).
+LION_KERNEL = (
+    "G g, T b1, T one_minus_b1, T b2, T one_minus_b2, T factor",
+    "P p, T mu",
+    """
+    T gc = (T)g;
+    T d = mul(mu, b1) + mul(gc, one_minus_b1);
+    T direction = d > 0 ? (T)1 : d < 0 ? (T)-1 : d == 0 ? (T)0 : d;
+    mu = mul(mu, b2) + mul(gc, one_minus_b2);
+    p = (P)((T)p + (T)(P)mul((T)(P)direction, factor));
+    """,
+    "luxnn_lion",
+    MUL_PREAMBLE,
+)
+
+
+class _ScaleByLion(InPlace, FreshUpdates, KernelUpdate):
 
     def __init__(self, b1: float, b2: float) -> None:
         self.b1, self.b2 = b1, b2
+        self.hyper = (b1, 1.0 - b1, b2, 1.0 - b2)  # the constants of `lion_leaf`
 
     def init(self, params: Params) -> ScaleByLionState:
         return ScaleByLionState(count=zero_count(params), mu=zeros_like_tree(params))
@@ -273,17 +304,26 @@ class _ScaleByLion(InPlace, FreshUpdates):
     def compute(self, grads: Updates, state: ScaleByLionState, params: Params, in_place: bool,
                 into: list | None = None):
         check_match(state.mu, "the optimizer state (lion momentum)", grads, "grads")
-        b1, b2 = self.b1, self.b2
 
         def leaf(g: Any, m: Any) -> tuple[Any, Any]:
-            gc = upcast(g)
-            xp = module_of(gc)
-            direction = moving_average(gc, m, b1)
-            xp.sign(direction, out=direction)
-            return cast_like(direction, g), moving_average(gc, m, b2, out=out_buffer(m, in_place))
+            direction, mu = lion_leaf(upcast(g), m, out_buffer(m, in_place), *self.hyper)
+            return cast_like(direction, g), mu
 
         updates, mu = leafwise(leaf, grads, state.mu, outputs=2, into=into)
         return updates, ScaleByLionState(count=next_count(state.count), mu=mu)
+
+    def kernel_update_into(self, grads: Updates, state: ScaleByLionState, params: Params, into: list,
+                           factor: Any = 1.0) -> ScaleByLionState:
+        check_match(state.mu, "the optimizer state (lion momentum)", grads, "grads")
+        leaves = list(zip(tree.leaves(grads), tree.leaves(state.mu), into))
+        if not all(p.dtype == g.dtype and m.dtype == compute_dtype(g.dtype) for g, m, p in leaves):
+            updates, state = self.update_in_place(grads, state, params)  # dtypes the kernel does not mix
+            scaled(updates, factor, into)
+            return state
+        kernel = elementwise_kernel(module_of(into[0]), *LION_KERNEL)
+        for g, m, p in leaves:
+            kernel(g, *(kernel_scalar(x, m.dtype) for x in (*self.hyper, factor)), p, m)
+        return ScaleByLionState(count=next_count(state.count), mu=state.mu)
 
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
