@@ -14,8 +14,8 @@ from .arithmetic import (
     moving_average_of_squares, no_buffer, scaled,
 )  # fmt: skip
 from .arrays import (
-    Params, Updates, Workspace, cast_like, compute_dtype, elementwise_kernel, kernel_scalar, leafwise, next_count, out_buffer,
-    scalar_as, upcast, zero_count, zeros_like_tree
+    Params, Updates, Workspace, cast_like, compute_dtype, elementwise_kernel, kernel_scalar, leafwise, next_count,
+    out_buffer, scalar_as, upcast, zero_count, zeros_like_tree
 )  # fmt: skip
 from .base import FreshUpdates, GradientTransformation, InPlace, KernelUpdate, ScaledUpdate, transformation
 from .checks import check_decay, check_float, check_match
