@@ -89,20 +89,25 @@ def test_the_fused_update_gives_the_cpus_parameters_and_moments(name, dtype, sim
     assert moment_dtypes == {np.dtype(np.float32 if dtype == np.float16 else dtype)}  # float16: float32 moments
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "lion"])
-def test_one_update_of_a_20_leaf_model_launches_one_kernel_per_leaf(name, sim_gpu):
-    shapes = [(8, 8), (8,)] * 10
+def _launches_of_one_update(make, leaves, device):
+    shapes = [(8, 8), (8,)] * (leaves // 2)
     rng = np.random.default_rng(0)
-    params, grads = sim_gpu(_tree(rng, np.float32, shapes)), sim_gpu(_tree(rng, np.float32, shapes))
-    make, kernel = OPTIMISERS[name]
+    params, grads = device(_tree(rng, np.float32, shapes)), device(_tree(rng, np.float32, shapes))
     opt = make()
     state = optim.update_and_apply_(opt, grads, opt.init(params), params)  # the first update: kernels compiled
     with sim_cupy.counting() as counts:
         optim.update_and_apply_(opt, grads, state, params)
-    assert counts["kernel", kernel] == 20
-    # besides the 20 fused kernels, only the step's scalars (Adam's count, bias corrections)
-    assert counts["kernel"] - 20 <= 10, counts
-    assert counts["memcpy"] == 0 and counts["fill"] == 0
+    return counts
+
+
+@pytest.mark.parametrize("name", ["adam", "adam_schedule", "sgd_momentum", "sgd_schedule", "lion", "lion_schedule"])
+def test_one_update_of_a_20_leaf_model_launches_one_kernel_per_leaf(name, sim_gpu):
+    make, kernel = OPTIMISERS[name]
+    few, many = (_launches_of_one_update(make, leaves, sim_gpu) for leaves in (2, 20))
+    assert few["kernel", kernel] == 2 and many["kernel", kernel] == 20
+    # besides the fused kernels, only the step's scalars (count, bias corrections, schedule): none per leaf
+    assert many["kernel"] - 20 == few["kernel"] - 2 <= 30, (few, many)
+    assert many["fill"] == many["memcpy"] == 0
 
 
 def test_single_train_step_with_adam_trains_as_on_the_cpu(sim_gpu):

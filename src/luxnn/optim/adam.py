@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from luxnn import tree
 from luxnn.backend import module_of
 
 from .arithmetic import (
@@ -14,8 +13,8 @@ from .arithmetic import (
     moving_average_of_squares, no_buffer, scaled,
 )  # fmt: skip
 from .arrays import (
-    Params, Updates, Workspace, cast_like, compute_dtype, elementwise_kernel, kernel_scalar, leafwise, next_count,
-    out_buffer, scalar_as, upcast, zero_count, zeros_like_tree
+    Params, Updates, Workspace, cast_like, launch_per_leaf, leafwise, next_count, out_buffer, scalar_as, upcast,
+    zero_count, zeros_like_tree
 )  # fmt: skip
 from .base import FreshUpdates, GradientTransformation, InPlace, KernelUpdate, ScaledUpdate, transformation
 from .checks import check_decay, check_float, check_match
@@ -118,17 +117,18 @@ class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate, KernelUpdate):
                 into: list | None = None):
         return self.update_scaled(grads, state, params, 1.0, in_place, into)
 
-    def _step(self, grads: Updates, state: ScaleByAdamState, factor: Any) -> tuple[Any, PerDtype]:
-        """The new count and the scalars (c2, a, b) of `adam_leaf`, per dtype."""
+    def _step(self, grads: Updates, state: ScaleByAdamState, factor: Any) -> tuple[Any, tuple]:
+        """The new count and the scalars (c2, a, b) of `adam_leaf`."""
         check_match(state.mu, "the optimizer state (adam moments)", grads, "grads")
         count = next_count(state.count)
         c1, c2 = bias_correction(self.b1, count), bias_correction(self.b2, count)
         a, b = corrected_mu_coefficients(self.b1, count, c1, self.nesterov)
-        return count, PerDtype(c2, a * factor, None if b is None else b * factor)
+        return count, (c2, a * factor, None if b is None else b * factor)
 
     def update_scaled(self, grads: Updates, state: ScaleByAdamState, params: Params, factor: Any, in_place: bool,
                       into: list | None = None):
         count, scalars = self._step(grads, state, factor)
+        scalars = PerDtype(*scalars)
         scratch_for = Workspace(into) if into is not None else no_buffer
 
         def leaf(g: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
@@ -142,15 +142,10 @@ class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate, KernelUpdate):
 
     def kernel_update_into(self, grads: Updates, state: ScaleByAdamState, params: Params, into: list,
                            factor: Any = 1.0) -> ScaleByAdamState:
-        count, scalars = self._step(grads, state, factor)
-        leaves = list(zip(tree.leaves(grads), tree.leaves(state.mu), tree.leaves(state.nu), into))
-        if not all(p.dtype == g.dtype and m.dtype == v.dtype == compute_dtype(g.dtype) for g, m, v, p in leaves):
+        count, (c2, a, b) = self._step(grads, state, factor)
+        constants = (*self.hyper, c2, a, 0.0 if b is None else b)
+        if not launch_per_leaf(ADAM_KERNEL, grads, (state.mu, state.nu), into, constants, (self.nesterov,)):
             return self.update_scaled(grads, state, params, factor, True, into)[1]  # dtypes the kernel does not mix
-        kernel = elementwise_kernel(module_of(into[0]), *ADAM_KERNEL)
-        for g, m, v, p in leaves:
-            c2, a, b = scalars[m.dtype]
-            constants = (kernel_scalar(x, m.dtype) for x in self.hyper)
-            kernel(g, *constants, c2, a, kernel_scalar(0.0 if b is None else b, m.dtype), self.nesterov, p, m, v)
         return ScaleByAdamState(count=count, mu=state.mu, nu=state.nu)
 
 
@@ -315,15 +310,11 @@ class _ScaleByLion(InPlace, FreshUpdates, KernelUpdate):
     def kernel_update_into(self, grads: Updates, state: ScaleByLionState, params: Params, into: list,
                            factor: Any = 1.0) -> ScaleByLionState:
         check_match(state.mu, "the optimizer state (lion momentum)", grads, "grads")
-        leaves = list(zip(tree.leaves(grads), tree.leaves(state.mu), into))
-        if not all(p.dtype == g.dtype and m.dtype == compute_dtype(g.dtype) for g, m, p in leaves):
-            updates, state = self.update_in_place(grads, state, params)  # dtypes the kernel does not mix
-            scaled(updates, factor, into)
-            return state
-        kernel = elementwise_kernel(module_of(into[0]), *LION_KERNEL)
-        for g, m, p in leaves:
-            kernel(g, *(kernel_scalar(x, m.dtype) for x in (*self.hyper, factor)), p, m)
-        return ScaleByLionState(count=next_count(state.count), mu=state.mu)
+        if launch_per_leaf(LION_KERNEL, grads, (state.mu,), into, (*self.hyper, factor)):
+            return ScaleByLionState(count=next_count(state.count), mu=state.mu)
+        updates, state = self.update_in_place(grads, state, params)  # dtypes the kernel does not mix
+        scaled(updates, factor, into)
+        return state
 
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from luxnn import tree
 from luxnn.backend import module_of
 
 from .arithmetic import MUL_PREAMBLE, bias_correction, moving_average, scaled
 from .arrays import (
-    Params, Updates, cast_like, compute_dtype, elementwise_kernel, kernel_scalar, leafwise, next_count, out_buffer,
-    scalar_as, upcast, zero_count, zeros_like_tree
+    Params, Updates, cast_like, launch_per_leaf, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count,
+    zeros_like_tree
 )  # fmt: skip
 from .base import GradientTransformation, InPlace, KernelUpdate, transformation
 from .checks import check_decay, check_float, check_match
@@ -83,14 +82,10 @@ class _Trace(InPlace, KernelUpdate):
     def kernel_update_into(self, grads: Updates, state: TraceState, params: Params, into: list,
                            factor: Any = 1.0) -> TraceState:
         check_match(state.trace, "the optimizer state (momentum)", grads, "grads")
-        leaves = list(zip(tree.leaves(grads), tree.leaves(state.trace), into))
-        if not all(p.dtype == g.dtype and t.dtype == compute_dtype(g.dtype) for g, t, p in leaves):
-            updates, state = self.update_in_place(grads, state, params)  # dtypes the kernel does not mix
-            scaled(updates, factor, into)
+        if launch_per_leaf(TRACE_KERNEL, grads, (state.trace,), into, (self.decay, factor), (self.nesterov,)):
             return state
-        kernel = elementwise_kernel(module_of(into[0]), *TRACE_KERNEL)
-        for g, t, p in leaves:
-            kernel(g, kernel_scalar(self.decay, t.dtype), kernel_scalar(factor, t.dtype), self.nesterov, p, t)
+        updates, state = self.update_in_place(grads, state, params)  # dtypes the kernel does not mix
+        scaled(updates, factor, into)
         return state
 
 
