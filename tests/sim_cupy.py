@@ -262,8 +262,43 @@ def _splitmix_mask(seed: np.uint64, p: float, scale: float, mask: np.ndarray) ->
     mask.reshape(-1)[...] = np.where(uniform >= p, scale, 0.0)
 
 
+def _adam(g, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, c2, a, b, nesterov, p, mu, nu) -> None:
+    """luxnn_adam (src/luxnn/optim/adam.py): its NumPy passes, `adam_leaf`, in place, the
+    update added into `p`."""
+    from luxnn.optim.adam import adam_leaf
+
+    g, p, mu, nu = (np.atleast_1d(x) for x in (g, p, mu, nu))  # 0-d leaves: views NumPy can write through
+    direction = adam_leaf(g.astype(mu.dtype, copy=False), mu, nu, None, mu, nu, b1, one_minus_b1, b2, one_minus_b2,
+                          eps, eps_root, c2, a, b if nesterov else None)[0]
+    p += direction.astype(p.dtype, copy=False)
+
+
+def _trace(g, decay, factor, nesterov, p, t) -> None:
+    """luxnn_trace (src/luxnn/optim/momentum.py): `trace_leaf` in place, its update times
+    `factor` (`times`) added into `p`."""
+    from luxnn.optim.arithmetic import times
+    from luxnn.optim.momentum import trace_leaf
+
+    g, p, t = (np.atleast_1d(x) for x in (g, p, t))
+    update = trace_leaf(g.astype(t.dtype, copy=False), t, t, decay, nesterov)[0]
+    p += times(update.astype(p.dtype, copy=False), factor)
+
+
+def _lion(g, b1, one_minus_b1, b2, one_minus_b2, factor, p, mu) -> None:
+    """luxnn_lion (src/luxnn/optim/adam.py): `lion_leaf` in place, its direction times
+    `factor` (`times`) added into `p`."""
+    from luxnn.optim.adam import lion_leaf
+    from luxnn.optim.arithmetic import times
+
+    g, p, mu = (np.atleast_1d(x) for x in (g, p, mu))
+    direction = lion_leaf(g.astype(mu.dtype, copy=False), mu, mu, b1, one_minus_b1, b2, one_minus_b2)[0]
+    p += times(direction.astype(p.dtype, copy=False), factor)
+
+
 # NumPy twins of luxnn's CUDA kernels, by kernel name: f(*inputs, *outputs) fills outputs.
-TWINS: dict[str, Callable] = {"luxnn_dropout_mask": _splitmix_mask}
+TWINS: dict[str, Callable] = {
+    "luxnn_dropout_mask": _splitmix_mask, "luxnn_adam": _adam, "luxnn_trace": _trace, "luxnn_lion": _lion,
+}
 
 
 class ElementwiseKernel:

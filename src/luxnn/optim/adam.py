@@ -9,14 +9,14 @@ from typing import Any, NamedTuple
 from luxnn.backend import module_of
 
 from .arithmetic import (
-    PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average, moving_average_of_squares,
-    no_buffer,
+    MUL_PREAMBLE, PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average,
+    moving_average_of_squares, no_buffer, scaled,
 )  # fmt: skip
 from .arrays import (
-    Params, Updates, Workspace, cast_like, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count,
-    zeros_like_tree
+    Params, Updates, Workspace, cast_like, launch_per_leaf, leafwise, next_count, out_buffer, scalar_as, upcast,
+    zero_count, zeros_like_tree
 )  # fmt: skip
-from .base import FreshUpdates, GradientTransformation, InPlace, ScaledUpdate, transformation
+from .base import FreshUpdates, GradientTransformation, InPlace, KernelUpdate, ScaledUpdate, transformation
 from .checks import check_decay, check_float, check_match
 
 __all__ = [
@@ -58,10 +58,57 @@ class ScaleByBeliefState(NamedTuple):
     nu: Any
 
 
-class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate):
+def adam_leaf(gc: Any, m: Any, v: Any, scratch: Any, mu_out: Any, nu_out: Any, b1: Any, one_minus_b1: Any, b2: Any,
+              one_minus_b2: Any, eps: Any, eps_root: Any, c2: Any, a: Any, b: Any) -> tuple[Any, Any, Any]:
+    """Adam's moments and direction of one leaf `gc` (in its compute dtype, `m` and `v` its
+    moments), pass by pass: (the direction, in `scratch`; mu, in `mu_out`; nu, in `nu_out`)
+    (an ``out=`` of None: a new array). ``b`` is None, or Nesterov's coefficient of `gc`
+    (`corrected_mu_coefficients`). `ADAM_KERNEL` fuses these passes, in the same order."""
+    xp = module_of(gc)
+    scratch = xp.multiply(gc, one_minus_b1, out=scratch)
+    mu = xp.multiply(m, b1, out=mu_out)
+    mu += scratch
+    xp.multiply(gc, gc, out=scratch)
+    scratch *= one_minus_b2
+    nu = xp.multiply(v, b2, out=nu_out)
+    nu += scratch
+    # scratch <- sqrt(nu_hat + eps_root) + eps
+    xp.multiply(nu, c2, out=scratch)
+    if eps_root:
+        scratch += eps_root
+    xp.sqrt(scratch, out=scratch)
+    scratch += eps
+    if b is not None:
+        xp.divide(corrected_mu(mu, gc, a, b), scratch, out=scratch)
+    else:  # (mu / denominator) * a: one array fewer than m_hat first
+        xp.divide(mu, scratch, out=scratch)
+        scratch *= a
+    return scratch, mu, nu
+
+
+# `adam_leaf` as one CUDA kernel, its update added into the parameter; products rounded
+# one by one (`MUL_PREAMBLE`).
+ADAM_KERNEL = (
+    "G g, T b1, T one_minus_b1, T b2, T one_minus_b2, T eps, T eps_root, T c2, T a, T b, bool nesterov",
+    "P p, T mu, T nu",
+    """
+    T gc = (T)g;
+    mu = mul(mu, b1) + mul(gc, one_minus_b1);
+    nu = mul(nu, b2) + mul(mul(gc, gc), one_minus_b2);
+    T denominator = sqrt(mul(nu, c2) + eps_root) + eps;
+    T update = nesterov ? (mul(mu, a) + mul(gc, b)) / denominator : mul(mu / denominator, a);
+    p = (P)((T)p + (T)(P)update);
+    """,
+    "luxnn_adam",
+    MUL_PREAMBLE,
+)
+
+
+class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate, KernelUpdate):
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
         self.b1, self.b2, self.eps, self.eps_root, self.nesterov = b1, b2, eps, eps_root, nesterov
+        self.hyper = (b1, 1.0 - b1, b2, 1.0 - b2, eps, eps_root)  # the constants of `adam_leaf`
 
     def init(self, params: Params) -> ScaleByAdamState:
         return ScaleByAdamState(count=zero_count(params), mu=zeros_like_tree(params), nu=zeros_like_tree(params))
@@ -70,39 +117,36 @@ class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate):
                 into: list | None = None):
         return self.update_scaled(grads, state, params, 1.0, in_place, into)
 
+    def _step(self, grads: Updates, state: ScaleByAdamState, factor: Any) -> tuple[Any, tuple]:
+        """The new count and the scalars (c2, a, b) of `adam_leaf`."""
+        check_match(state.mu, "the optimizer state (adam moments)", grads, "grads")
+        count = next_count(state.count)
+        c1, c2 = bias_correction(self.b1, count), bias_correction(self.b2, count)
+        a, b = corrected_mu_coefficients(self.b1, count, c1, self.nesterov)
+        return count, (c2, a * factor, None if b is None else b * factor)
+
     def update_scaled(self, grads: Updates, state: ScaleByAdamState, params: Params, factor: Any, in_place: bool,
                       into: list | None = None):
-        check_match(state.mu, "the optimizer state (adam moments)", grads, "grads")
-        b1, b2, eps, eps_root, nesterov = self.b1, self.b2, self.eps, self.eps_root, self.nesterov
-        count = next_count(state.count)
-        c1, c2 = bias_correction(b1, count), bias_correction(b2, count)
-        a, b = corrected_mu_coefficients(b1, count, c1, nesterov)
-        scalars = PerDtype(c2, a * factor, None if b is None else b * factor)
+        count, scalars = self._step(grads, state, factor)
+        scalars = PerDtype(*scalars)
         scratch_for = Workspace(into) if into is not None else no_buffer
 
         def leaf(g: Any, m: Any, v: Any) -> tuple[Any, Any, Any]:
             gc = upcast(g)
-            xp = module_of(gc)
-            c2_, a_, b_ = scalars[gc.dtype]
-            scratch = xp.multiply(gc, 1.0 - b1, out=scratch_for(gc))
-            mu = xp.multiply(m, b1, out=out_buffer(m, in_place))
-            mu += scratch
-            nu = moving_average_of_squares(gc, v, b2, scratch, out_buffer(v, in_place))
-            # scratch <- sqrt(nu_hat + eps_root) + eps
-            xp.multiply(nu, c2_, out=scratch)
-            if eps_root:
-                scratch += eps_root
-            xp.sqrt(scratch, out=scratch)
-            scratch += eps
-            if nesterov:
-                xp.divide(corrected_mu(mu, gc, a_, b_), scratch, out=scratch)
-            else:  # (mu / denominator) * a: one array fewer than m_hat first
-                xp.divide(mu, scratch, out=scratch)
-                scratch *= a_
-            return cast_like(scratch, g), mu, nu
+            direction, mu, nu = adam_leaf(gc, m, v, scratch_for(gc), out_buffer(m, in_place), out_buffer(v, in_place),
+                                          *self.hyper, *scalars[gc.dtype])
+            return cast_like(direction, g), mu, nu
 
         updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
         return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    def kernel_update_into(self, grads: Updates, state: ScaleByAdamState, params: Params, into: list,
+                           factor: Any = 1.0) -> ScaleByAdamState:
+        count, (c2, a, b) = self._step(grads, state, factor)
+        constants = (*self.hyper, c2, a, 0.0 if b is None else b)
+        if not launch_per_leaf(ADAM_KERNEL, grads, (state.mu, state.nu), into, constants, (self.nesterov,)):
+            return self.update_scaled(grads, state, params, factor, True, into)[1]  # dtypes the kernel does not mix
+        return ScaleByAdamState(count=count, mu=state.mu, nu=state.nu)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
@@ -213,10 +257,41 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
     return transformation(_ScaleByAdamax(check_decay("b1", b1), check_decay("b2", b2), check_float("eps", eps)))
 
 
-class _ScaleByLion(InPlace, FreshUpdates):
+def lion_leaf(gc: Any, m: Any, mu_out: Any, b1: Any, one_minus_b1: Any, b2: Any, one_minus_b2: Any) -> tuple[Any, Any]:
+    """Lion's direction and momentum of one leaf `gc` (in its compute dtype, `m` its
+    momentum): (the direction, a new array; mu, in `mu_out`, None: a new array).
+    `LION_KERNEL` fuses these passes, in order."""
+    xp = module_of(gc)
+    direction = xp.multiply(m, b1)
+    direction += xp.multiply(gc, one_minus_b1)
+    xp.sign(direction, out=direction)
+    mu = xp.multiply(m, b2, out=mu_out)
+    mu += xp.multiply(gc, one_minus_b2)
+    return direction, mu
+
+
+# `lion_leaf` as one CUDA kernel, its direction cast to the parameter's dtype, times
+# `factor` (a learning rate, `times`) and added into the parameter (NumPy's sign: NaN stays).
+LION_KERNEL = (
+    "G g, T b1, T one_minus_b1, T b2, T one_minus_b2, T factor",
+    "P p, T mu",
+    """
+    T gc = (T)g;
+    T d = mul(mu, b1) + mul(gc, one_minus_b1);
+    T direction = d > 0 ? (T)1 : d < 0 ? (T)-1 : d == 0 ? (T)0 : d;
+    mu = mul(mu, b2) + mul(gc, one_minus_b2);
+    p = (P)((T)p + (T)(P)mul((T)(P)direction, factor));
+    """,
+    "luxnn_lion",
+    MUL_PREAMBLE,
+)
+
+
+class _ScaleByLion(InPlace, FreshUpdates, KernelUpdate):
 
     def __init__(self, b1: float, b2: float) -> None:
         self.b1, self.b2 = b1, b2
+        self.hyper = (b1, 1.0 - b1, b2, 1.0 - b2)  # the constants of `lion_leaf`
 
     def init(self, params: Params) -> ScaleByLionState:
         return ScaleByLionState(count=zero_count(params), mu=zeros_like_tree(params))
@@ -224,17 +299,22 @@ class _ScaleByLion(InPlace, FreshUpdates):
     def compute(self, grads: Updates, state: ScaleByLionState, params: Params, in_place: bool,
                 into: list | None = None):
         check_match(state.mu, "the optimizer state (lion momentum)", grads, "grads")
-        b1, b2 = self.b1, self.b2
 
         def leaf(g: Any, m: Any) -> tuple[Any, Any]:
-            gc = upcast(g)
-            xp = module_of(gc)
-            direction = moving_average(gc, m, b1)
-            xp.sign(direction, out=direction)
-            return cast_like(direction, g), moving_average(gc, m, b2, out=out_buffer(m, in_place))
+            direction, mu = lion_leaf(upcast(g), m, out_buffer(m, in_place), *self.hyper)
+            return cast_like(direction, g), mu
 
         updates, mu = leafwise(leaf, grads, state.mu, outputs=2, into=into)
         return updates, ScaleByLionState(count=next_count(state.count), mu=mu)
+
+    def kernel_update_into(self, grads: Updates, state: ScaleByLionState, params: Params, into: list,
+                           factor: Any = 1.0) -> ScaleByLionState:
+        check_match(state.mu, "the optimizer state (lion momentum)", grads, "grads")
+        if launch_per_leaf(LION_KERNEL, grads, (state.mu,), into, (*self.hyper, factor)):
+            return ScaleByLionState(count=next_count(state.count), mu=state.mu)
+        updates, state = self.update_in_place(grads, state, params)  # dtypes the kernel does not mix
+        scaled(updates, factor, into)
+        return state
 
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:

@@ -31,6 +31,13 @@ def moving_average_of_squares(g: Any, v: Any, decay: float, scratch: Any = None,
     return out
 
 
+# The CUDA kernels' products, each rounded (no fused multiply-add), as NumPy's passes round them.
+MUL_PREAMBLE = """
+__device__ float mul(float x, float y) { return __fmul_rn(x, y); }
+__device__ double mul(double x, double y) { return __dmul_rn(x, y); }
+"""
+
+
 def l2_norm(x: Any) -> Any:
     """The L2 norm of all of `x`, a 0-d value in `x`'s compute dtype."""
     x = upcast(x)

@@ -9,7 +9,7 @@ The functions are bound methods of small module-level classes, `Stage` subclasse
 local closures), so an optimiser pickles and deep-copies with its configuration. A stage
 declares what more than a pure `update` it can do by subclassing the capabilities below
 (`InPlaceUpdate`, `UpdateInto`, `FreshUpdates`, `OwnedUpdate`, `FoldedFactor`,
-`ScaledUpdate`); `chain`, the wrappers and `update_and_apply_` look for them with
+`ScaledUpdate`, `KernelUpdate`); `chain`, the wrappers and `update_and_apply_` look for them with
 `isinstance`. A transformation made of other functions runs on the pure path.
 """
 
@@ -33,9 +33,9 @@ from .update import (  # apply_updates and its kin are part of base's interface,
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "EmptyState", "Stage", "Stateless", "InPlaceUpdate",
-    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "InPlace", "Listening", "precheck",
-    "update_into", "listen", "apply_updates", "apply_updates_", "update_and_apply_", "incremental_update",
-    "periodic_update", "global_norm", "identity", "set_to_zero", "chain",
+    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "KernelUpdate", "InPlace",
+    "Listening", "precheck", "update_into", "listen", "apply_updates", "apply_updates_", "update_and_apply_",
+    "incremental_update", "periodic_update", "global_norm", "identity", "set_to_zero", "chain",
 ]  # fmt: skip
 
 
@@ -186,6 +186,24 @@ class ScaledUpdate(Stage):
         """The pure (`in_place` False), in-place or added-`into` update, times `factor`."""
 
 
+class KernelUpdate(Stage):
+    """A stage whose update added into parameters on the GPU is one elementwise kernel per
+    leaf, computing the whole stage and writing the parameter and the state's moments in
+    place: `update_into` and `chain` (this stage last, or followed by a `FoldedFactor`
+    stage, folded in) run it when the parameters are CuPy arrays."""
+
+    @abc.abstractmethod
+    def kernel_update_into(self, grads: Updates, state: OptState, params: Params, into: list,
+                           factor: Any = 1.0) -> OptState:
+        """As `UpdateInto.update_into`, with the updates times `factor`, one kernel launch
+        per leaf; `into` holds CuPy arrays."""
+
+
+def on_device(into: list) -> bool:
+    """Whether `into` (the parameters' arrays) are CuPy arrays: what a `KernelUpdate` fuses."""
+    return bool(into) and module_of(into[0]) is not np
+
+
 @runtime_checkable
 class Listening(Protocol):
     """An optimizer that takes the gradients while the backward pass finishes them (e.g.
@@ -303,8 +321,9 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
     """`transformation`'s in-place update (`GradientTransformation.update_`, which consumes
     `state`) with its updates added into `into`, a list of arrays, one per leaf of `grads`
     (usually the parameters' arrays, ``luxnn.tree.leaves(params)``); returns the new state.
-    A stage declaring `UpdateInto` adds each leaf's update as soon as it is computed; for
-    any other, the updates are computed first and then added.
+    A stage declaring `KernelUpdate` computes each leaf of CuPy arrays in one kernel; one
+    declaring `UpdateInto` adds each leaf's update as soon as it is computed; for any
+    other, the updates are computed first and then added.
 
     >>> import numpy as np
     >>> from luxnn import optim, tree
@@ -314,6 +333,9 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
     array([0.5, 0.5])
     """
     stage = transformation.stage
+    if isinstance(stage, KernelUpdate) and on_device(into):
+        check_state_type(stage, state)
+        return stage.kernel_update_into(grads, state, params, into)
     if isinstance(stage, UpdateInto):
         return stage.update_into(grads, state, params, into)
     updates, state = transformation.update_(grads, state, params)
@@ -401,8 +423,9 @@ def set_to_zero() -> GradientTransformation:
 
 # How `chain` runs a stage: its own update (pure, in place or adding `into`), its update
 # into the updates the stage before made (`OwnedUpdate` after `FreshUpdates`), or its
-# update scaled by the factor of the stage after it (`ScaledUpdate`, then `FoldedFactor`).
-_OWN, _OWNED, _SCALED = "own", "owned", "scaled"
+# update scaled by the factor of the stage after it (`ScaledUpdate`, then `FoldedFactor`),
+# or, adding into CuPy parameters, its kernel with that factor (`KernelUpdate`).
+_OWN, _OWNED, _SCALED, _KERNEL = "own", "owned", "scaled", "kernel"
 
 
 def _plan(stages: list) -> list[tuple[int, str]]:
@@ -421,11 +444,23 @@ def _plan(stages: list) -> list[tuple[int, str]]:
     return steps
 
 
+def _kernel_plan(stages: list) -> list[tuple[int, str]] | None:
+    """The steps of a chain of `stages` adding into CuPy parameters when it ends with a
+    `KernelUpdate` stage and a `FoldedFactor` one (a learning rate): that pair runs as one
+    kernel per leaf, the factor folded in. None for any other chain (a `KernelUpdate`
+    stage last runs its kernel through `update_into`)."""
+    n = len(stages)
+    if n >= 2 and isinstance(stages[-2], KernelUpdate) and isinstance(stages[-1], FoldedFactor):
+        return _plan(stages[:-2]) + [(n - 2, _KERNEL)]
+    return None
+
+
 class _Chain(InPlace):
     def __init__(self, transforms: tuple[GradientTransformation, ...]) -> None:
         self.transforms = transforms
         self.stages = [t.stage for t in transforms]
         self.steps = _plan(self.stages)
+        self.kernel_steps = _kernel_plan(self.stages)
 
     def init(self, params: Params) -> tuple:
         return tuple(t.init(params) for t in self.transforms)
@@ -450,8 +485,13 @@ class _Chain(InPlace):
         self._check_state(state)
         new_states: list = []
         last = len(self.transforms) - 1
-        for i, how in self.steps:
+        fused = into is not None and self.kernel_steps is not None and on_device(into)
+        for i, how in self.kernel_steps if fused else self.steps:
             t, stage, s = self.transforms[i], self.stages[i], state[i]
+            if how == _KERNEL:  # the last step
+                factor, follower_state = self.stages[i + 1].folded_factor(state[i + 1])
+                new_states += [stage.kernel_update_into(grads, s, params, into, factor), follower_state]
+                return None, tuple(new_states)
             if how == _SCALED:
                 factor, follower_state = self.stages[i + 1].folded_factor(state[i + 1])
                 grads, s = stage.update_scaled(grads, s, params, factor, in_place, into if i + 1 == last else None)

@@ -6,11 +6,12 @@ from typing import Any, NamedTuple
 
 from luxnn.backend import module_of
 
-from .arithmetic import bias_correction, moving_average
+from .arithmetic import MUL_PREAMBLE, bias_correction, moving_average, scaled
 from .arrays import (
-    Params, Updates, cast_like, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count, zeros_like_tree
+    Params, Updates, cast_like, launch_per_leaf, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count,
+    zeros_like_tree
 )  # fmt: skip
-from .base import GradientTransformation, InPlace, transformation
+from .base import GradientTransformation, InPlace, KernelUpdate, transformation
 from .checks import check_decay, check_float, check_match
 
 __all__ = [
@@ -31,7 +32,35 @@ class EmaState(NamedTuple):
     ema: Any
 
 
-class _Trace(InPlace):
+def trace_leaf(gc: Any, t: Any, out: Any, decay: Any, nesterov: bool) -> tuple[Any, Any]:
+    """Momentum of one leaf `gc` (in its compute dtype, `t` its trace): (the update, the new
+    trace, in `out`; None: a new array). `TRACE_KERNEL` fuses these passes, in order."""
+    new = module_of(t).multiply(t, decay, out=out)
+    new += gc
+    if not nesterov:
+        return new, new
+    update = new * decay
+    update += gc
+    return update, new
+
+
+# `trace_leaf` as one CUDA kernel, its update cast to the parameter's dtype, times `factor`
+# (a learning rate, `times`) and added into the parameter; products rounded one by one.
+TRACE_KERNEL = (
+    "G g, T decay, T factor, bool nesterov",
+    "P p, T t",
+    """
+    T gc = (T)g;
+    t = mul(t, decay) + gc;
+    T update = nesterov ? mul(t, decay) + gc : t;
+    p = (P)((T)p + (T)(P)mul((T)(P)update, factor));
+    """,
+    "luxnn_trace",
+    MUL_PREAMBLE,
+)
+
+
+class _Trace(InPlace, KernelUpdate):
     def __init__(self, decay: float, nesterov: bool) -> None:
         self.decay, self.nesterov = decay, nesterov
 
@@ -44,17 +73,20 @@ class _Trace(InPlace):
         decay, nesterov = self.decay, self.nesterov
 
         def leaf(g: Any, t: Any) -> tuple[Any, Any]:
-            gc = upcast(g)
-            new = module_of(t).multiply(t, decay, out=out_buffer(t, in_place))
-            new += gc
-            if not nesterov:
-                return cast_like(new, g), new
-            out = new * decay
-            out += gc
-            return cast_like(out, g), new
+            update, new = trace_leaf(upcast(g), t, out_buffer(t, in_place), decay, nesterov)
+            return cast_like(update, g), new
 
         updates, traces = leafwise(leaf, grads, state.trace, outputs=2, into=into)
         return updates, TraceState(trace=traces)
+
+    def kernel_update_into(self, grads: Updates, state: TraceState, params: Params, into: list,
+                           factor: Any = 1.0) -> TraceState:
+        check_match(state.trace, "the optimizer state (momentum)", grads, "grads")
+        if launch_per_leaf(TRACE_KERNEL, grads, (state.trace,), into, (self.decay, factor), (self.nesterov,)):
+            return state
+        updates, state = self.update_in_place(grads, state, params)  # dtypes the kernel does not mix
+        scaled(updates, factor, into)
+        return state
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
