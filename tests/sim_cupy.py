@@ -11,7 +11,7 @@ results here as it would on a device.
 
 A launch is what a GPU would run for the call, counted in `launches` by kind and name:
 ``kernel`` (an elementwise ufunc, a reduction, a copy, an indexing gather or scatter, each
-``ElementwiseKernel`` run through its NumPy twin in `TWINS`), ``fill`` (zeros, ones,
+luxnn kernel run through its NumPy twin, from `luxnn.kernels.KERNELS`), ``fill`` (zeros, ones,
 ``fill``), ``cublas`` (a matrix product) and ``memcpy`` (host to device or back). Views
 (reshape without a copy, transposes, broadcasts, basic slicing) launch nothing. As in CuPy,
 a NumPy array is refused as an operand and an implicit conversion to NumPy raises; NumPy's
@@ -250,71 +250,55 @@ def _as_strided(x: "ndarray", shape=None, strides=None) -> "ndarray":
 lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=_as_strided))
 
 
-def _splitmix_mask(seed: np.uint64, p: float, scale: float, mask: np.ndarray) -> None:
-    """luxnn_dropout_mask (src/luxnn/nn/dropout.py): splitmix64 of seed + i * golden, the top
-    53 bits as a uniform in [0, 1), `scale` where it is >= p, else 0."""
-    with np.errstate(over="ignore"):
-        z = np.uint64(seed) + np.arange(mask.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    uniform = (z >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
-    mask.reshape(-1)[...] = np.where(uniform >= p, scale, 0.0)
-
-
-def _adam(g, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, c2, a, b, nesterov, p, mu, nu) -> None:
-    """luxnn_adam (src/luxnn/optim/adam.py): its NumPy passes, `adam_leaf`, in place, the
-    update added into `p`."""
-    from luxnn.optim.adam import adam_leaf
-
-    g, p, mu, nu = (np.atleast_1d(x) for x in (g, p, mu, nu))  # 0-d leaves: views NumPy can write through
-    direction = adam_leaf(g.astype(mu.dtype, copy=False), mu, nu, None, mu, nu, b1, one_minus_b1, b2, one_minus_b2,
-                          eps, eps_root, c2, a, b if nesterov else None)[0]
-    p += direction.astype(p.dtype, copy=False)
-
-
-def _trace(g, decay, factor, nesterov, p, t) -> None:
-    """luxnn_trace (src/luxnn/optim/momentum.py): `trace_leaf` in place, its update times
-    `factor` (`times`) added into `p`."""
-    from luxnn.optim.arithmetic import times
-    from luxnn.optim.momentum import trace_leaf
-
-    g, p, t = (np.atleast_1d(x) for x in (g, p, t))
-    update = trace_leaf(g.astype(t.dtype, copy=False), t, t, decay, nesterov)[0]
-    p += times(update.astype(p.dtype, copy=False), factor)
-
-
-def _lion(g, b1, one_minus_b1, b2, one_minus_b2, factor, p, mu) -> None:
-    """luxnn_lion (src/luxnn/optim/adam.py): `lion_leaf` in place, its direction times
-    `factor` (`times`) added into `p`."""
-    from luxnn.optim.adam import lion_leaf
-    from luxnn.optim.arithmetic import times
-
-    g, p, mu = (np.atleast_1d(x) for x in (g, p, mu))
-    direction = lion_leaf(g.astype(mu.dtype, copy=False), mu, mu, b1, one_minus_b1, b2, one_minus_b2)[0]
-    p += times(direction.astype(p.dtype, copy=False), factor)
-
-
-# NumPy twins of luxnn's CUDA kernels, by kernel name: f(*inputs, *outputs) fills outputs.
-TWINS: dict[str, Callable] = {
-    "luxnn_dropout_mask": _splitmix_mask, "luxnn_adam": _adam, "luxnn_trace": _trace, "luxnn_lion": _lion,
-}
-
-
 class ElementwiseKernel:
-    """``ElementwiseKernel(in_params, out_params, operation, name)``, run by its NumPy twin
-    in `TWINS` (one launch per call); a kernel without a twin cannot run here."""
+    """``ElementwiseKernel(in_params, out_params, operation, name)``, run by the NumPy twin
+    of luxnn's kernel `name` (`luxnn.kernels.KERNELS`), one launch per call; luxnn passes
+    every output."""
 
     def __init__(self, in_params: str, out_params: str, operation: str, name: str = "kernel", **_: Any) -> None:
-        if name not in TWINS:
-            raise NotImplementedError(f"sim_cupy: no NumPy twin for CUDA kernel {name!r}; add one to TWINS")
-        self.name, self._inputs = name, len([p for p in in_params.split(",") if p.strip()])
+        self.twin, self.name = _twin(name), name
+        self._inputs, self._outputs = (len([p for p in params.split(",") if p.strip()]) for params in (in_params, out_params))
 
     def __call__(self, *args: Any) -> Any:
         inputs, outputs = args[: self._inputs], args[self._inputs :]
-        TWINS[self.name](*_unwrap(inputs), *_unwrap(outputs))
+        if len(outputs) != self._outputs:
+            raise TypeError(f"sim_cupy: {self.name} takes its {self._outputs} outputs as arguments, got {len(outputs)}")
+        self.twin(*_unwrap(inputs), *_unwrap(outputs))
         _launch("kernel", self.name)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+class ReductionKernel:
+    """``ReductionKernel(in_params, out_params, map_expr, reduce_expr, post_map_expr,
+    identity, name)``, run by the NumPy twin of luxnn's kernel `name`, one launch per call."""
+
+    def __init__(self, in_params: str, out_params: str, map_expr: str, reduce_expr: str, post_map_expr: str,
+                 identity: str, name: str = "reduce", **_: Any) -> None:
+        self.twin, self.name = _twin(name), name
+
+    def __call__(self, *args: Any, axis: Any = None, keepdims: bool = False) -> "ndarray":
+        return _to_device(np.asarray(self.twin(*_unwrap(args), axis=axis, keepdims=keepdims)), "kernel", self.name)
+
+
+class RawKernel:
+    """``RawKernel(code, name)``, run by the NumPy twin of luxnn's kernel `name`, one launch
+    per call whatever the grid."""
+
+    def __init__(self, code: str, name: str, **_: Any) -> None:
+        self.twin, self.name = _twin(name), name
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        self.twin(*_unwrap(args))
+        _launch("kernel", self.name)
+
+
+def _twin(name: str) -> Callable:
+    from luxnn.kernels import KERNELS
+
+    if name not in KERNELS:
+        raise NotImplementedError(f"sim_cupy: {name!r} is not a kernel of luxnn's (luxnn.kernels.KERNELS), "
+                                  "which this device runs by their NumPy twins")
+    return KERNELS[name].twin
 
 
 class _DeviceOf:

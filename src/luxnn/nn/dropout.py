@@ -19,37 +19,44 @@ from ..ad.tape import Traced
 from ..backend import module_of
 from ..core import Layer, LayerError
 from ..generators import child_generator, draw, fork_generator
+from ..kernels import Elementwise
 
 # The generators' helpers stay importable from here, where the layers that draw find them.
 __all__ = ["Dropout", "AlphaDropout", "dropout_mask", "fork_generator", "child_generator"]
 
 
-_device_mask_kernel: Any = None
+def _splitmix_mask_twin(seed: np.uint64, p: float, scale: float, mask: np.ndarray) -> None:
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) + np.arange(mask.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    uniform = (z >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+    mask.reshape(-1)[...] = np.where(uniform >= p, scale, 0.0)
 
 
-def _device_mask(xp: Any, seed: int, shape: tuple[int, ...], dtype: Any, p: float) -> Any:
-    global _device_mask_kernel
-    if _device_mask_kernel is None:
-        _device_mask_kernel = xp.ElementwiseKernel(
-            "uint64 seed, float64 p, float64 scale",
-            "T mask",
-            """
-            unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
-            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-            z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-            z ^= z >> 31;
-            mask = (T)((double)(z >> 11) * (1.0 / 9007199254740992.0) >= p ? scale : 0.0);
-            """,
-            "luxnn_dropout_mask",
-        )
-    return _device_mask_kernel(np.uint64(seed), p, 1.0 / (1.0 - p), xp.empty(shape, dtype))
+# splitmix64 of seed + i * golden ratio, its top 53 bits as a uniform in [0, 1): `scale`
+# where that is >= p, else 0.
+DEVICE_MASK_KERNEL = Elementwise(
+    "luxnn_dropout_mask",
+    "uint64 seed, float64 p, float64 scale",
+    "T mask",
+    """
+    unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    mask = (T)((double)(z >> 11) * (1.0 / 9007199254740992.0) >= p ? scale : 0.0);
+    """,
+    twin=_splitmix_mask_twin,
+)
 
 
 def dropout_mask(rng: Any, shape: tuple[int, ...], dtype: Any, p: float, xp: Any = np) -> Any:
     """Inverted-dropout multiplier: 0 with probability `p`, else ``1 / (1 - p)``; advances
     `rng` (a NumPy generator). `xp`: the array module of the mask (NumPy or CuPy)."""
     if xp is not np:
-        return _device_mask(xp, int(rng.integers(2**63)), shape, dtype, p)
+        return DEVICE_MASK_KERNEL(np.uint64(rng.integers(2**63)), p, 1.0 / (1.0 - p), xp.empty(shape, dtype))
     draw_dtype = dtype if np.dtype(dtype) in (np.float32, np.float64) else np.float32
     mask = (rng.random(shape, dtype=draw_dtype) >= p).astype(dtype)
     mask *= 1.0 / (1.0 - p)

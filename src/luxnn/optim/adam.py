@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from luxnn.backend import module_of
+from luxnn.kernels import Elementwise
 
 from .arithmetic import (
     MUL_PREAMBLE, PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average,
-    moving_average_of_squares, no_buffer, scaled,
+    moving_average_of_squares, no_buffer, scaled, times,
 )  # fmt: skip
 from .arrays import (
     Params, Updates, Workspace, cast_like, launch_per_leaf, leafwise, next_count, out_buffer, scalar_as, upcast,
@@ -88,7 +91,15 @@ def adam_leaf(gc: Any, m: Any, v: Any, scratch: Any, mu_out: Any, nu_out: Any, b
 
 # `adam_leaf` as one CUDA kernel, its update added into the parameter; products rounded
 # one by one (`MUL_PREAMBLE`).
-ADAM_KERNEL = (
+def _adam_twin(g, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, c2, a, b, nesterov, p, mu, nu) -> None:
+    g, p, mu, nu = (np.atleast_1d(x) for x in (g, p, mu, nu))  # 0-d leaves: views NumPy can write through
+    direction = adam_leaf(g.astype(mu.dtype, copy=False), mu, nu, None, mu, nu, b1, one_minus_b1, b2, one_minus_b2,
+                          eps, eps_root, c2, a, b if nesterov else None)[0]
+    p += direction.astype(p.dtype, copy=False)
+
+
+ADAM_KERNEL = Elementwise(
+    "luxnn_adam",
     "G g, T b1, T one_minus_b1, T b2, T one_minus_b2, T eps, T eps_root, T c2, T a, T b, bool nesterov",
     "P p, T mu, T nu",
     """
@@ -99,8 +110,8 @@ ADAM_KERNEL = (
     T update = nesterov ? (mul(mu, a) + mul(gc, b)) / denominator : mul(mu / denominator, a);
     p = (P)((T)p + (T)(P)update);
     """,
-    "luxnn_adam",
-    MUL_PREAMBLE,
+    twin=_adam_twin,
+    preamble=MUL_PREAMBLE,
 )
 
 
@@ -272,7 +283,14 @@ def lion_leaf(gc: Any, m: Any, mu_out: Any, b1: Any, one_minus_b1: Any, b2: Any,
 
 # `lion_leaf` as one CUDA kernel, its direction cast to the parameter's dtype, times
 # `factor` (a learning rate, `times`) and added into the parameter (NumPy's sign: NaN stays).
-LION_KERNEL = (
+def _lion_twin(g, b1, one_minus_b1, b2, one_minus_b2, factor, p, mu) -> None:
+    g, p, mu = (np.atleast_1d(x) for x in (g, p, mu))
+    direction = lion_leaf(g.astype(mu.dtype, copy=False), mu, mu, b1, one_minus_b1, b2, one_minus_b2)[0]
+    p += times(direction.astype(p.dtype, copy=False), factor)
+
+
+LION_KERNEL = Elementwise(
+    "luxnn_lion",
     "G g, T b1, T one_minus_b1, T b2, T one_minus_b2, T factor",
     "P p, T mu",
     """
@@ -282,8 +300,8 @@ LION_KERNEL = (
     mu = mul(mu, b2) + mul(gc, one_minus_b2);
     p = (P)((T)p + (T)(P)mul((T)(P)direction, factor));
     """,
-    "luxnn_lion",
-    MUL_PREAMBLE,
+    twin=_lion_twin,
+    preamble=MUL_PREAMBLE,
 )
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from luxnn import tree
 from luxnn.backend import module_of
+from luxnn.kernels import Elementwise
 
 Schedule = Callable[[Any], Any]
 ScalarOrSchedule = Union[float, Schedule]
@@ -43,35 +44,21 @@ class Workspace:
         return view
 
 
-_KERNELS: dict = {}
-
-
-def elementwise_kernel(xp: ModuleType, in_params: str, out_params: str, operation: str, name: str,
-                       preamble: str = "") -> Any:
-    """CuPy's ``ElementwiseKernel`` of these sources, made once per array module `xp`
-    (CuPy compiles it once per combination of dtypes, at its first launch with them)."""
-    found = _KERNELS.get((xp, name))
-    if found is None:
-        found = _KERNELS[xp, name] = xp.ElementwiseKernel(in_params, out_params, operation, name, preamble=preamble)
-    return found
-
-
 def kernel_scalar(value: Any, dtype: Any) -> Any:
     """`value` as a scalar argument of a kernel computing in `dtype`: rounded to `dtype`
     as NumPy rounds a scalar operand of an array of `dtype` (a 0-d array stays one)."""
     return np.dtype(dtype).type(value) if isinstance(value, (int, float)) else value.astype(dtype)
 
 
-def launch_per_leaf(spec: tuple, grads: Any, moments: tuple, into: list, constants: tuple, flags: tuple = ()) -> bool:
-    """One launch per leaf of the CUDA kernel `spec` (`elementwise_kernel`'s arguments):
-    ``kernel(g, *constants, *flags, p, *m)``, `p` the leaf's array of `into` and `m` its
-    arrays of the trees `moments`, written in place; each constant is cast to the moments'
+def launch_per_leaf(kernel: Elementwise, grads: Any, moments: tuple, into: list, constants: tuple,
+                    flags: tuple = ()) -> bool:
+    """One launch per leaf of the CUDA `kernel`: ``kernel(g, *constants, *flags, p, *m)``,
+    `p` the leaf's array of `into` and `m` its arrays of the trees `moments`, written in place; each constant is cast to the moments'
     dtype (`kernel_scalar`) once per dtype. Returns False, launching nothing, when a leaf's
     dtypes are not those the kernel takes: `p` of `g`'s dtype, `m` of its `compute_dtype`."""
     leaves = list(zip(tree.leaves(grads), into, *(tree.leaves(m) for m in moments)))
     if not all(p.dtype == g.dtype and all(m.dtype == compute_dtype(g.dtype) for m in ms) for g, p, *ms in leaves):
         return False
-    kernel = elementwise_kernel(module_of(into[0]), *spec)
     cast: dict = {}
     for g, p, *ms in leaves:
         dtype = ms[0].dtype

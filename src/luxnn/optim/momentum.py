@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from luxnn.backend import module_of
+import numpy as np
 
-from .arithmetic import MUL_PREAMBLE, bias_correction, moving_average, scaled
+from luxnn.backend import module_of
+from luxnn.kernels import Elementwise
+
+from .arithmetic import MUL_PREAMBLE, bias_correction, moving_average, scaled, times
 from .arrays import (
     Params, Updates, cast_like, launch_per_leaf, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count,
     zeros_like_tree
@@ -46,7 +49,14 @@ def trace_leaf(gc: Any, t: Any, out: Any, decay: Any, nesterov: bool) -> tuple[A
 
 # `trace_leaf` as one CUDA kernel, its update cast to the parameter's dtype, times `factor`
 # (a learning rate, `times`) and added into the parameter; products rounded one by one.
-TRACE_KERNEL = (
+def _trace_twin(g, decay, factor, nesterov, p, t) -> None:
+    g, p, t = (np.atleast_1d(x) for x in (g, p, t))
+    update = trace_leaf(g.astype(t.dtype, copy=False), t, t, decay, nesterov)[0]
+    p += times(update.astype(p.dtype, copy=False), factor)
+
+
+TRACE_KERNEL = Elementwise(
+    "luxnn_trace",
     "G g, T decay, T factor, bool nesterov",
     "P p, T t",
     """
@@ -55,8 +65,8 @@ TRACE_KERNEL = (
     T update = nesterov ? mul(t, decay) + gc : t;
     p = (P)((T)p + (T)(P)mul((T)(P)update, factor));
     """,
-    "luxnn_trace",
-    MUL_PREAMBLE,
+    twin=_trace_twin,
+    preamble=MUL_PREAMBLE,
 )
 
 
