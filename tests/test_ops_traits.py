@@ -1,0 +1,41 @@
+"""luxnn.ops.traits: one implementation of each area's kernels per device, with the same
+functions on every device."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import sys
+
+import numpy as np
+import pytest
+
+from luxnn.ops import cpu, cuda, traits
+
+AREAS = sorted(m.name for m in pkgutil.iter_modules(cpu.__path__))
+
+
+def test_every_area_has_an_implementation_for_each_device():
+    assert AREAS == sorted(m.name for m in pkgutil.iter_modules(cuda.__path__))
+
+
+@pytest.mark.parametrize("area", AREAS)
+def test_both_devices_implement_the_same_functions_with_the_same_parameters(area):
+    on_cpu = importlib.import_module(f"luxnn.ops.cpu.{area}")
+    on_cuda = importlib.import_module(f"luxnn.ops.cuda.{area}")
+    assert on_cpu.__all__ and sorted(on_cpu.__all__) == sorted(on_cuda.__all__)
+    for name in on_cpu.__all__:
+        cpu_parameters = inspect.signature(getattr(on_cpu, name)).parameters
+        assert list(cpu_parameters) == list(inspect.signature(getattr(on_cuda, name)).parameters), name
+
+
+def test_numpy_arrays_get_the_cpus_implementation_and_cupys_the_cuda_one(monkeypatch):
+    import sim_cupy
+
+    monkeypatch.setitem(sys.modules, "cupy", sim_cupy)
+    for area in AREAS:
+        assert traits.implementation(area, np).__name__ == f"luxnn.ops.cpu.{area}"
+        assert traits.implementation(area, sim_cupy).__name__ == f"luxnn.ops.cuda.{area}"
+    with pytest.raises(ModuleNotFoundError):
+        traits.implementation("no_such_area", np)
