@@ -234,7 +234,7 @@ def report(document: dict[str, Any], *, markdown: bool = False) -> str:
             _figure(m.get("first_step"), format_duration),
         ])  # fmt: skip
     v = document.get("versions", {})
-    torch = f", torch {v['torch']} (CUDA {v['torch_cuda']})" if "torch_cuda" in v else ""
+    torch = f", torch {v.get('torch', '?')} (CUDA {v['torch_cuda']})" if "torch_cuda" in v else ""
     out = header_lines([("run", document)], markdown)
     gpu_line = f"GPU: {v.get('gpu', '?')}, CuPy {v.get('cupy', '?')}{torch}"
     out += [f"- {gpu_line}" if markdown else gpu_line, ""]
