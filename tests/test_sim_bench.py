@@ -155,6 +155,22 @@ def test_a_filter_that_matches_no_gpu_row_names_the_gpu_rows(sim_gpu, capsys):
     assert "matches no row" in err and "gpu/training/lstm (pytorch eager)" in err and "time_to_load" not in err
 
 
+@pytest.mark.parametrize("name", list(gpu_models.TRAINING))
+def test_each_pytorch_peer_trains_its_rows_network_on_the_cpu(name, torch):
+    row = gpu_models.TRAINING[name]
+    step = row.torch(device="cpu", batch=4)
+    step()
+    step()
+    assert step.peak_reserved() is None
+
+
+@pytest.mark.parametrize("name", ["dense", "conv", "MHA"])
+def test_each_pytorch_basic_runs_on_the_cpu(name, torch):
+    outputs = gpu_models.torch_basic(name, device="cpu")()
+    y = outputs[0] if isinstance(outputs, tuple) else outputs
+    assert not y.requires_grad and y.shape[0] == {"dense": 3, "conv": 4, "MHA": 2}[name]
+
+
 def test_kernel_events_are_the_devices_kernels_without_copies_and_memsets():
     event = lambda name, device: types.SimpleNamespace(name=name, device_type=f"DeviceType.{device}")  # noqa: E731
     events = [event("aten::addmm", "CPU"), event("sgemm_128x64", "CUDA"), event("luxnn_adam", "CUDA"),

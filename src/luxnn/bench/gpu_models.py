@@ -51,10 +51,15 @@ def torch_cuda() -> Any:
 
 def _torch_reserved() -> tuple[Callable[[], int], Callable[[], None]]:
     """PyTorch's caching allocator's peak reserved bytes (parameters, optimizer state and
-    data included: they live in its blocks too) and its reset."""
+    data included: they live in its blocks too) and its reset, which first releases the
+    cached blocks no tensor uses (another row's)."""
     import torch
 
-    return torch.cuda.max_memory_reserved, torch.cuda.reset_peak_memory_stats
+    def reset() -> None:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    return torch.cuda.max_memory_reserved, reset
 
 
 # ---- the training rows ---------------------------------------------------------------------
@@ -193,16 +198,17 @@ class Classifier:
 
         return DeviceStep(step, reserved, reset)
 
-    def torch(self) -> DeviceStep:
+    def torch(self, device: str = "cuda", batch: int | None = None) -> DeviceStep:
+        """The PyTorch step on `device` (its peak reserved counted on "cuda" only)."""
         import torch
 
-        model = self.torch_model().cuda()
-        x, y = self.data()
+        model = self.torch_model().to(device)
+        x, y = self.data(batch)
         if self.images:
             x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))  # NHWC -> NCHW
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        step = models.torch_train_step(model, optimizer, torch.nn.CrossEntropyLoss(), x, y, device="cuda")
-        return DeviceStep(step, *_torch_reserved())
+        step = models.torch_train_step(model, optimizer, torch.nn.CrossEntropyLoss(), x, y, device=device)
+        return DeviceStep(step, *_torch_reserved()) if device == "cuda" else DeviceStep(step)
 
 
 TRAINING: dict[str, Classifier] = {c.name: c for c in (
@@ -229,8 +235,8 @@ def luxnn_basic(name: str) -> DeviceStep:
     return DeviceStep(models.BASICS[name](lx.gpu_device(force=True)))
 
 
-def torch_basic(name: str) -> DeviceStep:
-    """The same forward call in PyTorch eager on the GPU, without autograd's recording
+def torch_basic(name: str, device: str = "cuda") -> DeviceStep:
+    """The same forward call in PyTorch eager on `device`, without autograd's recording
     (luxnn's forward records nothing either)."""
     import torch
 
@@ -241,7 +247,7 @@ def torch_basic(name: str) -> DeviceStep:
         layer, shape = nn.Conv2d(3, 16, 2), (4, 3, 2, 2)  # NCHW
     else:
         layer, shape = nn.MultiheadAttention(4, 2, batch_first=True), (2, 3, 4)
-    layer, x = layer.cuda(), torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda()
+    layer, x = layer.to(device), torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(device)
     call = (lambda: layer(x, x, x, average_attn_weights=False)) if name == "MHA" else (lambda: layer(x))
 
     def step() -> Any:
