@@ -14,6 +14,7 @@ What the simulator cannot tell: any time, and what torch.profiler's CUPTI counts
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import types
@@ -194,11 +195,13 @@ def test_kernel_events_are_the_devices_kernels_without_copies_and_memsets():
 # -- launch budgets of the bench's models ------------------------------------------------------
 
 # Launches per training step (kernels, fills and cuBLAS calls) of each `luxnn bench --device
-# gpu` training row's model at its real layer sizes, on a smaller batch (launches do not
-# depend on the batch: checked below): today's counts, plus MARGIN, as a regression guard,
-# NOT the goal. Issue 26's targets are 1.5x PyTorch eager's CUDA kernels per step on an
-# H200: MLP 40 (27 kernels), CNN 72 (48), attention 109 (73), LSTM 440 (293). Lower these
-# as the CUDA implementations land.
+# gpu` training row's model at its real layer sizes on a batch of BATCH: today's counts, plus
+# MARGIN, as a regression guard, NOT the goal. Issue 26's targets are 1.5x PyTorch eager's
+# CUDA kernels per step on an H200: MLP 40 (27 kernels), CNN 72 (48), attention 109 (73),
+# LSTM 440 (293). Lower these as the CUDA implementations land. On its own batch of 128 the
+# CNN launches more today (313: see the xfail below); the other rows launch the same on any
+# batch (checked on the MLP; at their batches today: MLP 45, MLP-wide 55, attention 196,
+# LSTM 2294).
 LAUNCHES = {"mlp": 45, "mlp-wide": 55, "cnn": 150, "attention": 196, "lstm": 2294}
 MARGIN = 1.1
 BATCH = 4
@@ -210,21 +213,35 @@ def _device_cache() -> memory.AllocCache:
     return cache
 
 
-@pytest.mark.parametrize("name", list(gpu_models.TRAINING))
-def test_launches_per_training_step_of_each_bench_model_stay_under_todays_counts(name, sim_gpu):
-    step = gpu_models.TRAINING[name].luxnn(_device_cache(), batch=BATCH, device=sim_gpu)
+@functools.lru_cache(maxsize=None)
+def _launches_per_step(name: str, batch: int | None = None) -> tuple[int, ...]:
+    """Launches in each of 3 training steps of the row `name` on the simulated device (its
+    own batch size if `batch` is None); the fixture `sim_gpu` must be active."""
+    step = gpu_models.TRAINING[name].luxnn(_device_cache(), batch=batch)
     launches = []
     for _ in range(3):
         with sim_cupy.counting() as counts:
             step()
         launches.append(_launches(counts))
+    return tuple(launches)
+
+
+@pytest.mark.parametrize("name", list(gpu_models.TRAINING))
+def test_launches_per_training_step_of_each_bench_model_stay_under_todays_counts(name, sim_gpu):
+    launches = _launches_per_step(name, BATCH)
     print(f"{name}: {launches[-1]} launches per training step ({launches})")
     assert launches[1] == launches[2], f"{name}: the same work every step, got {launches}"
     assert launches[-1] <= LAUNCHES[name] * MARGIN
 
 
-def test_launches_do_not_depend_on_the_batch(sim_gpu):
-    cnn = gpu_models.TRAINING["cnn"]
-    counts = {batch: _warm_launches(cnn.luxnn(_device_cache(), batch=batch, device=sim_gpu)) for batch in (2, 8)}
-    assert counts[2] == counts[8], counts
+_CONV_CUTS_THE_BATCH = pytest.mark.xfail(
+    strict=True, reason="ops/conv.py still cuts the batch into cache-sized blocks on CuPy arrays (150 launches a step at "
+    "batch 16, 169 at 32, 313 at 128); issue 26 wants the whole batch's im2col in one kernel and one GEMM, or cuDNN",
+)  # fmt: skip
 
+
+@pytest.mark.parametrize("name, batch", [("mlp", None), pytest.param("cnn", 32, marks=_CONV_CUTS_THE_BATCH)])
+def test_launches_do_not_depend_on_the_batch(name, batch, sim_gpu):
+    # `batch` None: the row's own; the CNN's differs from 32 on (a cheaper size than 128).
+    small, large = _launches_per_step(name, BATCH)[-1], _launches_per_step(name, batch)[-1]
+    assert small == large, f"{name}: {small} launches a step on a batch of {BATCH}, {large} on {batch or 'its own'}"
