@@ -103,6 +103,7 @@ class Param:
     ctype: str  # a placeholder (one letter) or a C type
     name: str
     raw: bool
+    non_const: bool = False  # ``_non_const``: an input the kernel may write
 
     @staticmethod
     def parse(params: str) -> list["Param"]:
@@ -110,7 +111,7 @@ class Param:
         for text in filter(None, (p.strip() for p in params.split(","))):
             *keywords, typ, name = text.split()
             ctype = typ if len(typ) == 1 else DTYPES[typ]
-            out.append(Param(ctype, name, "raw" in keywords))
+            out.append(Param(ctype, name, "raw" in keywords, "_non_const" in keywords))
         return out
 
 
@@ -128,7 +129,7 @@ def _signature(params: list[Param], const: int, types: dict[str, str]) -> str:
     out = []
     for k, p in enumerate(params):
         array = ARRAY.format(t=_c_type(p.ctype, types))
-        out.append(f"{'const ' if k < const else ''}{array} {p.name if p.raw else '_raw_' + p.name}")
+        out.append(f"{'const ' if k < const and not p.non_const else ''}{array} {p.name if p.raw else '_raw_' + p.name}")
     return ", ".join(out)
 
 
@@ -139,7 +140,7 @@ def _typedefs(types: dict[str, str]) -> str:
 def elementwise_source(kernel: Elementwise, types: dict[str, str], name: str) -> str:
     ins, outs = Param.parse(kernel.in_params), Param.parse(kernel.out_params)
     params = _signature(ins + outs, len(ins), types) + f", {INDEXER} _ind"
-    binds = [f"{'const ' if k < len(ins) else ''}{p.ctype} &{p.name} = _raw_{p.name}[_ind.get()];"
+    binds = [f"{'const ' if k < len(ins) and not p.non_const else ''}{p.ctype} &{p.name} = _raw_{p.name}[_ind.get()];"
              for k, p in enumerate(ins + outs) if not p.raw]  # fmt: skip
     operation = "\n".join([*binds, kernel.operation])
     return f"""{_typedefs(types)}

@@ -23,14 +23,13 @@ rows need torch with CUDA; without it they are left out and named.
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import gpu_models, machine, models, suite
+from . import gpu_models, models, suite
 from .compare import header_lines, render_table
-from .runner import Session, Timing, calibrate, describe_error
+from .runner import LocalWorker, Session, Timing, calibrate, describe_error
 from .stats import format_bytes, format_count, format_duration, format_ratio, format_time, ratio, significant, summarize
 
 LUXNN, TORCH = "luxnn", "pytorch eager"
@@ -154,50 +153,38 @@ class GPUSession(Session):
         return out
 
 
-class GPUWorker:
-    """Runs the GPU groups in this process for `runner.run` (`runner.LocalWorker`'s methods).
-    `profile`: what counts kernels (`torch_profile` by default where torch has CUDA; None:
-    kernels not counted)."""
+class GPUWorker(LocalWorker):
+    """Runs the GPU groups in this process for `runner.run`. `profile`: what counts kernels
+    (`torch_profile` by default where torch has CUDA; None: kernels not counted)."""
 
     def __init__(self, timing: Timing, profile: Callable[[], Any] | None | str = "torch") -> None:
         import cupy
 
-        self.cupy, self.timing = cupy, timing
-        self.sync = cupy.cuda.runtime.deviceSynchronize
+        super().__init__(True, timing)
+        self.cupy, self.sync = cupy, cupy.cuda.runtime.deviceSynchronize
         torch = gpu_models.torch_cuda()
         self.profile = (torch_profile if torch is not None else None) if profile == "torch" else profile
-        self.sessions: dict[str, GPUSession] = {}
         # Start both libraries' CUDA contexts now, not in whichever row's first step comes first.
         cupy.zeros(1)
         if torch is not None:
             torch.zeros(1, device="cuda")
         self.sync()
 
-    def setup(self, group: str, names: list[str]) -> dict[str, Any]:
+    def _session(self, group: str, names: list[str]) -> GPUSession:
         found = next(g for g in groups() if g.name == group)
-        session = self.sessions[group] = GPUSession(found, names, self.timing, self.sync, self.profile)
-        return session.describe()
-
-    def round(self, group: str, index: int) -> dict[str, list[float]]:
-        return self.sessions[group].round(index)
-
-    def memory(self, group: str) -> dict[str, Any]:
-        return self.sessions[group].memory()
+        return GPUSession(found, names, self.timing, self.sync, self.profile)
 
     def teardown(self, group: str) -> None:
-        del self.sessions[group]
-        gc.collect()
+        super().teardown(group)
         self.cupy.get_default_memory_pool().free_all_blocks()
 
     def info(self) -> dict[str, Any]:
-        versions = {**machine.versions(), "cupy": self.cupy.__version__, "gpu": _gpu_name(self.cupy)}
+        info = super().info()
+        info["versions"].update(cupy=self.cupy.__version__, gpu=_gpu_name(self.cupy))
         torch = gpu_models.torch_cuda()
         if torch is not None:
-            versions["torch_cuda"] = torch.version.cuda
-        return {"versions": versions, "blas": machine.blas()}
-
-    def close(self) -> None:
-        self.sessions.clear()
+            info["versions"]["torch_cuda"] = torch.version.cuda
+        return info
 
 
 def _gpu_name(cupy: Any) -> str:

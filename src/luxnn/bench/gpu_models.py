@@ -97,7 +97,9 @@ def _cnn() -> lx.Layer:
 
 
 def _torch_cnn() -> Any:
-    nn = __import__("torch").nn
+    import torch
+
+    nn = torch.nn
     return nn.Sequential(
         nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(14 * 14 * 64, 128), nn.ReLU(), nn.Linear(128, 10),
@@ -140,7 +142,9 @@ def _lstm(inputs: int = 32, hidden: int = 256) -> lx.Layer:
 
 
 def _torch_lstm(inputs: int = 32, hidden: int = 256) -> Any:
-    nn = __import__("torch").nn
+    import torch
+
+    nn = torch.nn
 
     class Classifier(nn.Module):
         def __init__(self) -> None:

@@ -253,9 +253,12 @@ class LocalWorker:
         self.sessions: dict[str, Session] = {}
 
     def setup(self, group: str, names: list[str]) -> dict[str, Any]:
-        session = Session(suite.find_group(group, self.quick), names, self.timing)
-        self.sessions[group] = session
+        session = self.sessions[group] = self._session(group, names)
         return session.describe()
+
+    def _session(self, group: str, names: list[str]) -> Session:
+        """The group's `Session`, set up."""
+        return Session(suite.find_group(group, self.quick), names, self.timing)
 
     def round(self, group: str, index: int) -> dict[str, list[float]]:
         return self.sessions[group].round(index)
