@@ -126,6 +126,9 @@ def test_the_gpu_bench_times_counts_and_compares_each_row_with_pytorchs(sim_gpu,
     assert peer_cells[2] == "" and peer_cells[3] == "2" and peer_cells[5] == "1.05 MB"
     assert len({len(line) for line in table}) == 1  # padded to equal widths
     assert "GPU: CUDA device 0, CuPy 14.0.0-simulated" in out
+    assert main(["compare", str(path), str(path)]) == 0  # two GPU runs compare by time alone
+    compared = capsys.readouterr().out
+    assert "| gpu/training/mlp (luxnn) " in compared and "Memory:" not in compared
 
 
 def test_without_torchs_cuda_its_rows_and_the_kernel_counts_are_named_as_not_run(sim_gpu, monkeypatch, capsys):
