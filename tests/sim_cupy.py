@@ -37,9 +37,11 @@ import numpy as np
 
 import fake_cupy
 
-# CuPy's allocator interface is the fake's; only the runtime learns how many devices exist.
+# CuPy's allocator interface is the fake's; only the runtime learns how many devices exist
+# and how to wait for them (every launch here has finished when it returns).
 cuda = types.SimpleNamespace(**vars(fake_cupy.cuda))
-cuda.runtime = types.SimpleNamespace(getDevice=fake_cupy.runtime.getDevice, getDeviceCount=lambda: 1)
+cuda.runtime = types.SimpleNamespace(getDevice=fake_cupy.runtime.getDevice, getDeviceCount=lambda: 1,
+                                     deviceSynchronize=lambda: None)
 get_default_memory_pool = fake_cupy.get_default_memory_pool
 __version__ = "14.0.0-simulated"
 
