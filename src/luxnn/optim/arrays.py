@@ -12,7 +12,6 @@ import numpy as np
 
 from luxnn import tree
 from luxnn.backend import module_of
-from luxnn.kernels import Elementwise
 
 Schedule = Callable[[Any], Any]
 ScalarOrSchedule = Union[float, Schedule]
@@ -44,30 +43,6 @@ class Workspace:
         return view
 
 
-def kernel_scalar(value: Any, dtype: Any) -> Any:
-    """`value` as a scalar argument of a kernel computing in `dtype`: rounded to `dtype`
-    as NumPy rounds a scalar operand of an array of `dtype` (a 0-d array stays one)."""
-    return np.dtype(dtype).type(value) if isinstance(value, (int, float)) else value.astype(dtype)
-
-
-def launch_per_leaf(kernel: Elementwise, grads: Any, moments: tuple, into: list, constants: tuple,
-                    flags: tuple = ()) -> bool:
-    """One launch per leaf of the CUDA `kernel`: ``kernel(g, *constants, *flags, p, *m)``,
-    `p` the leaf's array of `into` and `m` its arrays of the trees `moments`, written in place; each constant is cast to the moments'
-    dtype (`kernel_scalar`) once per dtype. Returns False, launching nothing, when a leaf's
-    dtypes are not those the kernel takes: `p` of `g`'s dtype, `m` of its `compute_dtype`."""
-    leaves = list(zip(tree.leaves(grads), into, *(tree.leaves(m) for m in moments)))
-    if not all(p.dtype == g.dtype and all(m.dtype == compute_dtype(g.dtype) for m in ms) for g, p, *ms in leaves):
-        return False
-    cast: dict = {}
-    for g, p, *ms in leaves:
-        dtype = ms[0].dtype
-        if dtype not in cast:
-            cast[dtype] = [kernel_scalar(c, dtype) for c in constants]
-        kernel(g, *cast[dtype], *flags, p, *ms)
-    return True
-
-
 def out_buffer(old: Any, in_place: bool, otherwise: Any = None) -> Any:
     """The ``out=`` of a new state leaf: `old` itself when an in-place update may overwrite
     it (a writable array: CuPy's flags have no ``writeable``), else `otherwise` (None: a
@@ -87,13 +62,54 @@ def module_of_tree(t: Any) -> ModuleType:
 
 def zero_count(params: Params) -> Any:
     """A 0-d int64 step count of the parameters' array module."""
-    return module_of_tree(params).zeros((), dtype=np.int64)
+    count = module_of_tree(params).zeros((), dtype=np.int64)
+    _remember(count, 0)
+    return count
 
 
 def next_count(count: Any) -> Any:
     """``count + 1`` as a 0-d array of the count's module (NumPy would return a scalar).
-    The count never leaves its device: no Python int is made of it."""
-    return module_of(count).asarray(count + 1)
+    The count never leaves its device: no Python int is made of it (`host_count` keeps
+    its value on the host beside it)."""
+    new = module_of(count).asarray(count + 1)
+    counted(count, new)
+    return new
+
+
+def counted(count: Any, new: Any) -> None:
+    """Note that the device count `new` is ``count + 1`` (made by `next_count`, or written
+    by a fused kernel), for `host_count`."""
+    entry = _HOST_COUNTS.get(id(count))
+    if entry is not None and entry[0] is count:
+        _remember(new, entry[1] + 1)
+
+
+def host_count(count: Any) -> Any:
+    """A step count to evaluate a schedule at on the host: a NumPy count itself; for a
+    device count, its value as a Python int, known without reading the device when the
+    optimisers made it (`zero_count`, `next_count`, `counted`), else read once (a state
+    made elsewhere, e.g. loaded from a checkpoint). A device count written in place
+    afterwards by other code is not seen: the optimisers never write a count in place."""
+    if module_of(count) is np:
+        return count
+    entry = _HOST_COUNTS.get(id(count))
+    if entry is not None and entry[0] is count:
+        return entry[1]
+    value = int(count)
+    _remember(count, value)
+    return value
+
+
+_HOST_COUNTS: dict = {}  # id of a device count -> (the count, held so its id stays its own; its value)
+_KEPT_COUNTS = 256
+
+
+def _remember(count: Any, value: int) -> None:
+    if module_of(count) is np:
+        return
+    if len(_HOST_COUNTS) >= _KEPT_COUNTS:
+        del _HOST_COUNTS[next(iter(_HOST_COUNTS))]
+    _HOST_COUNTS[id(count)] = (count, value)
 
 
 _COMPUTE_DTYPES: dict = {}

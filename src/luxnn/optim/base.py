@@ -9,7 +9,7 @@ The functions are bound methods of small module-level classes, `Stage` subclasse
 local closures), so an optimiser pickles and deep-copies with its configuration. A stage
 declares what more than a pure `update` it can do by subclassing the capabilities below
 (`InPlaceUpdate`, `UpdateInto`, `FreshUpdates`, `OwnedUpdate`, `FoldedFactor`,
-`ScaledUpdate`, `KernelUpdate`); `chain`, the wrappers and `update_and_apply_` look for them with
+`ScaledUpdate`, `KernelUpdate`, `FusedUpdate`); `chain`, the wrappers and `update_and_apply_` look for them with
 `isinstance`. A transformation made of other functions runs on the pure path.
 """
 
@@ -26,6 +26,7 @@ from luxnn.backend import module_of
 
 from .arrays import OptState, Params, ScalarOrSchedule, Schedule, Updates, Workspace, out_buffer
 from .checks import check_gradients, where
+from .fused import FusedStep, launch, scale_step
 from .update import (  # apply_updates and its kin are part of base's interface, as in optax's base
     add_into, apply_updates, apply_updates_, check_separate, global_norm, in_place_pairs, incremental_update,
     periodic_update,
@@ -33,7 +34,7 @@ from .update import (  # apply_updates and its kin are part of base's interface,
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "EmptyState", "Stage", "Stateless", "InPlaceUpdate",
-    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "KernelUpdate", "InPlace",
+    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "KernelUpdate", "FusedUpdate", "InPlace",
     "Listening", "precheck", "update_into", "listen", "apply_updates", "apply_updates_", "update_and_apply_",
     "incremental_update", "periodic_update", "global_norm", "identity", "set_to_zero", "chain",
 ]  # fmt: skip
@@ -199,6 +200,21 @@ class KernelUpdate(Stage):
         per leaf; `into` holds CuPy arrays."""
 
 
+class FusedUpdate(Stage):
+    """A stage whose update of an element is CUDA code (a `fused.Fragment`): adding into
+    CuPy parameters, `update_into` and `chain` (when each of its stages is a `FusedUpdate`
+    or a `FoldedFactor`) compose the fragments into one kernel over all leaves of a dtype,
+    which writes the parameters and the moments in place (`fused.launch`)."""
+
+    @abc.abstractmethod
+    def fused_step(self, grads: Updates, state: OptState, params: Params,
+                   factor: Any = 1.0) -> tuple[FusedStep, OptState]:
+        """This update's part of the fused launch and the new state (the arrays of `state`
+        the step names are written by the launch). `factor`: that of a `FoldedFactor` stage
+        that follows a stage that is also `ScaledUpdate`, folded into its update (1.0 for
+        any other). Raises what `update` would, before anything is launched."""
+
+
 def on_device(into: list) -> bool:
     """Whether `into` (the parameters' arrays) are CuPy arrays: what a `KernelUpdate` fuses."""
     return bool(into) and module_of(into[0]) is not np
@@ -321,7 +337,8 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
     """`transformation`'s in-place update (`GradientTransformation.update_`, which consumes
     `state`) with its updates added into `into`, a list of arrays, one per leaf of `grads`
     (usually the parameters' arrays, ``luxnn.tree.leaves(params)``); returns the new state.
-    A stage declaring `KernelUpdate` computes each leaf of CuPy arrays in one kernel; one
+    A stage declaring `FusedUpdate` updates every leaf of CuPy arrays of a dtype in one
+    kernel; one declaring `KernelUpdate` computes each leaf of CuPy arrays in one kernel; one
     declaring `UpdateInto` adds each leaf's update as soon as it is computed; for any
     other, the updates are computed first and then added.
 
@@ -333,6 +350,11 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
     array([0.5, 0.5])
     """
     stage = transformation.stage
+    if isinstance(stage, FusedUpdate) and on_device(into):
+        check_state_type(stage, state)
+        step, new_state = stage.fused_step(grads, state, params)
+        if launch([step], grads, into):
+            return new_state
     if isinstance(stage, KernelUpdate) and on_device(into):
         check_state_type(stage, state)
         return stage.kernel_update_into(grads, state, params, into)
@@ -455,12 +477,41 @@ def _kernel_plan(stages: list) -> list[tuple[int, str]] | None:
     return None
 
 
+_FUSED, _FOLDED, _FACTOR, _NESTED = "fused", "folded", "factor", "nested"
+
+
+def _fused_plan(stages: list) -> list[tuple[int, str]] | None:
+    """The steps of a chain of `stages` adding into CuPy parameters as one fused launch
+    (`FusedUpdate`), when each stage is a `FusedUpdate` (`_FUSED`; `_FOLDED` when also
+    `ScaledUpdate` and followed by a `FoldedFactor`, whose factor it takes) or a
+    `FoldedFactor` (`_FACTOR`, a scaling fragment) or a chain of such stages (`_NESTED`);
+    None for any other chain."""
+    steps, i = [], 0
+    while i < len(stages):
+        stage, follower = stages[i], stages[i + 1] if i + 1 < len(stages) else None
+        if isinstance(stage, FusedUpdate) and isinstance(stage, ScaledUpdate) and isinstance(follower, FoldedFactor):
+            steps.append((i, _FOLDED))
+            i += 2
+            continue
+        if isinstance(stage, FusedUpdate):
+            steps.append((i, _FUSED))
+        elif isinstance(stage, FoldedFactor):
+            steps.append((i, _FACTOR))
+        elif isinstance(stage, _Chain) and stage.fused_steps is not None:
+            steps.append((i, _NESTED))
+        else:
+            return None
+        i += 1
+    return steps
+
+
 class _Chain(InPlace):
     def __init__(self, transforms: tuple[GradientTransformation, ...]) -> None:
         self.transforms = transforms
         self.stages = [t.stage for t in transforms]
         self.steps = _plan(self.stages)
         self.kernel_steps = _kernel_plan(self.stages)
+        self.fused_steps = _fused_plan(self.stages)
 
     def init(self, params: Params) -> tuple:
         return tuple(t.init(params) for t in self.transforms)
@@ -483,6 +534,10 @@ class _Chain(InPlace):
     def compute(self, grads: Updates, state: tuple, params: Params, in_place: bool,
                 into: list | None = None) -> tuple[Updates, tuple]:
         self._check_state(state)
+        if into is not None and self.fused_steps is not None and on_device(into):
+            steps, fused_states = self._fused_parts(grads, state, params)
+            if launch(steps, grads, into):
+                return None, fused_states
         new_states: list = []
         last = len(self.transforms) - 1
         fused = into is not None and self.kernel_steps is not None and on_device(into)
@@ -505,6 +560,29 @@ class _Chain(InPlace):
                 grads, s = (t.update_ if in_place else t.update)(grads, s, params)
             new_states.append(s)
         return grads, tuple(new_states)
+
+
+    def _fused_parts(self, grads: Updates, state: tuple, params: Params) -> tuple[list, tuple]:
+        """The steps of this chain's fused launch (`fused_steps`) and the new state."""
+        self._check_state(state)
+        steps, new_states = [], []
+        for i, how in self.fused_steps:
+            stage, s = self.stages[i], state[i]
+            if how == _NESTED:
+                nested_steps, s = stage._fused_parts(grads, s, params)
+                steps += nested_steps
+                new_states.append(s)
+                continue
+            if how == _FACTOR:
+                factor, s = stage.folded_factor(s)
+                steps.append(scale_step(factor))
+                new_states.append(s)
+                continue
+            factor, follower_state = self.stages[i + 1].folded_factor(state[i + 1]) if how == _FOLDED else (1.0, None)
+            step, s = stage.fused_step(grads, s, params, factor)
+            steps.append(step)
+            new_states += [s, follower_state] if how == _FOLDED else [s]
+        return steps, tuple(new_states)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
