@@ -5,6 +5,7 @@ leaf-wise maps, and the scratch and ``out=`` buffers of the in-place updates.
 from __future__ import annotations
 
 import operator
+import weakref
 from types import ModuleType
 from typing import Any, Callable, Union
 
@@ -79,9 +80,9 @@ def next_count(count: Any) -> Any:
 def counted(count: Any, new: Any) -> None:
     """Note that the device count `new` is ``count + 1`` (made by `next_count`, or written
     by a fused kernel), for `host_count`."""
-    entry = _HOST_COUNTS.get(id(count))
-    if entry is not None and entry[0] is count:
-        _remember(new, entry[1] + 1)
+    value = _known(count)
+    if value is not None:
+        _remember(new, value + 1)
 
 
 def host_count(count: Any) -> Any:
@@ -92,24 +93,32 @@ def host_count(count: Any) -> Any:
     afterwards by other code is not seen: the optimisers never write a count in place."""
     if module_of(count) is np:
         return count
-    entry = _HOST_COUNTS.get(id(count))
-    if entry is not None and entry[0] is count:
-        return entry[1]
-    value = int(count)
-    _remember(count, value)
+    value = _known(count)
+    if value is None:
+        value = int(count)
+        _remember(count, value)
     return value
 
 
-_HOST_COUNTS: dict = {}  # id of a device count -> (the count, held so its id stays its own; its value)
-_KEPT_COUNTS = 256
+# id of a device count -> (a weak reference to it, its value): the entry of a count that
+# is gone is dropped with it, so an id is never taken for another array's.
+_HOST_COUNTS: dict = {}
+
+
+def _known(count: Any) -> int | None:
+    entry = _HOST_COUNTS.get(id(count))
+    return entry[1] if entry is not None and entry[0]() is count else None
 
 
 def _remember(count: Any, value: int) -> None:
     if module_of(count) is np:
         return
-    if len(_HOST_COUNTS) >= _KEPT_COUNTS:
-        del _HOST_COUNTS[next(iter(_HOST_COUNTS))]
-    _HOST_COUNTS[id(count)] = (count, value)
+    key = id(count)
+    try:
+        reference = weakref.ref(count, lambda _: _HOST_COUNTS.pop(key, None))
+    except TypeError:  # an array type without weak references: its count is read each time
+        return
+    _HOST_COUNTS[key] = (reference, value)
 
 
 _COMPUTE_DTYPES: dict = {}

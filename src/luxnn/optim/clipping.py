@@ -71,7 +71,7 @@ CLIP_FRAGMENT = Fragment(
         double total = 0.0;
         for (int k = 0; k < $blocks; ++k) total += $partials[k];
         const T norm = sqrt((T)total);
-        $shared_factor = (T)$max_norm / (!(norm <= (T)$max_norm) ? norm : (T)$max_norm)  // NaN stays;
+        $shared_factor = (T)$max_norm / (!(norm <= (T)$max_norm) ? norm : (T)$max_norm);  // a NaN norm stays
     }
     __syncthreads();
     const T $factor = $shared_factor;

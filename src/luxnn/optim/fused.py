@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from luxnn import tree
+from luxnn import memory, tree
 from luxnn.backend import module_of
 from luxnn.kernels import KERNELS, Raw
 
@@ -185,7 +185,8 @@ def _table(xp: Any, rows: list) -> tuple[Any, int]:
     if found is None:
         if len(_TABLES) >= _KEPT_TABLES:
             del _TABLES[next(iter(_TABLES))]
-        found = _TABLES[key] = (xp.asarray(host), len(chunks))
+        with memory.uncached():  # kept for as long as the addresses last, no part of a step
+            found = _TABLES[key] = (xp.asarray(host), len(chunks))
     return found
 
 
