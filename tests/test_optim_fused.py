@@ -21,9 +21,10 @@ import pytest
 import luxnn as lx
 from luxnn import memory, optim
 from luxnn.optim import fused
-from luxnn.optim.adam import ADAM_FRAGMENT, LION_FRAGMENT
+from luxnn.optim.adam import ADAM_FRAGMENT
 from luxnn.optim.clipping import CLIP_FRAGMENT
 from luxnn.optim.decay_noise import DECAY_FRAGMENT
+from luxnn.optim.lion import LION_FRAGMENT
 from luxnn.optim.momentum import TRACE_FRAGMENT
 
 import sim_cupy

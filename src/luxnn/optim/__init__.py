@@ -7,8 +7,8 @@ A `GradientTransformation` is a pair of functions:
 
 The updates already carry the minus sign: ``apply_updates(params, updates)`` adds them.
 The package is laid out as optax: `base` (the interface: `GradientTransformation`, the
-`Stage` a building block subclasses and the capabilities it declares, `chain`,
-`apply_updates`), the building blocks by family (`scaling`, `momentum`, `adam`,
+`Stage` a building block subclasses and the capabilities it declares, `apply_updates`),
+`combine` (`chain`), `fused` (the stages' CUDA fragments composed into one kernel over all leaves), the building blocks by family (`scaling`, `momentum`, `adam`,
 `second_moments`, `clipping`, `decay_noise`, gathered in `transform`), `alias` (the named
 optimisers, each a `chain` of building blocks), `schedule`, and `wrappers` (`masked`,
 `multi_transform`, `MultiSteps`, `apply_if_finite`, `inject_hyperparams`).
@@ -46,6 +46,8 @@ from .alias import *  # noqa: F403
 from .alias import __all__ as _alias
 from .base import *  # noqa: F403
 from .base import __all__ as _base
+from .combine import *  # noqa: F403
+from .combine import __all__ as _combine
 from .schedule import *  # noqa: F403
 from .schedule import __all__ as _schedule
 from .transform import *  # noqa: F403
@@ -55,4 +57,4 @@ from .update import __all__ as _update
 from .wrappers import *  # noqa: F403
 from .wrappers import __all__ as _wrappers
 
-__all__ = [*_base, *_update, *_transform, *_alias, *_schedule, *_wrappers]
+__all__ = [*_base, *_combine, *_update, *_transform, *_alias, *_schedule, *_wrappers]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from luxnn.backend import module_of
 
 from .arithmetic import bias_correction, moving_average

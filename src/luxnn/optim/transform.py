@@ -2,7 +2,7 @@
 noise, momentum and averages, each a `GradientTransformation` (optax's semantics unless a
 docstring says otherwise). They live by family, as optax keeps them: `scaling` (by a
 factor, a schedule, a trust ratio), `momentum` (`trace`, `ema`), `adam` (Adam and its
-family, Lion), `second_moments` (RMSprop, Adagrad, Adadelta, Adafactor), `clipping` (and
+family), `lion`, `second_moments` (RMSprop, Adagrad, Adadelta, Adafactor), `clipping` (and
 NaNs), `decay_noise` (weight decay, noise); `arithmetic` holds the leaf arithmetic they
 share. This module gathers them.
 
@@ -23,6 +23,8 @@ from .momentum import *  # noqa: F403
 from .momentum import __all__ as _momentum
 from .adam import *  # noqa: F403
 from .adam import __all__ as _adam
+from .lion import *  # noqa: F403
+from .lion import __all__ as _lion
 from .second_moments import *  # noqa: F403
 from .second_moments import __all__ as _second_moments
 from .clipping import *  # noqa: F403
@@ -30,4 +32,4 @@ from .clipping import __all__ as _clipping
 from .decay_noise import *  # noqa: F403
 from .decay_noise import __all__ as _decay_noise
 
-__all__ = [*_scaling, *_momentum, *_adam, *_second_moments, *_clipping, *_decay_noise]
+__all__ = [*_scaling, *_momentum, *_adam, *_lion, *_second_moments, *_clipping, *_decay_noise]
