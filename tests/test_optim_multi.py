@@ -172,3 +172,22 @@ def test_a_state_made_elsewhere_reads_its_count_once_for_the_schedule(sim_gpu):
     state = optim.update_and_apply_(opt, grads, state, reference)
     optim.update_and_apply_(opt, grads, state, reference)
     _assert_close(lx.cpu_device()(params), lx.cpu_device()(reference), np.float32)
+
+
+def test_parameters_that_are_views_of_one_flat_buffer_are_updated_through_their_own_pointers(sim_gpu):
+    def run(device):
+        rng = np.random.default_rng(6)
+        flat = device(rng.standard_normal(30))
+        params = {"w": flat[:12].reshape(3, 4), "b": flat[12:16], "c": flat[16:30].reshape(2, 7)}
+        opt = optim.adamw(1e-2, weight_decay=0.1)
+        state = opt.init(params)
+        with sim_cupy.counting() as counts:
+            for _ in range(3):
+                grads = device({"w": rng.standard_normal((3, 4)), "b": rng.standard_normal(4),
+                                "c": rng.standard_normal((2, 7))})
+                state = optim.update_and_apply_(opt, grads, state, params)
+        return lx.cpu_device()((flat, state)), counts
+
+    (cpu, _), (gpu, counts) = run(lx.cpu_device()), run(sim_gpu)
+    assert counts["kernel", "luxnn_fused_adam_decay_scale_float64"] == 3
+    _assert_close(gpu, cpu, np.float64)
