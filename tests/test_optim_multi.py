@@ -71,7 +71,9 @@ def test_the_step_launches_one_kernel_per_dtype_of_the_leaves(sim_gpu):
 
     def run(device):
         rng = np.random.default_rng(1)
-        tree = lambda: device({f"w{i}": rng.standard_normal((3, 2)).astype(d) for i, d in enumerate(dtypes)})  # noqa: E731
+        def tree():
+            return device({f"w{i}": rng.standard_normal((3, 2)).astype(d) for i, d in enumerate(dtypes)})
+
         params, opt = tree(), make()
         state = opt.init(params)
         with sim_cupy.counting() as counts:

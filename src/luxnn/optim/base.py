@@ -35,8 +35,8 @@ from .update import (  # apply_updates and its kin are part of base's interface,
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "EmptyState", "Stage", "Stateless", "InPlaceUpdate",
-    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "KernelUpdate", "FusedUpdate", "InPlace",
-    "Listening", "precheck", "update_into", "listen", "apply_updates", "apply_updates_", "update_and_apply_",
+    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "KernelUpdate", "FusedUpdate",
+    "InPlace", "Listening", "precheck", "update_into", "listen", "apply_updates", "apply_updates_", "update_and_apply_",
     "incremental_update", "periodic_update", "global_norm", "identity", "set_to_zero",
 ]  # fmt: skip
 

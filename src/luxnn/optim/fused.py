@@ -126,7 +126,7 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
     another than its compute dtype, an array that is not C-contiguous, no element at all,
     several dtypes with a `sums_squares` fragment (its norm spans every leaf), or such a
     fragment not first."""
-    if any(s.fragment.sums_squares for s in steps[1:]):
+    if not steps or any(s.fragment.sums_squares for s in steps[1:]):
         return False
     leaves = tree.leaves(grads)
     moments = [[tree.leaves(m) for m in s.moments] for s in steps]
@@ -184,7 +184,10 @@ def _table(xp: Any, rows: list) -> tuple[Any, int]:
     found = _TABLES.get(key)
     if found is None:
         if len(_TABLES) >= _KEPT_TABLES:
-            del _TABLES[next(iter(_TABLES))]
+            try:  # the oldest; another thread may be evicting too
+                _TABLES.pop(next(iter(_TABLES)), None)
+            except (StopIteration, RuntimeError):
+                pass
         with memory.uncached():  # kept for as long as the addresses last, no part of a step
             found = _TABLES[key] = (xp.asarray(host), len(chunks))
     return found
@@ -196,8 +199,8 @@ _TYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float", np.dtyp
 def _header(dtype: np.dtype) -> str:
     """The start of a kernel's source for leaves of `dtype`: ``P`` their type, ``T`` their
     compute dtype's, and the rounded products (`MUL_PREAMBLE`)."""
-    return (f"#include <cuda_fp16.h>\ntypedef {_TYPES[compute_dtype(dtype)]} T;\ntypedef {_TYPES[np.dtype(dtype)]} P;\n"
-            + MUL_PREAMBLE)
+    types = f"typedef {_TYPES[compute_dtype(dtype)]} T;\ntypedef {_TYPES[np.dtype(dtype)]} P;\n"
+    return "#include <cuda_fp16.h>\n" + types + MUL_PREAMBLE
 
 
 def composed(fragments: tuple[Fragment, ...], dtype: Any) -> Raw:

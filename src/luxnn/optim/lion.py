@@ -96,7 +96,8 @@ class _ScaleByLion(InPlace, FreshUpdates, FusedUpdate):
         check_match(state.mu, "the optimizer state (lion momentum)", grads, "grads")
         count = module_of(state.count).empty((), np.int64)  # written by the launch
         counted(state.count, count)
-        return FusedStep(LION_FRAGMENT, (state.mu,), (*self.hyper, state.count, count)), ScaleByLionState(count, state.mu)
+        step = FusedStep(LION_FRAGMENT, (state.mu,), (*self.hyper, state.count, count))
+        return step, ScaleByLionState(count, state.mu)
 
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:

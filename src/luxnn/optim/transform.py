@@ -12,9 +12,10 @@ their moments underflowing. A block's `update` returns new arrays and never writ
 `grads`, `params` or the old state; temporaries are combined in place (``out=``) on arrays
 the block has just made. Its in-place update (`GradientTransformation.update_`) runs the
 same operations in the same order with the old moments as the ``out=`` of the new ones,
-so the two agree bit for bit. Step counts stay 0-d arrays: bias corrections and schedules
-are computed from them as arrays, with no Python int made of the count (no host round
-trip on a GPU; `add_noise` alone reads it, to seed NumPy's generator on the host).
+so the two agree bit for bit. Step counts stay 0-d arrays: bias corrections are computed
+from them as arrays, or in the fused kernel, with no read of the count (no host round trip
+on a GPU: schedules run there at the count's host mirror, `arrays.host_count`; `add_noise`
+alone reads it, to seed NumPy's generator on the host).
 """
 
 from .scaling import *  # noqa: F403
