@@ -256,26 +256,28 @@ FRAGMENTS = {f.name: f for f in (ADAM_FRAGMENT, LION_FRAGMENT, TRACE_FRAGMENT, D
 
 
 def _sources():
-    """The CUDA source of each fused kernel of OPTIMISERS and of the reduction, per dtype."""
-    sources = {}
-    for _, names in OPTIMISERS.values():
-        for dtype in (np.float16, np.float32, np.float64):
-            kernel = fused.composed(tuple(FRAGMENTS[n] for n in names.split("_")), dtype)
-            sources[kernel.name] = kernel.code
-    for kernel in fused.SUM_OF_SQUARES.values():
-        sources[kernel.name] = kernel.code
-    return sources
+    """The CUDA source of each fused kernel of OPTIMISERS and of the reduction, one
+    translation unit per dtype (the kernels of a dtype share their header)."""
+    kernels = [fused.composed(tuple(FRAGMENTS[n] for n in names.split("_")), dtype)
+               for _, names in OPTIMISERS.values() for dtype in (np.float16, np.float32, np.float64)]
+    units: dict = {}
+    for kernel in {k.name: k for k in [*kernels, *fused.SUM_OF_SQUARES.values()]}.values():
+        header, body = kernel.code.split('extern "C"', 1)
+        unit = units.setdefault(header, [header])
+        unit.append('extern "C"' + body)
+    return ["".join(unit) for unit in units.values()]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc, the CUDA compiler, to compile the kernels")
 def test_every_fused_kernel_compiles(tmp_path):
     files = []
-    for name, code in _sources().items():
-        files.append(tmp_path / f"{name}.cu")
+    for i, code in enumerate(_sources()):
+        files.append(tmp_path / f"unit{i}.cu")
         files[-1].write_text(code)
     done = subprocess.run(["nvcc", "-ptx", "-arch=sm_90", *map(str, files)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
+    assert len(files) == 3  # float16, float32, float64
 
 
 def test_the_fused_kernels_on_a_gpu_give_the_cpus_numbers(gpu):
