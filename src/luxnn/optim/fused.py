@@ -13,7 +13,9 @@ The kernel runs over a table of device pointers (PyTorch's ``multi_tensor_apply`
 leaf ``[size, flags, g, p, moments...]``, then per block ``[leaf, start]``, a block
 updating ``CHUNK`` elements of one leaf. Gradients arrive as separate arrays from the
 backward pass; under the allocator's plans a warm step's arrays keep their addresses, so
-the table is uploaded once per set of addresses and kept (`_table`). Bit ``k`` of a
+the table is uploaded once per set of addresses and kept (`_table`); a set not among the
+last few (gradients from the small-block pool move) is uploaded again: one small
+host-to-device copy, no launch. Bit ``k`` of a
 leaf's flags says whether step ``k`` applies to it (a `masked` stage).
 
 In a fragment's CUDA code, ``$name`` is the fragment's own identifier (made unique per
