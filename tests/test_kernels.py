@@ -75,13 +75,16 @@ def test_the_compile_check_names_each_kernel_with_a_typo_or_a_type_error(monkeyp
     assert errors["luxnn_test_raw"] == ['identifier "nothing" is undefined']
 
 
-def test_an_elementwise_kernels_source_is_cupys_at_every_float_and_double_combination():
-    adam = kernels.KERNELS["luxnn_adam"]
-    found = cupy_source.instances([adam])
+def test_an_elementwise_kernels_source_is_cupys_at_every_float_and_double_combination(monkeypatch):
+    monkeypatch.setattr(kernels, "KERNELS", dict(kernels.KERNELS))  # the test kernel leaves with the test
+    axpy = kernels.Elementwise("luxnn_test_axpy", "G g, T a, bool add", "P p, T m",
+                               "m = a * (T)g; if (add) p = (P)((T)p + m);", twin=_no_twin,
+                               preamble="__device__ float unused_helper() { return 0.f; }")
+    found = cupy_source.instances([axpy])
     assert len(found) == 8 and {tuple(i.types.values()) for i in found} == set(itertools.product(("float", "double"), repeat=3))
     source = found[0].source
     assert "typedef float G;\ntypedef float P;\ntypedef float T;\n" in source
-    assert 'extern "C" __global__ void luxnn_adam__0(const CArray<float, 1, true, true> _raw_g, ' in source
-    assert "CArray<bool, 1, true, true> _raw_nesterov, CArray<float, 1, true, true> _raw_p" in source
+    assert 'extern "C" __global__ void luxnn_test_axpy__0(const CArray<float, 1, true, true> _raw_g, ' in source
+    assert "CArray<bool, 1, true, true> _raw_add, CArray<float, 1, true, true> _raw_p" in source
     assert "const G &g = _raw_g[_ind.get()];" in source and "P &p = _raw_p[_ind.get()];" in source
-    assert source.index(adam.preamble) < source.index("__global__") < source.index(adam.operation)
+    assert source.index(axpy.preamble) < source.index("__global__") < source.index(axpy.operation)
