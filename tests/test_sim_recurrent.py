@@ -92,6 +92,26 @@ def test_stacks_on_the_device_match_the_cpu_path(kind, config, device):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_float16_stacks_compute_in_float32_on_the_device(kind, device):
+    """float16 parameters and inputs: float16 outputs and gradients, within float16's
+    rounding of the CPU path's float32 results (the device's gates and GEMMs run in float32)."""
+    model = make_stack(kind, 3, 4, bidirectional=True)
+    ps32, st = lx.setup(np.random.default_rng(0), model)
+    x32 = np.random.default_rng(1).normal(size=(2, 6, 3)).astype(np.float32)
+    ps16, x16 = lx.tree.map(lambda a: a.astype(np.float16), ps32), x32.astype(np.float16)
+
+    def run(ps, x, st):
+        return lx.value_and_grad(lambda p, x: (model(x, p, st)[0] ** 2).sum(), argnums=(0, 1))(ps, x)
+
+    want_value, want = run(*lx.tree.map(lambda a: a.astype(np.float32), (ps16, x16)), st)
+    got_value, got = run(*device((ps16, x16, st)))
+    assert abs(float(got_value) - float(want_value)) <= 1e-2 * abs(float(want_value))
+    for a, b in zip(lx.tree.leaves(lx.cpu_device()(got)), lx.tree.leaves(want), strict=True):
+        assert a.dtype == np.float16
+        assert np.abs(a.astype(np.float32) - b).max() <= 1e-2 * max(1.0, float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_padded_sequences_on_the_device_match_the_cpu_path(kind, sim_gpu):
     model = make_stack(kind, 3, 4, bidirectional=True, return_carry=True)
     ps, st = lx.setup(np.random.default_rng(1), model)

@@ -41,6 +41,12 @@ def _blocks(a, count):
     return [a[:, k * H : (k + 1) * H] for k in range(count)]
 
 
+def _set_blocks(a, *values):
+    """Writes `values`, one per gate block, into `a` ``(batch, len(values) * H)``."""
+    for block, value in zip(_blocks(a, len(values)), values, strict=True):
+        block[...] = value
+
+
 # The kernels run over (batch, H): thread i takes row i / H, column i % H, and reads and
 # writes that column of each gate block of the (batch, G * H) arrays, passed raw.
 
@@ -49,8 +55,7 @@ def _lstm_cell_twin(hidden, c_prev, gates, c, h, h_next):
     a = gates + hidden
     i, f, g, o = _blocks(a, 4)
     i, f, g, o = _sigmoid(i), _sigmoid(f), np.tanh(g), _sigmoid(o)
-    for block, value in zip(_blocks(gates, 4), (i, f, g, o)):
-        block[...] = value
+    _set_blocks(gates, i, f, g, o)
     c[...] = f * c_prev + i * g
     h[...] = o * np.tanh(c)
     h_next[...] = h
@@ -86,9 +91,7 @@ def _lstm_cell_backward_twin(gates, c_prev, c, dh, dc, g_h, g_c, d, dc_prev):
     dh_t = dh + g_h
     tc = np.tanh(c)
     dc_t = dc + g_c + dh_t * o * (1 - tc * tc)
-    for block, value in zip(_blocks(d, 4), (dc_t * g * i * (1 - i), dc_t * c_prev * f * (1 - f),
-                                            dc_t * i * (1 - g * g), dh_t * tc * o * (1 - o))):
-        block[...] = value
+    _set_blocks(d, dc_t * g * i * (1 - i), dc_t * c_prev * f * (1 - f), dc_t * i * (1 - g * g), dh_t * tc * o * (1 - o))
     dc_prev[...] = dc_t * f
 
 
@@ -121,8 +124,7 @@ def _gru_cell_twin(xw, b_hh, h_prev, hidden, gates, h):
     h_r, h_z, h_n = _blocks(hidden, 3)
     r, z = _sigmoid(x_r + h_r), _sigmoid(x_z + h_z)
     n = np.tanh(r * h_n + x_n)
-    for block, value in zip(_blocks(gates, 3), (r, z, n)):
-        block[...] = value
+    _set_blocks(gates, r, z, n)
     h[...] = (h_prev - n) * z + n
 
 
@@ -156,8 +158,8 @@ def _gru_cell_backward_twin(gates, hidden, h_prev, dh_direct, dh_hidden, g, d_in
     dn = (1 - z) * dh * (1 - n * n)
     dz = (h_prev - n) * dh * z * (1 - z)
     dr = dn * _blocks(hidden, 3)[2] * r * (1 - r)
-    for block, value in zip(_blocks(d_in, 3) + _blocks(d_hid, 3), (dr, dz, dn, dr, dz, dn * r)):
-        block[...] = value
+    _set_blocks(d_in, dr, dz, dn)
+    _set_blocks(d_hid, dr, dz, dn * r)
     dh_direct_prev[...] = dh * z
 
 
