@@ -269,6 +269,11 @@ def _seeds(g, last_only, work):
     return zero, lambda t: g[t]
 
 
+def _halves(a, H):
+    """The parts of h and of c of an LSTM's cotangent ``[dh | dc]`` (a scalar's: itself twice)."""
+    return (a, a) if a.ndim == 0 else (a[:, :H], a[:, H:])
+
+
 def _cast(a, dtype):
     return None if a is None else a.astype(dtype, copy=False)
 
@@ -335,11 +340,11 @@ def lstm_backward(saved, g, last_only, needs):
     d = xp.empty_like(gates)  # the cotangent of each step's pre-activation
     dh, dc = xp.empty((batch, H), work), xp.empty((batch, H), work)
     carried, step_g = _seeds(g if last_only else g.transpose(1, 0, 2), last_only, work)
-    carried_h, carried_c = (carried, carried) if carried.ndim == 0 else (carried[:, :H], carried[:, H:])
+    carried_h, carried_c = _halves(carried, H)
     order = _order(seq, reverse)
     for k in range(seq - 1, -1, -1):
-        t, g_t = order[k], step_g(order[k])
-        g_h, g_c = (g_t, g_t) if g_t.ndim == 0 else (g_t[:, :H], g_t[:, H:])
+        t = order[k]
+        g_h, g_c = _halves(step_g(t), H)
         c_prev = out[order[k - 1], :, H:] if k else c0
         LSTM_CELL_BACKWARD(gates[t], c_prev, out[t, :, H:], carried_h, carried_c, g_h, g_c, d[t], dc)
         carried_c = dc
