@@ -92,6 +92,31 @@ def test_stacks_on_the_device_match_the_cpu_path(kind, config, device):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_cells_without_bias_and_with_a_trainable_initial_carry_match_the_cpu_path(kind, sim_gpu):
+    """No biases (the LSTM's b and the GRU's b_hh None) and the initial carry a parameter
+    broadcast over the batch, in both directions."""
+    def cell():
+        if kind.startswith("rnn"):
+            return lx.RNNCell(3, 4, kind.split("_")[1], use_bias=False, init_carry="trainable")
+        return {"lstm": lx.LSTMCell, "gru": lx.GRUCell}[kind](3, 4, use_bias=False, init_carry="trainable")
+
+    model = lx.Bidirectional(cell(), cell())
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    ps = lx.tree.map(lambda a: a + np.float32(0.3), ps)  # initial carries away from zero
+    x = np.random.default_rng(1).normal(size=(3, 5, 3))
+    weights = np.random.default_rng(2).normal(size=(3, 5, 8))
+
+    def value_and_grads(ps, x, st, weights):
+        return lx.value_and_grad(lambda p: (model(x, p, st)[0] * weights).sum())(lx.tree.map(lambda a: a.astype(np.float64), ps))
+
+    want_value, want = value_and_grads(ps, x, st, weights)
+    got_value, got = value_and_grads(*sim_gpu((ps, x, st, weights)))
+    np.testing.assert_allclose(float(got_value), float(want_value), rtol=1e-10)
+    for (path, a), (_, b) in zip(lx.tree.paths(lx.cpu_device()(got)), lx.tree.paths(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12, err_msg=path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_float16_stacks_compute_in_float32_on_the_device(kind, device):
     """float16 parameters and inputs: float16 outputs and gradients, within float16's
     rounding of the CPU path's float32 results (the device's gates and GEMMs run in float32)."""
