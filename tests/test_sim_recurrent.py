@@ -147,6 +147,17 @@ def test_padded_sequences_on_the_device_match_the_cpu_path(kind, sim_gpu):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
+def test_primitives_refuse_arrays_of_two_devices(sim_gpu):
+    from luxnn.ops.recurrent import gru_sequence, lstm_sequence, rnn_sequence
+
+    with pytest.raises(TypeError, match="^rnn_sequence: expected the arrays on one device, got CPU and CUDA arrays"):
+        rnn_sequence(sim_gpu(np.ones((3, 2, 2))), sim_gpu(np.ones((2, 2))), np.ones((2, 2)))
+    with pytest.raises(TypeError, match="^lstm_sequence: expected the arrays on one device"):
+        lstm_sequence(np.ones((2, 3, 4)), np.ones((4, 8)), None, np.ones((2, 8)), sim_gpu(np.ones((2, 2))), np.ones((2, 2)))
+    with pytest.raises(TypeError, match="^gru_sequence: expected the arrays on one device"):
+        gru_sequence(np.ones((3, 2, 6)), np.ones((2, 6)), sim_gpu(np.ones(6)), np.ones((2, 2)))
+
+
 def _launches(model, x, sim_gpu):
     """Launches (kernels, fills, cuBLAS calls) of one gradient of ``sum(model(x))``."""
     ps, st = sim_gpu(lx.setup(np.random.default_rng(1), model))

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from .traits import implementation
+from .traits import device_of_module, implementation
 
 __all__ = ["rnn_sequence", "lstm_sequence", "gru_sequence", "reverse_padded"]
 
@@ -44,9 +44,13 @@ def _check(who, xw, w_hh, gates, carries):
     return hidden
 
 
-def _cells(x):
-    """The passes for arrays of `x`'s device."""
-    return implementation("recurrent", module_of(x))
+def _cells(who, *arrays):
+    """The passes for the device of `arrays` (None skipped), after checking it is one."""
+    modules = {module_of(a) for a in arrays if a is not None}
+    if len(modules) > 1:
+        devices = " and ".join(sorted(device_of_module(m).upper() for m in modules))
+        raise TypeError(f"{who}: expected the arrays on one device, got {devices} arrays")
+    return implementation("recurrent", modules.pop())
 
 
 def _result(outputs, last_only, reverse):
@@ -68,7 +72,7 @@ def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False, last_only=Fa
     if activation not in ("tanh", "relu"):
         raise ValueError(f"rnn_sequence: activation must be 'tanh' or 'relu', got {activation!r}")
     _check("rnn_sequence", xw, w_hh, 1, (h0,))
-    cells = _cells(xw)
+    cells = _cells("rnn_sequence", xw, w_hh, h0)
     hs, saved = cells.rnn_forward(xw, w_hh, h0, np.result_type(xw, w_hh, h0), activation, reverse)
 
     def vjp(g, needs):
@@ -95,7 +99,7 @@ def lstm_sequence(x, w_ih, b, w_hh, h0, c0, *, reverse=False, last_only=False):
     (2, 3, 4)
     """
     _check_lstm(x, w_ih, b, w_hh, h0, c0)
-    cells = _cells(x)
+    cells = _cells("lstm_sequence", x, w_ih, b, w_hh, h0, c0)
     dtype = np.result_type(*(a for a in (x, w_ih, b, w_hh, h0, c0) if a is not None))
     out, saved = cells.lstm_forward(x, w_ih, b, w_hh, h0, c0, dtype, reverse)
 
@@ -136,7 +140,7 @@ def gru_sequence(xw, w_hh, b_hh, h0, *, reverse=False, last_only=False):
     H = _check("gru_sequence", xw, w_hh, 3, (h0,))
     if b_hh is not None and b_hh.shape != (3 * H,):
         raise ValueError(f"gru_sequence: expected b_hh of shape ({3 * H},), got {b_hh.shape}")
-    cells = _cells(xw)
+    cells = _cells("gru_sequence", xw, w_hh, b_hh, h0)
     dtype = np.result_type(xw, w_hh, h0, *(() if b_hh is None else (b_hh,)))
     hs, saved = cells.gru_forward(xw, w_hh, b_hh, h0, dtype, reverse)
 
