@@ -6,8 +6,6 @@ kernels against its NumPy twin and the layers against the CPU path.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
@@ -16,15 +14,9 @@ from luxnn.ops.cuda import recurrent as cuda_recurrent
 
 import sim_cupy
 from test_gpu import needs_gpu
+from test_sim_gpu import _device_cache, _train, sim_gpu  # noqa: F401 (sim_gpu: a fixture)
 
 KINDS = ["lstm", "gru", "rnn_tanh", "rnn_relu"]
-
-
-@pytest.fixture
-def sim_gpu(monkeypatch):
-    """CuPy simulated on the CPU, installed as ``cupy``; yields the CUDADevice."""
-    monkeypatch.setitem(sys.modules, "cupy", sim_cupy)
-    yield lx.gpu_device(force=True)
 
 
 @pytest.fixture(params=["simulated", pytest.param("gpu", marks=needs_gpu)])
@@ -187,8 +179,6 @@ def test_each_time_step_costs_one_gemm_and_one_fused_kernel_each_way(kind, bidir
 def test_the_bench_lstm_step_stays_within_the_launch_budget(sim_gpu):
     """An LSTM of 64 hidden units over 64 steps and a Dense classifier (the bench's model,
     smaller), one Adam training step: at most 4 launches per time step and 60 others."""
-    from test_sim_gpu import _device_cache, _train
-
     def make():
         return lx.Chain(lx.Recurrence(lx.LSTMCell(8, 64)), lx.Dense(64, 5)), (16, 64, 8)
 
