@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import luxnn as lx
-from luxnn.ops.conv import _BLOCK_BYTES, conv
+from luxnn.ops.conv import conv
+from luxnn.ops.cpu.conv import _BLOCK_BYTES
 
 RTOL = 1e-6
 
