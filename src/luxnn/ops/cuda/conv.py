@@ -236,12 +236,18 @@ def _gemm(a: Any, b: Any, out: Any = None) -> Any:
     return xp.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b), out=out)
 
 
-def _sum_rows_into(out: Any, gg: Any, accumulate: bool) -> None:
-    """``out (groups, c) = gg.sum(rows)`` of `gg` ``(groups, rows, c)``, or ``+=``."""
-    if accumulate:
-        out += gg.sum(axis=1)
+def _bias_gradient_into(db: Any, gg: Any, accumulate: bool) -> None:
+    """``db (groups * c,) = gg.sum(rows)`` of `gg` ``(groups, rows, c)``, or ``+=``. One
+    group: a GEMV against ones, as the CPU computes it, so that the simulated device gives
+    the CPU's bits (a bias whose gradient is rounding noise, as a convolution's before a
+    norm, would otherwise lead Adam elsewhere); several: a sum over the rows."""
+    xp = module_of(gg)
+    if gg.shape[0] == 1:
+        part = xp.matmul(xp.ones(gg.shape[1], gg.dtype), gg[0], out=None if accumulate else db)
     else:
-        gg.sum(axis=1, out=out)
+        part = gg.sum(axis=1, out=None if accumulate else db.reshape(gg.shape[0], -1))
+    if accumulate:
+        db += part.reshape(db.shape)
 
 
 def _operands(dtype: Any, *arrays: Any) -> list[Any]:
@@ -326,7 +332,7 @@ def conv_backward(g, x, w, residual, needs, stride, padding, dilation, groups, o
             keep = g if residual is None else residual
             BY_GROUP(g[n0:n1], keep[n0:n1], o, groups, rows, residual is not None, gg)
         if needs[2]:
-            _sum_rows_into(db.reshape(groups, -1), gg, accumulate=i > 0)
+            _bias_gradient_into(db, gg, accumulate=i > 0)
         if needs[0]:
             cols = _gemm(gg, wg.transpose(0, 2, 1))
             COL2IM(cols, _absent(xp, dtype), *geometry.args(n1 - n0), False, False, dx[n0:n1])
@@ -393,4 +399,8 @@ def conv_transpose_backward(g, x, w, residual, needs, stride, padding, dilation,
         if needs[1]:
             _weight_gradient_into(dw, g[n0:n1], xg, geometry, accumulate=i > 0)
     (dw,) = _zero_if_empty(blocks, dw)
-    return dx, dw, g.reshape(-1, o).sum(axis=0) if needs[2] else None
+    db = None
+    if needs[2]:
+        db = xp.empty(o, dtype)
+        _bias_gradient_into(db, g.reshape(1, -1, o), accumulate=False)
+    return dx, dw, db
