@@ -53,6 +53,16 @@ _SIZES = r"""
 """
 
 
+def split_index(names: tuple[str, ...], extents: tuple[str, ...]) -> str:
+    """C statements splitting an elementwise kernel's loop index ``i`` over a C-contiguous
+    array into its coordinates `names` (outermost first) of `extents` (C expressions; the
+    outermost one's is not needed)."""
+    lines = ["long long rest = i;"]
+    for name, extent in zip(names[:0:-1], extents[:0:-1]):
+        lines.append(f"const long long {name} = rest % {extent}; rest /= {extent};")
+    return "\n".join([*lines, f"const long long {names[0]} = rest;", ""])
+
+
 class _Geometry:
     """A convolution's shape in the kernels' terms (`_GEOMETRY`), for blocks of images."""
 
@@ -143,13 +153,7 @@ IM2COL = Elementwise(
 # order), plus the bias of its channel if `has_bias`, through relu if `relu`.
 COL2IM = Elementwise(
     "luxnn_col2im", f"raw T cols, raw T bias, {_GEOMETRY}, bool has_bias, bool relu", "T dx",
-    _SIZES + r"""
-    long long j = i;
-    const long long c = j % channels; j /= channels;
-    const long long iw = j % n2; j /= n2;
-    const long long ih = j % n1; j /= n1;
-    const long long id = j % n0;
-    const long long n = j / n0;
+    _SIZES + split_index(("n", "id", "ih", "iw", "c"), ("", "n0", "n1", "n2", "channels")) + r"""
     const long long g = c / cg, ci = c % cg;
     T total = 0;
     for (long long kd = 0; kd < k0; ++kd) {

@@ -19,6 +19,7 @@ import numpy as np
 from ...backend import module_of
 from ...kernels import Elementwise
 from ..pool import adaptive_bins
+from .conv import split_index
 
 __all__ = [
     "max_pool_forward", "max_pool_backward", "avg_pool_forward", "avg_pool_backward", "adaptive_avg_pool_forward",
@@ -67,13 +68,7 @@ __device__ inline long long luxnn_pool_inside(long long start, long long size, l
 """
 
 # Splits the loop index i of an output element (n, od, oh, ow, c) and finds its windows.
-_OUTPUT_WINDOWS = r"""
-    long long j = i;
-    const long long c = j % channels; j /= channels;
-    const long long ow = j % o2; j /= o2;
-    const long long oh = j % o1; j /= o1;
-    const long long od = j % o0;
-    const long long n = j / o0;
+_OUTPUT_WINDOWS = split_index(("n", "od", "oh", "ow", "c"), ("", "o0", "o1", "o2", "channels")) + r"""
     long long sd, zd, sh, zh, sw, zw;
     luxnn_pool_window(od, n0, o0, k0, s0, p0, adaptive, &sd, &zd);
     luxnn_pool_window(oh, n1, o1, k1, s1, p1, adaptive, &sh, &zh);
@@ -82,13 +77,7 @@ _OUTPUT_WINDOWS = r"""
 
 # Splits the loop index i of an input element (n, id, ih, iw, c) and finds the outputs
 # whose windows hold it.
-_INPUT_OUTPUTS = r"""
-    long long j = i;
-    const long long c = j % channels; j /= channels;
-    const long long iw = j % n2; j /= n2;
-    const long long ih = j % n1; j /= n1;
-    const long long id = j % n0;
-    const long long n = j / n0;
+_INPUT_OUTPUTS = split_index(("n", "id", "ih", "iw", "c"), ("", "n0", "n1", "n2", "channels")) + r"""
     long long fd, ld, fh, lh, fw, lw;
     luxnn_pool_outputs(id, n0, o0, k0, s0, p0, adaptive, &fd, &ld);
     luxnn_pool_outputs(ih, n1, o1, k1, s1, p1, adaptive, &fh, &lh);
