@@ -307,7 +307,10 @@ def conv_forward(x, w, b, stride, padding, dilation, groups, relu, out):
         rows = (n1 - n0) * per_image
         yb = y[n0:n1]
         if groups == 1:
-            yg = _gemm(_im2col(x[n0:n1], geometry), wg, out=yb.reshape(1, rows, o))
+            # The GEMM writes the output in place, which the epilogue then reads as `yb`
+            # itself: CuPy copies an input that overlaps an output unless it is the output.
+            _gemm(_im2col(x[n0:n1], geometry), wg, out=yb.reshape(1, rows, o))
+            yg = yb
         else:
             yg = _gemm(_im2col(x[n0:n1], geometry), wg)
         if groups > 1 or b is not None or relu:
