@@ -226,11 +226,9 @@ def _flipped_kernel(w: Any, groups: int) -> Any:
     return np.swapaxes(wf, -3, -1).reshape(*k, o // groups, groups * cg)
 
 
-def _image_bytes(x: Any, w: Any, out: tuple[int, ...]) -> int:
+def _image_bytes(x: Any, w: Any, out: tuple[int, ...], itemsize: int) -> int:
     """Bytes per image of a correlation's larger block: its im2col rows or its output rows."""
-    kernel = w.shape[: x.ndim - 2]
-    itemsize = np.result_type(x.dtype, w.dtype).itemsize
-    return math.prod(out) * max(math.prod(kernel) * x.shape[-1], w.shape[-1]) * itemsize
+    return math.prod(out) * max(math.prod(w.shape[: x.ndim - 2]) * x.shape[-1], w.shape[-1]) * itemsize
 
 
 def conv_forward(x, w, b, stride, padding, dilation, groups, relu, out):
@@ -248,7 +246,7 @@ def conv_forward(x, w, b, stride, padding, dilation, groups, relu, out):
     # Where the relu let its input through: the backward pass's mask, a quarter of y's
     # bytes (of float32), made while each block is in cache; the VJP keeps it, not y.
     passed = np.empty(y.shape, bool) if relu else None
-    rows = _block_images(_image_bytes(x, w, out))
+    rows = _block_images(_image_bytes(x, w, out, y.itemsize))
     buffers = _ColumnBuffers(n, rows, per_image * math.prod(kernel) * c, x.dtype)
 
     def forward(n0, n1):
@@ -278,7 +276,7 @@ def conv_backward(g, x, w, residual, needs, stride, padding, dilation, groups, o
     wg = grouped_kernel(w, groups)
     g = np.ascontiguousarray(g)
     dx = dxpad = None
-    block_bytes = _image_bytes(x, w, out)
+    block_bytes = _image_bytes(x, w, out, np.result_type(x.dtype, w.dtype).itemsize)
     cols_per_image = per_image * math.prod(kernel) * c if needs[1] else 0
     if needs[0] and all(s == 1 for s in stride):
         # dx[i] = sum_k g[i - k*dilation + low]·w[k]: the correlation of g, padded by the
