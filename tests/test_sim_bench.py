@@ -237,14 +237,8 @@ def test_launches_per_training_step_of_each_bench_model_stay_under_todays_counts
     assert launches[-1] <= LAUNCHES[name] * MARGIN
 
 
-_CONV_CUTS_THE_BATCH = pytest.mark.xfail(
-    strict=True, reason="ops/conv.py still cuts the batch into cache-sized blocks on CuPy arrays (150 launches a step at "
-    "batch 16, 169 at 32, 313 at 128); issue 26 wants the whole batch's im2col in one kernel and one GEMM, or cuDNN",
-)  # fmt: skip
-
-
-@pytest.mark.parametrize("name, batch", [("mlp", None), pytest.param("cnn", 32, marks=_CONV_CUTS_THE_BATCH)])
+@pytest.mark.parametrize("name, batch", [("mlp", None), ("cnn", 32)])
 def test_launches_do_not_depend_on_the_batch(name, batch, sim_gpu):
-    # `batch` None: the row's own; the CNN's differs from 32 on (a cheaper size than 128).
+    # `batch` None: the row's own; the CNN at 32, a cheaper size than its 128.
     small, large = _launches_per_step(name, BATCH)[-1], _launches_per_step(name, batch)[-1]
     assert small == large, f"{name}: {small} launches a step on a batch of {BATCH}, {large} on {batch or 'its own'}"
