@@ -197,7 +197,9 @@ def _assert_same_training(cpu, gpu) -> None:
     np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-10)
     for (path, want), (_, got) in zip(lx.tree.paths(cpu_ps), lx.tree.paths(gpu_ps)):
         assert type(got) is np.ndarray, path
-        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=path)
+        # atol: a parameter whose gradient is 0 in exact arithmetic (an attention key's
+        # bias) moves by rounding noise alone, which differs where a kernel sums in another order.
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-10, err_msg=path)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
