@@ -269,6 +269,11 @@ class _ClassTargets:
             return
         if y.shape != y_hat.shape[:-1]:
             raise ValueError(f"{type(self).__name__}: expected integer labels of shape {y_hat.shape[:-1]}, got {y.shape}")
+
+    def _check_label_range(self, y_hat: Any, y: Any) -> None:
+        """The labels lie in ``[0, K)`` or are `ignore_index` (for the losses whose kernels
+        do not check them)."""
+        k = y_hat.shape[-1]
         real = y if self.ignore_index is None else y[y != self.ignore_index]
         if real.size and (int(real.min()) < 0 or int(real.max()) >= k):
             raise ValueError(f"{type(self).__name__}: labels must lie in [0, {k}), got values in [{int(real.min())}, {int(real.max())}]")
@@ -311,17 +316,18 @@ class CrossEntropyLoss(_LabelSmoothingLoss, _ClassTargets):
     def _value(self, y_hat: Any, y: Any) -> Any:
         if not _is_labels(y):
             return super()._value(y_hat, y)
-        self._check_classes(y_hat, y)  # integer labels: the fused kernel does the reduction too
+        self._check_classes(y_hat, y)  # integer labels: the fused kernel checks them and does the reduction too
         return ops.softmax_cross_entropy(
             y_hat, y, label_smoothing=self.label_smoothing, reduction=self.reduction, weight=self.weight,
-            ignore_index=self.ignore_index,
+            ignore_index=self.ignore_index, owner=type(self).__name__,
         )  # fmt: skip
 
     def elementwise(self, y_hat: Any, y: Any) -> Any:
         self._check_classes(y_hat, y)
         if _is_labels(y):
             return ops.softmax_cross_entropy(
-                y_hat, y, label_smoothing=self.label_smoothing, weight=self.weight, ignore_index=self.ignore_index
+                y_hat, y, label_smoothing=self.label_smoothing, weight=self.weight, ignore_index=self.ignore_index,
+                owner=type(self).__name__,
             )
         self._check_same_shape(y_hat, y)
         target = self._smooth(y, y_hat.shape[-1])
@@ -352,6 +358,7 @@ class NLLLoss(Loss, _ClassTargets):
         if not _is_labels(y):
             raise ValueError(f"NLLLoss: expected integer labels, got targets of dtype {getattr(y, 'dtype', type(y).__name__)}")
         self._check_classes(y_hat, y)
+        self._check_label_range(y_hat, y)
         xp = array_namespace(y_hat)
         backend = array_namespace(stop_gradient(y_hat))
         keep = None if self.ignore_index is None else y != self.ignore_index
