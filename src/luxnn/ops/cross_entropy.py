@@ -10,7 +10,7 @@ from ..ad.tape import primitive
 from ..backend import module_of
 from .traits import implementation
 
-__all__ = ["softmax_cross_entropy"]
+__all__ = ["softmax_cross_entropy", "nll_loss"]
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -35,9 +35,30 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0, reduction="none",
     >>> softmax_cross_entropy(np.zeros((2, 4)), np.array([0, 3])).round(4).tolist()
     [1.3863, 1.3863]
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{owner}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if getattr(labels, "shape", None) != logits.shape[:-1]:
-        raise ValueError(f"{owner}: expected integer labels of shape {logits.shape[:-1]}, got {getattr(labels, 'shape', None)}")
+    _check(logits, labels, reduction, owner)
     return implementation("cross_entropy", module_of(logits)).softmax_cross_entropy(
         logits, labels, label_smoothing, reduction, weight, ignore_index, owner)
+
+
+@primitive
+def nll_loss(log_probs, labels, reduction="none", weight=None, ignore_index=None, owner="nll_loss"):
+    """Per-example negative log-likelihood ``-weight[label] * log_probs[..., label]`` of
+    integer labels under log-probabilities ``(..., K)`` (a `log_softmax`'s output), as
+    PyTorch's ``nll_loss``: labels equal to `ignore_index` add nothing, "mean" divides by
+    the total weight of the examples not ignored; labels checked as
+    `softmax_cross_entropy`'s. Shapes: ``(..., K)`` and ``(...)`` -> ``(...)`` (a scalar
+    when reduced).
+
+    >>> nll_loss(np.log(np.array([[0.5, 0.5], [0.9, 0.1]])), np.array([0, 1]), "sum").round(4).tolist()
+    2.9957
+    """
+    _check(log_probs, labels, reduction, owner)
+    return implementation("cross_entropy", module_of(log_probs)).nll_loss(
+        log_probs, labels, reduction, weight, ignore_index, owner)
+
+
+def _check(scores, labels, reduction, owner):
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{owner}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if getattr(labels, "shape", None) != scores.shape[:-1]:
+        raise ValueError(f"{owner}: expected integer labels of shape {scores.shape[:-1]}, got {getattr(labels, 'shape', None)}")

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["softmax_cross_entropy"]
+__all__ = ["softmax_cross_entropy", "nll_loss"]
+
+NO_COUNT = ("{owner}: no target counts towards the mean (every label ignored or of weight 0); use reduction='sum' "
+            "for a batch that may have none")
 
 
 def _check_labels(labels, k, ignore_index, owner):
+    """Raises unless every label is in ``[0, k)`` or `ignore_index`."""
     real = labels if ignore_index is None else labels[labels != ignore_index]
     if real.size and (int(real.min()) < 0 or int(real.max()) >= k):
         raise ValueError(f"{owner}: labels must lie in [0, {k}), got values in [{int(real.min())}, {int(real.max())}]")
@@ -52,8 +56,7 @@ def softmax_cross_entropy(logits, labels, label_smoothing, reduction, weight, ig
         else:
             count = keep.sum() if keep is not None else labels.size
         if not count > 0:
-            raise ValueError(f"{owner}: no target counts towards the mean (every label ignored or of weight 0); "
-                             "use reduction='sum' for a batch that may have none")
+            raise ValueError(NO_COUNT.format(owner=owner))
 
     def vjp(g, needs):
         grad = e / total  # the softmax
@@ -80,3 +83,41 @@ def softmax_cross_entropy(logits, labels, label_smoothing, reduction, weight, ig
         return loss.reshape(labels.shape), vjp
     total_loss = loss.sum()
     return (total_loss / count if reduction == "mean" else total_loss), vjp
+
+
+def nll_loss(log_probs, labels, reduction, weight, ignore_index, owner):
+    """Per-example ``-weight[label] * log_probs[label]`` (0 for `ignore_index`), reduced by
+    `reduction` ("mean": over the weights of the examples not ignored)."""
+    k = log_probs.shape[-1]
+    _check_labels(labels, k, ignore_index, owner)
+    keep = None if ignore_index is None else labels != ignore_index
+    picked = labels if keep is None else np.where(keep, labels, 0)
+    example_weight = None if weight is None else np.asarray(weight, dtype=log_probs.dtype)[picked]
+    if keep is not None:
+        example_weight = keep.astype(log_probs.dtype) if example_weight is None else example_weight * keep
+    flat = np.arange(labels.size) * k + picked.reshape(-1)
+    losses = -np.take(log_probs.reshape(-1), flat).reshape(labels.shape)
+    if example_weight is not None:
+        losses = losses * example_weight
+    count = None
+    if reduction == "none":
+        out = losses
+    elif reduction == "sum":
+        out = losses.sum()
+    else:
+        count = labels.size if example_weight is None else float(example_weight.sum())
+        if not count > 0:
+            raise ValueError(NO_COUNT.format(owner=owner))
+        out = losses.sum() / count
+
+    def vjp(g, needs):
+        if count is not None:
+            g = g / count
+        g = np.broadcast_to(g, labels.shape)
+        if example_weight is not None:
+            g = g * example_weight
+        grad = np.zeros(log_probs.shape, log_probs.dtype)
+        np.add.at(grad.reshape(-1), flat, -g.reshape(-1))
+        return grad, None
+
+    return out, vjp

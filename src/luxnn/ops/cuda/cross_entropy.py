@@ -18,12 +18,12 @@ from ...backend import module_of
 from ...kernels import Elementwise
 from .norm import per_dtype
 
-__all__ = ["softmax_cross_entropy"]
+__all__ = ["softmax_cross_entropy", "nll_loss"]
 
 THREADS = 256
 ROW = 5  # per row: lse, coef, at_label, keep, count weight (see CROSS_ENTROPY_FORWARD)
-HAS_WEIGHT, HAS_IGNORE, SMOOTHING, PER_ROW, MEAN = 1, 2, 4, 8, 16
-_FLAGS = "HAS_WEIGHT = 1, HAS_IGNORE = 2, SMOOTHING = 4"
+HAS_WEIGHT, HAS_IGNORE, SMOOTHING, PER_ROW, MEAN, LOG_PROBS = 1, 2, 4, 8, 16, 32
+_FLAGS = "HAS_WEIGHT = 1, HAS_IGNORE = 2, SMOOTHING = 4, LOG_PROBS = 32"
 # Infinity and NaN without the math headers (NVRTC compiles without them).
 _CONSTANTS = r"""
 #define LUXNN_INF __longlong_as_double(0x7ff0000000000000LL)
@@ -35,9 +35,10 @@ def _forward_twin(z, labels, weight, loss, rows, flag, k, smoothing, ignore, fla
     r = z.shape[0] if z.size else loss.shape[0]
     z = z.reshape(r, k)
     w = weight if flags & HAS_WEIGHT else np.ones(k, z.dtype)
-    mx = z.max(axis=1, keepdims=True) if k else np.zeros((r, 1), z.dtype)
+    mx = z.max(axis=1, keepdims=True)
     shifted = z - mx
-    lse = np.log(np.exp(shifted).sum(axis=1))
+    with np.errstate(all="ignore"):
+        lse = np.log(np.exp(shifted).sum(axis=1))
     y = labels.astype(np.int64)
     ignored = (y == ignore) if flags & HAS_IGNORE else np.zeros(r, bool)
     bad = ~ignored & ((y < 0) | (y >= k))
@@ -47,6 +48,8 @@ def _forward_twin(z, labels, weight, loss, rows, flag, k, smoothing, ignore, fla
     at_label = (1 - s) * wy
     value = (lse - shifted[np.arange(r), safe]) * wy
     coef = at_label
+    if flags & LOG_PROBS:  # NLL: the inputs are the log-probabilities
+        value, coef, lse, mx = -z[np.arange(r), safe] * wy, np.zeros(r, z.dtype), np.zeros(r, z.dtype), np.zeros((r, 1), z.dtype)
     if flags & SMOOTHING:
         total_w = w.sum()
         value = (1 - s) * value + (s / k) * (total_w * lse - shifted @ w)
@@ -64,7 +67,8 @@ def _forward_twin(z, labels, weight, loss, rows, flag, k, smoothing, ignore, fla
 
 
 # One row (of K classes) per block: its log-sum-exp, its loss, and for the gradient
-# ``(softmax * coef - [c == label] * at_label - s / K * w_c * keep) * factor`` its numbers.
+# ``(softmax * coef - [c == label] * at_label - s / K * w_c * keep) * factor`` its numbers;
+# with LOG_PROBS, the row holds log-probabilities (NLL): loss ``-w_y * z_y``, coef 0.
 CROSS_ENTROPY_FORWARD = per_dtype("luxnn_cross_entropy_forward", r"""
 template <typename T>
 __device__ void cross_entropy_forward(const T* z, const long long* labels, const T* weight, T* loss, T* rows,
@@ -72,16 +76,18 @@ __device__ void cross_entropy_forward(const T* z, const long long* labels, const
     const long long r = blockIdx.x;
     const T* zr = z + r * K;
     T mx[1] = {(T)-LUXNN_INF};
-    for (long long c = threadIdx.x; c < K; c += blockDim.x) mx[0] = zr[c] > mx[0] ? zr[c] : mx[0];
-    block_reduce(mx, Max(), (T)-LUXNN_INF);
     T v[3] = {0, 0, 0};  // sum of exp, sum of w_c * shifted_c, sum of w_c
-    for (long long c = threadIdx.x; c < K; c += blockDim.x) {
-        const T w = (flags & HAS_WEIGHT) ? weight[c] : (T)1, shifted = zr[c] - mx[0];
-        v[0] += exp(shifted);
-        v[1] += w * shifted;
-        v[2] += w;
+    if (!(flags & LOG_PROBS)) {
+        for (long long c = threadIdx.x; c < K; c += blockDim.x) mx[0] = zr[c] > mx[0] ? zr[c] : mx[0];
+        block_reduce(mx, Max(), (T)-LUXNN_INF);
+        for (long long c = threadIdx.x; c < K; c += blockDim.x) {
+            const T w = (flags & HAS_WEIGHT) ? weight[c] : (T)1, shifted = zr[c] - mx[0];
+            v[0] += exp(shifted);
+            v[1] += w * shifted;
+            v[2] += w;
+        }
+        block_sums(v);
     }
-    block_sums(v);
     if (threadIdx.x != 0) return;
     const long long y = labels[r];
     const T lse = log(v[0]), s = (T)smoothing;
@@ -97,6 +103,11 @@ __device__ void cross_entropy_forward(const T* z, const long long* labels, const
         for (int j = 0; j < 5; ++j) out[j] = nan;
     } else {
         const T wy = (flags & HAS_WEIGHT) ? weight[y] : (T)1, at_label = (1 - s) * wy;
+        if (flags & LOG_PROBS) {
+            loss[r] = -zr[y] * wy;
+            out[0] = 0; out[1] = 0; out[2] = wy; out[3] = 1; out[4] = wy;
+            return;
+        }
         T value = (lse - (zr[y] - mx[0])) * wy, coef = at_label;
         if (flags & SMOOTHING) {
             value = (1 - s) * value + (s / (T)K) * (v[2] * lse - v[1]);
@@ -141,7 +152,8 @@ __device__ void cross_entropy_reduce(const T* loss, const T* rows, T* total, T* 
 
 def _grad_twin(z, rows, labels, weight, g, count, k, s, flags, grad):
     table = rows.reshape(-1, ROW)
-    out = np.exp(z - table[:, :1]) * table[:, 1:2]
+    with np.errstate(all="ignore"):
+        out = np.where(table[:, 1:2] != 0, np.exp(z - table[:, :1]) * table[:, 1:2], 0)
     out -= np.where(np.arange(k)[None, :] == labels[:, None], table[:, 2:3], 0)
     if flags & SMOOTHING:
         out -= (s / k) * (weight[None, :] if flags & HAS_WEIGHT else 1) * table[:, 3:4]
@@ -157,7 +169,7 @@ CROSS_ENTROPY_GRAD = Elementwise(
     "T grad",
     """
     const long long r = i / k, c = i - r * k;
-    T out = exp(z - rows[r * 5]) * rows[r * 5 + 1];
+    T out = rows[r * 5 + 1] != 0 ? exp(z - rows[r * 5]) * rows[r * 5 + 1] : (T)0;
     if (c == labels[r]) out -= rows[r * 5 + 2];
     if (flags & 4) out -= (s / (T)k) * ((flags & 1) ? weight[c] : (T)1) * rows[r * 5 + 3];
     const T factor = g[(flags & 8) ? r : 0];
@@ -173,6 +185,16 @@ _SIDE_STREAMS: dict = {}  # device id -> a stream that does not wait for the dev
 def softmax_cross_entropy(logits, labels, label_smoothing, reduction, weight, ignore_index, owner):
     """Per-example ``-log softmax(logits)[label]`` (smoothed, weighted, ignoring
     `ignore_index`), reduced by `reduction`: two or three launches; backward, one."""
+    return _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, owner, 0)
+
+
+def nll_loss(log_probs, labels, reduction, weight, ignore_index, owner):
+    """Per-example ``-weight[label] * log_probs[label]`` (0 for `ignore_index`), reduced by
+    `reduction`: two or three launches; backward, one."""
+    return _fused(log_probs, labels, 0.0, reduction, weight, ignore_index, owner, LOG_PROBS)
+
+
+def _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, owner, flags):
     xp = module_of(logits)
     _raise_for_checked_labels(xp)
     k = logits.shape[-1]
@@ -181,7 +203,7 @@ def softmax_cross_entropy(logits, labels, label_smoothing, reduction, weight, ig
     y = xp.ascontiguousarray(labels).reshape(-1).astype(np.int64, copy=False)
     n = y.size
     w = z if weight is None else xp.asarray(weight, dtype=dtype).reshape(-1)
-    flags = (HAS_WEIGHT if weight is not None else 0) | (HAS_IGNORE if ignore_index is not None else 0)
+    flags |= (HAS_WEIGHT if weight is not None else 0) | (HAS_IGNORE if ignore_index is not None else 0)
     flags |= SMOOTHING if label_smoothing else 0
     loss, rows, flag = xp.empty(n, dtype), xp.empty(n * ROW, dtype), xp.zeros(4, np.int64)
     if n:
