@@ -4,9 +4,7 @@ row's loss (and what its gradient needs) and one for the reduction; backward, on
 The labels are checked in the forward kernel, not on the host, so that a step costs no
 host synchronisation: a label outside ``[0, K)`` (and not `ignore_index`) makes its row's
 loss and gradient NaN, so a reduced loss is NaN too, never a finite wrong value, and sets
-a flag on the device. Each call's flag is read on the host once its kernels have run (a
-CUDA event says when, without waiting), on a stream of its own that does not wait for
-the device's other work, at the next call on that device: a bad label raises the host
+a flag that the next call reads (`luxnn.ops.device_checks`): a bad label raises the host
 check's ValueError there, one call late.
 """
 
@@ -16,6 +14,7 @@ import numpy as np
 
 from ...backend import module_of
 from ...kernels import Elementwise
+from ..device_checks import DeferredChecks
 from .norm import per_dtype
 
 __all__ = ["softmax_cross_entropy", "nll_loss"]
@@ -178,8 +177,7 @@ CROSS_ENTROPY_GRAD = Elementwise(
     twin=_grad_twin,
 )
 
-_PENDING: list = []  # (event, flag, k, owner) of the calls whose labels are not checked yet
-_SIDE_STREAMS: dict = {}  # device id -> a stream that does not wait for the device's work
+CHECKS = DeferredChecks()  # the labels' flags of the calls not read yet
 
 
 def softmax_cross_entropy(logits, labels, label_smoothing, reduction, weight, ignore_index, owner):
@@ -196,7 +194,7 @@ def nll_loss(log_probs, labels, reduction, weight, ignore_index, owner):
 
 def _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, owner, flags):
     xp = module_of(logits)
-    _raise_for_checked_labels(xp)
+    CHECKS.raise_found(xp)
     k = logits.shape[-1]
     dtype = np.dtype(np.float64) if logits.dtype == np.float64 else np.dtype(np.float32)
     z = xp.ascontiguousarray(logits).astype(dtype, copy=False).reshape(-1, k)
@@ -216,9 +214,7 @@ def _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, own
         out, count = xp.empty((), dtype), xp.empty(1, dtype)
         CROSS_ENTROPY_REDUCE[dtype]((1,), (THREADS,), (loss, rows, out, count, flag, np.int64(n),
                                                         np.int32(reduction == "mean")))
-    event = xp.cuda.Event(disable_timing=True)
-    event.record()
-    _PENDING.append((event, flag, k, owner))
+    CHECKS.add(xp, flag, lambda found: _report(found, k, owner))
     grad_flags = flags | (PER_ROW if reduction == "none" else 0) | (MEAN if reduction == "mean" else 0)
 
     def vjp(g, needs):
@@ -230,22 +226,12 @@ def _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, own
     return out.astype(logits.dtype, copy=False), vjp
 
 
-def _raise_for_checked_labels(xp) -> None:
-    """Raises the error of the first earlier call whose kernels found bad labels, reading
-    the flags of those that have run (and only those: nothing waits)."""
-    device = xp.cuda.runtime.getDevice()
-    for entry in [e for e in _PENDING if e[0].done and e[1].device.id == device]:
-        _PENDING.remove(entry)
-        _, flag, k, owner = entry
-        stream = _SIDE_STREAMS.get(device)
-        if stream is None:
-            stream = _SIDE_STREAMS[device] = xp.cuda.Stream(non_blocking=True)
-        with stream:
-            bad, lowest, highest, no_count = (int(v) for v in flag.get())
-        if bad:
-            extremes = [f"as low as {lowest}" if lowest < 0 else "", f"as high as {highest}" if highest >= k else ""]
-            raise ValueError(f"{owner}: labels must lie in [0, {k}), got {bad} outside it "
-                             f"({' and '.join(e for e in extremes if e)}); the loss of that call was NaN")
-        if no_count:
-            raise ValueError(f"{owner}: no target counts towards the mean (every label ignored or of weight 0); "
-                             "use reduction='sum' for a batch that may have none")
+def _report(found: list[int], k: int, owner: str) -> None:
+    bad, lowest, highest, no_count = found
+    if bad:
+        extremes = [f"as low as {lowest}" if lowest < 0 else "", f"as high as {highest}" if highest >= k else ""]
+        raise ValueError(f"{owner}: labels must lie in [0, {k}), got {bad} outside it "
+                         f"({' and '.join(e for e in extremes if e)}); the loss of that call was NaN")
+    if no_count:
+        raise ValueError(f"{owner}: no target counts towards the mean (every label ignored or of weight 0); "
+                         "use reduction='sum' for a batch that may have none")

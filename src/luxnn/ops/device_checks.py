@@ -1,0 +1,49 @@
+"""Checks of a device's inputs that its kernels make, read on the host without waiting.
+
+A kernel that finds a bad input (a label or an index out of range) writes a small flag
+array on the device, and poisons its output with NaN so that nothing computed from it is
+a finite wrong value. Reading the flag at once would wait for every kernel queued before
+it: a host synchronisation per call. Instead each flag is registered with a CUDA event
+recorded after its kernels, and `DeferredChecks.raise_found` reads only the flags whose
+event has completed (``event.done`` does not wait), on a stream of their own that does
+not wait for the device's other work, and raises the first problem found. The callers
+call it at their next call: a bad input raises there, one call late.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["DeferredChecks"]
+
+
+class DeferredChecks:
+    """Flags written by kernels, each with the function that raises for its values.
+
+    >>> checks = DeferredChecks()
+    >>> checks.raise_found(xp)  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Any, Any, Callable[[list[int]], None]]] = []  # (event, flag, report)
+        self._streams: dict[int, Any] = {}  # device id -> a stream that does not wait for the others
+
+    def add(self, xp: Any, flag: Any, report: Callable[[list[int]], None]) -> None:
+        """Registers `flag` (a device array written by the kernels just launched);
+        ``report(values)`` raises if its values say so."""
+        event = xp.cuda.Event(disable_timing=True)
+        event.record()
+        self._pending.append((event, flag, report))
+
+    def raise_found(self, xp: Any) -> None:
+        """Reads the flags of the current device whose kernels have run; raises the first
+        problem found (the others stay registered)."""
+        device = xp.cuda.runtime.getDevice()
+        for entry in [e for e in self._pending if e[0].done and e[1].device.id == device]:
+            self._pending.remove(entry)
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = xp.cuda.Stream(non_blocking=True)
+            with stream:
+                values = [int(v) for v in entry[1].get()]
+            entry[2](values)
