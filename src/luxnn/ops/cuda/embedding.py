@@ -38,7 +38,7 @@ EMBEDDING_LOOKUP = Elementwise(
     "raw int64 indices, raw T table, int64 rows, int64 dim, raw int64 flag",
     "T out",
     """
-    const long long n = i / dim, d = i - n * dim, r = indices[n];
+    const long long row = i / dim, d = i - row * dim, r = indices[row];
     if (r < 0 || r >= rows) {
         out = (T)__longlong_as_double(0x7ff8000000000000LL);
         if (d == 0) {
