@@ -12,7 +12,7 @@ import numpy as np
 from ..ad import stop_gradient
 from ..core import Layer, LayerError, check_params
 from ..dtypes import match_eltype
-from ..ops.norm import moments, normalize, normalize_affine, rms_normalize, scale_shift
+from ..ops.norm import frozen_normalize, moments, normalize, normalize_affine, rms_normalize, scale_shift, update_running
 from .activations import get_activation
 
 __all__ = ["BatchNorm", "InstanceNorm", "LayerNorm", "GroupNorm", "RMSNorm"]
@@ -171,11 +171,9 @@ class _RunningNorm(_Norm):
             y, st = self._batch_statistics(x, ps, st, axes, update=training and self.track_stats)
             return self._activate(y), st
         # Test mode: the running statistics fold into one per-channel scale and shift.
-        inv_std = 1.0 / np.sqrt(st["running_var"] + self.epsilon)
-        if not self.affine:
-            return self._activate((x - st["running_mean"]) * inv_std), st
-        scale = ps["scale"] * inv_std
-        return self._activate(x * scale + (ps["bias"] - st["running_mean"] * scale)), st
+        scale, bias = (ps["scale"], ps["bias"]) if self.affine else (None, None)
+        y = frozen_normalize(x, scale, bias, st["running_mean"], st["running_var"], epsilon=self.epsilon)
+        return self._activate(y), st
 
     def _batch_statistics(self, x: Any, ps: dict[str, Any], st: dict[str, Any], axes: tuple[int, ...],
                           update: bool) -> tuple[Any, dict[str, Any]]:
@@ -218,12 +216,9 @@ class _RunningNorm(_Norm):
     def _running(self, st: dict[str, Any], mean: Any, var: Any, count: int) -> tuple[Any, Any]:
         """The running statistics updated with a batch's `mean` and biased `var` (kept
         dimensions), each of `count` values."""
-        m, c = self.momentum, self.num_features
         # One statistic per channel (BatchNorm) or per sample and channel (InstanceNorm,
         # whose running statistics are the means over the batch, as PyTorch's).
-        new_mean = (1 - m) * st["running_mean"] + m * mean.reshape(-1, c).mean(axis=0)
-        new_var = (1 - m) * st["running_var"] + (m * count / (count - 1)) * var.reshape(-1, c).mean(axis=0)
-        return new_mean, new_var
+        return update_running(st["running_mean"], st["running_var"], mean, var, self.momentum, count)
 
     @staticmethod
     def _state(st: dict[str, Any], new_mean: Any, new_var: Any) -> dict[str, Any]:

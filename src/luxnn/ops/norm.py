@@ -20,7 +20,9 @@ from ..ad.tape import primitive
 from ..backend import module_of
 from .traits import implementation
 
-__all__ = ["moments", "normalize", "rms_normalize", "scale_shift", "normalize_affine"]
+__all__ = [
+    "moments", "normalize", "rms_normalize", "scale_shift", "normalize_affine", "frozen_normalize", "update_running",
+]
 
 
 def _kernels(x: Any) -> Any:
@@ -102,3 +104,29 @@ def normalize_affine(x, scale, bias, *, axis, epsilon, stats=None, centre=True):
     if stats is not None and not centre:
         raise ValueError("normalize_affine: stats (mean, var) are those of a centred normalisation, got centre=False")
     return _kernels(x).normalize_affine(x, scale, bias, _axes(axis, x.ndim), epsilon, stats, centre)
+
+
+@primitive
+def frozen_normalize(x, scale, bias, mean, var, *, epsilon):
+    """``(x - mean) / sqrt(var + epsilon) * scale + bias`` with fixed statistics ``(C,)``
+    (a BatchNorm's running ones in test mode) over the last axis of x ``(..., C)``;
+    `scale` and `bias` ``(C,)``, or both None. Gradients: x's, scale's and bias's.
+
+    >>> frozen_normalize(np.array([[3.0]]), None, None, np.array([1.0]), np.array([4.0]), epsilon=0.0).tolist()
+    [[1.0]]
+    """
+    return _kernels(x).frozen_normalize(x, scale, bias, mean, var, epsilon)
+
+
+def update_running(running_mean: Any, running_var: Any, mean: Any, var: Any, momentum: float,
+                   count: int) -> tuple[Any, Any]:
+    """Running statistics ``(C,)`` updated by a batch's `mean` and biased `var` (as
+    `moments` returns them, ``(..., C)``, each of `count` values; several rows of them
+    are averaged): ``(1 - momentum) * running + momentum * batch``, the variance unbiased
+    (``count / (count - 1)``). New arrays, of the dtype of the running and the batch's
+    statistics together.
+
+    >>> update_running(np.zeros(1), np.ones(1), np.array([[2.0]]), np.array([[1.0]]), 0.5, 2)
+    (array([1.]), array([1.5]))
+    """
+    return _kernels(mean).update_running(running_mean, running_var, mean, var, momentum, count)

@@ -9,11 +9,13 @@ import math
 
 import numpy as np
 
-from ...ad.primitives import multiply
+from ...ad.primitives import add, multiply, subtract
 from ...backend import row_sums
 from ...parallel import for_blocks
 
-__all__ = ["moments", "normalize", "rms_normalize", "scale_shift", "normalize_affine"]
+__all__ = [
+    "moments", "normalize", "rms_normalize", "scale_shift", "normalize_affine", "frozen_normalize", "update_running",
+]
 
 
 def moments(x, axes):
@@ -161,3 +163,38 @@ def normalize_affine(x, scale, bias, axes, epsilon, stats, centre):
         return gx, grads[1], None if bias is None else grads[2]
 
     return out, vjp
+
+
+def frozen_normalize(x, scale, bias, mean, var, epsilon):
+    """``(x - mean) / sqrt(var + epsilon) * scale + bias`` with fixed statistics, as
+    ``x * s + (bias - mean * s)``, ``s = scale / sqrt(var + epsilon)`` (without `scale`:
+    ``(x - mean) * (1 / sqrt(var + epsilon))``), step by step as the tape would record it."""
+    inv_std = 1.0 / np.sqrt(var + epsilon)
+    if scale is None:
+        centred, centred_vjp = subtract.raw(x, mean)
+        out, out_vjp = multiply.raw(centred, inv_std)
+        return out, lambda g, needs: (centred_vjp(out_vjp(g, (True, False))[0], (True, False))[0], None, None, None, None)
+    s, s_vjp = multiply.raw(scale, inv_std)
+    scaled, scaled_vjp = multiply.raw(x, s)
+    moved, moved_vjp = multiply.raw(mean, s)
+    shift, shift_vjp = subtract.raw(bias, moved)
+    out, out_vjp = add.raw(scaled, shift)
+
+    def vjp(g, needs):
+        g_scaled, g_shift = out_vjp(g, (True, True))
+        gx, g_s = scaled_vjp(g_scaled, (needs[0], True))
+        g_bias, g_moved = shift_vjp(g_shift, (needs[2], True))
+        g_s = g_s + moved_vjp(g_moved, (False, True))[1]
+        return gx, s_vjp(g_s, (True, False))[0] if needs[1] else None, g_bias, None, None
+
+    return out, vjp
+
+
+def update_running(running_mean, running_var, mean, var, momentum, count):
+    """``(1 - momentum) * running + momentum * batch`` of the mean and of the unbiased
+    variance, the batch's statistics (kept dimensions, ``(..., C)``) averaged over all
+    but their channel axis."""
+    c = running_mean.shape[-1]
+    new_mean = (1 - momentum) * running_mean + momentum * mean.reshape(-1, c).mean(axis=0)
+    new_var = (1 - momentum) * running_var + (momentum * count / (count - 1)) * var.reshape(-1, c).mean(axis=0)
+    return new_mean, new_var

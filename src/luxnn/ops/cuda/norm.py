@@ -19,7 +19,9 @@ from ...ad.primitives import multiply
 from ...backend import module_of
 from ...kernels import Elementwise, Raw
 
-__all__ = ["moments", "normalize", "rms_normalize", "scale_shift", "normalize_affine"]
+__all__ = [
+    "moments", "normalize", "rms_normalize", "scale_shift", "normalize_affine", "frozen_normalize", "update_running",
+]
 
 THREADS = 256  # per block of the statistics' kernels: a multiple of 32, at most 1024
 
@@ -410,3 +412,106 @@ def scale_shift(y, scale, bias):
         return gy, gs, gb
 
     return out, vjp
+
+
+def _frozen_twin(x, scale, bias, mean, var, eps, affine, y):
+    inv = 1 / np.sqrt(var.astype(y.dtype) + y.dtype.type(eps))
+    if affine:
+        s = scale.astype(y.dtype) * inv
+        y[...] = x * s + (bias.astype(y.dtype) - mean.astype(y.dtype) * s)
+    else:
+        y[...] = (x - mean.astype(y.dtype)) * inv
+
+
+# The normalisation by fixed (running) statistics and the affine map, per element.
+FROZEN_FORWARD = Elementwise(
+    "luxnn_frozen_normalize",
+    "X x, P scale, P bias, S mean, S var, float64 eps, int32 affine",
+    "O y",
+    """
+    const O inv = (O)1 / sqrt((O)var + (O)eps);
+    if (affine) {
+        const O s = (O)scale * inv;
+        y = (O)x * s + ((O)bias - (O)mean * s);
+    } else {
+        y = ((O)x - (O)mean) * inv;
+    }
+    """,
+    twin=_frozen_twin,
+)
+
+
+def _frozen_grad_twin(g, scale, var, eps, affine, gx):
+    inv = 1 / np.sqrt(var.astype(gx.dtype) + gx.dtype.type(eps))
+    gx[...] = g * (scale.astype(gx.dtype) * inv if affine else inv)
+
+
+FROZEN_BACKWARD = Elementwise(
+    "luxnn_frozen_normalize_grad",
+    "G g, P scale, S var, float64 eps, int32 affine",
+    "O gx",
+    """
+    const O inv = (O)1 / sqrt((O)var + (O)eps);
+    gx = (O)g * (affine ? (O)scale * inv : inv);
+    """,
+    twin=_frozen_grad_twin,
+)
+
+
+def frozen_normalize(x, scale, bias, mean, var, epsilon):
+    """``(x - mean) / sqrt(var + epsilon) * scale + bias`` with fixed per-channel
+    statistics: one launch; backward, one for x and one for both parameters."""
+    xp = module_of(x)
+    dtype = _dtype(x, scale, bias, mean, var)
+    affine = scale is not None
+    sc, bi = (scale, bias) if affine else (mean, mean)
+    y = FROZEN_FORWARD(x, sc, bi, mean, var, np.float64(epsilon), np.int32(affine), xp.empty(x.shape, dtype))
+
+    def vjp(g, needs):
+        gx = None
+        if needs[0]:
+            gx = FROZEN_BACKWARD(g, sc, var, np.float64(epsilon), np.int32(affine),
+                                 xp.empty(x.shape, _dtype(g, scale, var))).astype(x.dtype, copy=False)
+        if not affine:
+            return gx, None, None, None, None
+        n = _Normalized(x, tuple(range(x.ndim - 1)), dtype)  # channels last: statistic c of channel c
+        gs, gb = n.affine_grads(n.to_kernel(g), n.statistic(mean), n.statistic(var), scale, bias, epsilon,
+                                NORMED | CENTRE, needs[1:3])
+        return gx, gs, gb, None, None
+
+    return y, vjp
+
+
+def _running_twin(mean, var, rows, channels, momentum, unbias, running_mean, running_var, new_mean, new_var):
+    m = mean.reshape(rows, channels).mean(axis=0)
+    v = var.reshape(rows, channels).mean(axis=0)
+    new_mean[...] = (1 - momentum) * running_mean + momentum * m
+    new_var[...] = (1 - momentum) * running_var + unbias * v
+
+
+# The running statistics' update of each channel: the batch's (per-sample, for
+# InstanceNorm) statistics averaged over their rows, then the moving averages.
+RUNNING_UPDATE = Elementwise(
+    "luxnn_running_update",
+    "raw T mean, raw T var, int64 rows, int64 channels, float64 momentum, float64 unbias, R running_mean, "
+    "R running_var",
+    "R new_mean, R new_var",
+    """
+    T m = 0, v = 0;
+    for (long long r = 0; r < rows; ++r) { m += mean[r * channels + i]; v += var[r * channels + i]; }
+    m = m / (T)rows;
+    v = v / (T)rows;
+    new_mean = (R)((1 - momentum) * (double)running_mean + momentum * (double)m);
+    new_var = (R)((1 - momentum) * (double)running_var + unbias * (double)v);
+    """,
+    twin=_running_twin,
+)
+
+
+def update_running(running_mean, running_var, mean, var, momentum, count):
+    """The moving averages of the running statistics: one launch."""
+    xp, c = module_of(mean), running_mean.shape[-1]
+    mean, var = xp.ascontiguousarray(mean), xp.ascontiguousarray(var)
+    return RUNNING_UPDATE(mean, var, np.int64(mean.size // c), np.int64(c), np.float64(momentum),
+                          np.float64(momentum * count / (count - 1)), running_mean, running_var,
+                          *(xp.empty(r.shape, np.result_type(r.dtype, mean.dtype)) for r in (running_mean, running_var)))
