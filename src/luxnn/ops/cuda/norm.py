@@ -64,7 +64,7 @@ struct Layout {
 };
 """
 
-_FLAGS = "CENTRE = 1, GIVEN = 2, SCALE = 4, BIAS = 8, WRITE = 16, NORMED = 32"
+_FLAGS = "CENTRE = 1, GIVEN = 2, SCALE = 4, BIAS = 8, WRITE = 16, NORMED = 32, RSTD = 64"
 
 
 def per_dtype(name: str, body: str, signature: str, call: str, twin, prelude: str = "") -> dict:
@@ -83,7 +83,7 @@ def _norm_kernel(name: str, body: str, signature: str, call: str, twin) -> dict:
     return per_dtype(name, body, signature, call, twin, prelude=f"{_LAYOUT}\nenum {{ {_FLAGS} }};")
 
 
-CENTRE, GIVEN, SCALE, BIAS, WRITE, NORMED = 1, 2, 4, 8, 16, 32  # as _FLAGS
+CENTRE, GIVEN, SCALE, BIAS, WRITE, NORMED, RSTD = 1, 2, 4, 8, 16, 32, 64  # as _FLAGS
 
 
 def _rows_view(x, S, G, J):
@@ -193,7 +193,8 @@ def _columns_twin(gy, x, mean, var, gscale, gbias, R, C, S, G, J, eps, flags):
     if flags & NORMED:
         stat = (np.arange(R)[:, None] // S) * G + np.arange(C)[None, :] // J
         m_ = mean.reshape(-1)[stat] if flags & CENTRE else 0
-        h = (h - m_) * (1 / np.sqrt(var.reshape(-1)[stat] + h.dtype.type(eps)))
+        rstd = var.reshape(-1)[stat] if flags & RSTD else 1 / np.sqrt(var.reshape(-1)[stat] + h.dtype.type(eps))
+        h = (h - m_) * rstd
     g = gy.reshape(R, C)
     if flags & SCALE:
         gscale[...] = (g * h).sum(axis=0).reshape(gscale.shape)
@@ -202,7 +203,8 @@ def _columns_twin(gy, x, mean, var, gscale, gbias, R, C, S, G, J, eps, flags):
 
 
 # The affine map's gradients: the sums over the R rows of the (R, C) matrices g * h and g,
-# h the input (normalised by the statistics with NORMED); 32 columns per block of 32 x 8.
+# h the input (with NORMED: normalised by the statistics, `var` holding the reciprocal
+# standard deviations with RSTD); 32 columns per block of 32 x 8.
 AFFINE_BACKWARD = _norm_kernel("luxnn_affine_backward", r"""
 template <typename T>
 __device__ void affine_backward(const T* gy, const T* x, const T* mean, const T* var, T* gscale, T* gbias,
@@ -217,7 +219,8 @@ __device__ void affine_backward(const T* gy, const T* x, const T* mean, const T*
             T h = x[i];
             if (flags & NORMED) {
                 const long long k = (r / S) * G + c / J;
-                h = (h - ((flags & CENTRE) ? mean[k] : (T)0)) * ((T)1 / sqrt(var[k] + (T)eps));
+                const T rstd = (flags & RSTD) ? var[k] : (T)1 / sqrt(var[k] + (T)eps);
+                h = (h - ((flags & CENTRE) ? mean[k] : (T)0)) * rstd;
             }
             a += gy[i] * h;
             b += gy[i];
@@ -283,7 +286,7 @@ class _Normalized:
     def back(self, y, dtype):
         """A result of the kernels in the input's axes' order and `dtype`."""
         if self.order is not None:
-            y = self.xp.ascontiguousarray(self.xp.transpose(y, np.argsort(self.order)))
+            y = self.xp.ascontiguousarray(self.xp.transpose(y, tuple(int(a) for a in np.argsort(self.order))))
         return y.astype(dtype, copy=False)
 
     def per_channel(self, scale):
@@ -414,8 +417,17 @@ def scale_shift(y, scale, bias):
     return out, vjp
 
 
-def _frozen_twin(x, scale, bias, mean, var, eps, affine, y):
-    inv = 1 / np.sqrt(var.astype(y.dtype) + y.dtype.type(eps))
+def _inverse_std_twin(var, eps, out):
+    np.divide(1, np.sqrt(var + var.dtype.type(eps)), out=out)
+
+
+# 1 / sqrt(var + eps) in the statistics' dtype (NumPy's promotion of the CPU path).
+INVERSE_STD = Elementwise("luxnn_inverse_std", "S var, float64 eps", "S out", "out = (S)1 / sqrt(var + (S)eps);",
+                          twin=_inverse_std_twin)
+
+
+def _frozen_twin(x, scale, bias, mean, inv, affine, y):
+    inv = inv.astype(y.dtype)
     if affine:
         s = scale.astype(y.dtype) * inv
         y[...] = x * s + (bias.astype(y.dtype) - mean.astype(y.dtype) * s)
@@ -423,60 +435,59 @@ def _frozen_twin(x, scale, bias, mean, var, eps, affine, y):
         y[...] = (x - mean.astype(y.dtype)) * inv
 
 
-# The normalisation by fixed (running) statistics and the affine map, per element.
+# The normalisation by fixed (running) statistics and the affine map, per element, as
+# ``x * s + (bias - mean * s)`` with ``s = scale * inv`` (``(x - mean) * inv`` without).
 FROZEN_FORWARD = Elementwise(
     "luxnn_frozen_normalize",
-    "X x, P scale, P bias, S mean, S var, float64 eps, int32 affine",
+    "X x, P scale, P bias, S mean, S inv, int32 affine",
     "O y",
     """
-    const O inv = (O)1 / sqrt((O)var + (O)eps);
     if (affine) {
-        const O s = (O)scale * inv;
+        const O s = (O)scale * (O)inv;
         y = (O)x * s + ((O)bias - (O)mean * s);
     } else {
-        y = ((O)x - (O)mean) * inv;
+        y = ((O)x - (O)mean) * (O)inv;
     }
     """,
     twin=_frozen_twin,
 )
 
 
-def _frozen_grad_twin(g, scale, var, eps, affine, gx):
-    inv = 1 / np.sqrt(var.astype(gx.dtype) + gx.dtype.type(eps))
+def _frozen_grad_twin(g, scale, inv, affine, gx):
+    inv = inv.astype(gx.dtype)
     gx[...] = g * (scale.astype(gx.dtype) * inv if affine else inv)
 
 
 FROZEN_BACKWARD = Elementwise(
     "luxnn_frozen_normalize_grad",
-    "G g, P scale, S var, float64 eps, int32 affine",
+    "G g, P scale, S inv, int32 affine",
     "O gx",
-    """
-    const O inv = (O)1 / sqrt((O)var + (O)eps);
-    gx = (O)g * (affine ? (O)scale * inv : inv);
-    """,
+    "gx = (O)g * (affine ? (O)scale * (O)inv : (O)inv);",
     twin=_frozen_grad_twin,
 )
 
 
 def frozen_normalize(x, scale, bias, mean, var, epsilon):
     """``(x - mean) / sqrt(var + epsilon) * scale + bias`` with fixed per-channel
-    statistics: one launch; backward, one for x and one for both parameters."""
+    statistics: two launches (one of C threads); backward, one for x and one for both
+    parameters."""
     xp = module_of(x)
     dtype = _dtype(x, scale, bias, mean, var)
     affine = scale is not None
     sc, bi = (scale, bias) if affine else (mean, mean)
-    y = FROZEN_FORWARD(x, sc, bi, mean, var, np.float64(epsilon), np.int32(affine), xp.empty(x.shape, dtype))
+    inv = INVERSE_STD(var, np.float64(epsilon), xp.empty(var.shape, var.dtype))
+    y = FROZEN_FORWARD(x, sc, bi, mean, inv, np.int32(affine), xp.empty(x.shape, dtype))
 
     def vjp(g, needs):
         gx = None
         if needs[0]:
-            gx = FROZEN_BACKWARD(g, sc, var, np.float64(epsilon), np.int32(affine),
-                                 xp.empty(x.shape, _dtype(g, scale, var))).astype(x.dtype, copy=False)
+            gx = FROZEN_BACKWARD(g, sc, inv, np.int32(affine), xp.empty(x.shape, _dtype(g, scale, inv)))
+            gx = gx.astype(x.dtype, copy=False)
         if not affine:
             return gx, None, None, None, None
         n = _Normalized(x, tuple(range(x.ndim - 1)), dtype)  # channels last: statistic c of channel c
-        gs, gb = n.affine_grads(n.to_kernel(g), n.statistic(mean), n.statistic(var), scale, bias, epsilon,
-                                NORMED | CENTRE, needs[1:3])
+        gs, gb = n.affine_grads(n.to_kernel(g), n.statistic(mean), n.statistic(inv), scale, bias, epsilon,
+                                NORMED | CENTRE | RSTD, needs[1:3])
         return gx, gs, gb, None, None
 
     return y, vjp
