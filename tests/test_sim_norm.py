@@ -31,12 +31,12 @@ def sim_gpu(monkeypatch):
     yield lx.gpu_device(force=True)
 
 
-def _assert_close(got, want, what):
+def _assert_close(got, want, what, tolerance=TOLERANCE):
     """Equal trees, floating leaves to their dtype's tolerance of their scale."""
     for (path, a), (_, b) in zip(lx.tree.paths(got), lx.tree.paths(want)):
         if isinstance(b, np.ndarray) and b.dtype.kind == "f":
             assert a.dtype == b.dtype and a.shape == b.shape, f"{what} {path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
-            tol = TOLERANCE[b.dtype.type] * max(np.abs(b).max(initial=0.0), 1.0)
+            tol = tolerance[b.dtype.type] * max(np.abs(b).max(initial=0.0, where=~np.isnan(b)), 1.0)
             np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=f"{what} {path}")
         else:
             assert np.array_equal(a, b), f"{what} {path}"
