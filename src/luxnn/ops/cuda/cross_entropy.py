@@ -14,8 +14,8 @@ import numpy as np
 
 from ...backend import module_of
 from ...kernels import Elementwise
+from ..block_kernels import per_dtype
 from ..device_checks import DeferredChecks
-from .norm import per_dtype
 
 __all__ = ["softmax_cross_entropy", "nll_loss"]
 

@@ -12,8 +12,8 @@ import numpy as np
 
 from ...backend import module_of
 from ...kernels import Elementwise
+from ..block_kernels import per_dtype
 from ..device_checks import DeferredChecks
-from .norm import per_dtype
 
 __all__ = ["lookup_rows", "scatter_add_rows"]
 

@@ -11,13 +11,13 @@ the affine map's channel of an element is ``g * J + j``. Other axes are moved la
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 
 from ...ad.primitives import multiply
 from ...backend import module_of
-from ...kernels import Elementwise, Raw
+from ...kernels import Elementwise
+from ..block_kernels import per_dtype
 
 __all__ = [
     "moments", "normalize", "rms_normalize", "scale_shift", "normalize_affine", "frozen_normalize", "update_running",
@@ -25,32 +25,6 @@ __all__ = [
 
 THREADS = 256  # per block of the statistics' kernels: a multiple of 32, at most 1024
 
-# Reductions of NV values over the threads of a block, the same order on every launch
-# (warp shuffles, then the warps' results): every thread gets the results.
-BLOCK_REDUCE = r"""
-struct Sum { template <typename T> __device__ T operator()(T a, T b) const { return a + b; } };
-struct Max { template <typename T> __device__ T operator()(T a, T b) const { return a > b ? a : b; } };
-
-template <typename T, int NV, typename Op>
-__device__ void block_reduce(T (&v)[NV], Op op, T identity) {
-    __shared__ T partial[NV][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    for (int k = 0; k < NV; ++k)
-        for (int o = 16; o > 0; o >>= 1) v[k] = op(v[k], __shfl_down_sync(0xffffffffu, v[k], o));
-    if (lane == 0)
-        for (int k = 0; k < NV; ++k) partial[k][warp] = v[k];
-    __syncthreads();
-    for (int k = 0; k < NV; ++k) {
-        T s = lane < warps ? partial[k][lane] : identity;
-        for (int o = 16; o > 0; o >>= 1) s = op(s, __shfl_down_sync(0xffffffffu, s, o));
-        v[k] = __shfl_sync(0xffffffffu, s, 0);
-    }
-    __syncthreads();
-}
-
-template <typename T, int NV>
-__device__ void block_sums(T (&v)[NV]) { block_reduce(v, Sum(), (T)0); }
-"""
 
 # Element t of statistic k = b * G + g, for t in [0, S * J): its offset and its channel.
 _LAYOUT = r"""
@@ -67,18 +41,6 @@ struct Layout {
 _FLAGS = "CENTRE = 1, GIVEN = 2, SCALE = 4, BIAS = 8, WRITE = 16, NORMED = 32, RSTD = 64"
 
 
-def per_dtype(name: str, body: str, signature: str, call: str, twin, prelude: str = "") -> dict:
-    """One `Raw` kernel per floating dtype, ``name_float32`` and ``name_float64`` (the dict's
-    keys: their dtypes), each calling the template function of `body` as `call` does
-    (`signature`'s ``T`` is the dtype), after `BLOCK_REDUCE` and `prelude`."""
-    entry = 'extern "C" __global__ void {name}_{dtype}({signature}) {{ {call}; }}'
-    code = "\n".join([BLOCK_REDUCE, prelude, body] + [
-        entry.format(name=name, dtype=dtype, signature=re.sub(r"\bT\b", ctype, signature), call=call)
-        for dtype, ctype in (("float32", "float"), ("float64", "double"))
-    ])
-    return {np.dtype(dtype): Raw(f"{name}_{dtype}", code, twin=twin) for dtype in ("float32", "float64")}
-
-
 def _norm_kernel(name: str, body: str, signature: str, call: str, twin) -> dict:
     return per_dtype(name, body, signature, call, twin, prelude=f"{_LAYOUT}\nenum {{ {_FLAGS} }};")
 
@@ -86,13 +48,8 @@ def _norm_kernel(name: str, body: str, signature: str, call: str, twin) -> dict:
 CENTRE, GIVEN, SCALE, BIAS, WRITE, NORMED, RSTD = 1, 2, 4, 8, 16, 32, 64  # as _FLAGS
 
 
-def _rows_view(x, S, G, J):
-    """`x` as ``(B, S, G, J)``: the statistic of (b, g) over axes 1 and 3."""
-    return x.reshape(-1, S, G, J)
-
-
 def _forward_twin(x, scale, bias, mean, var, y, S, G, J, eps, flags):
-    v = _rows_view(x, S, G, J)
+    v = x.reshape(-1, S, G, J)  # the statistic of (b, g) over axes 1 and 3
     m_, v_ = mean.reshape(-1, 1, G, 1), var.reshape(-1, 1, G, 1)
     if not flags & GIVEN:
         m_[...] = v.mean(axis=(1, 3), keepdims=True) if flags & CENTRE else 0
@@ -149,7 +106,7 @@ __device__ void norm_forward(const T* x, const T* scale, const T* bias, T* mean,
 
 
 def _backward_twin(gy, x, scale, mean, var, gx, S, G, J, eps, flags):
-    v, g = _rows_view(x, S, G, J), _rows_view(gy, S, G, J)
+    v, g = x.reshape(-1, S, G, J), gy.reshape(-1, S, G, J)
     m_ = mean.reshape(-1, 1, G, 1) if flags & CENTRE else 0
     rstd = 1 / np.sqrt(var.reshape(-1, 1, G, 1) + v.dtype.type(eps))
     d = g * scale.reshape(G, J) if flags & SCALE else g
