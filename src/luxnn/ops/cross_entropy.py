@@ -13,6 +13,8 @@ from .traits import implementation
 __all__ = ["softmax_cross_entropy", "nll_loss"]
 
 REDUCTIONS = ("none", "mean", "sum")
+NO_COUNT = ("{owner}: no target counts towards the mean (every label ignored or of weight 0); use reduction='sum' "
+            "for a batch that may have none")
 
 
 @primitive

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["DeferredChecks"]
+__all__ = ["DeferredChecks", "outside"]
 
 
 class DeferredChecks:
@@ -47,3 +47,14 @@ class DeferredChecks:
             with stream:
                 values = [int(v) for v in entry[1].get()]
             entry[2](values)
+
+
+def outside(count: int, lowest: int, highest: int, end: int) -> str:
+    """How `count` values fell outside ``[0, end)``: the extremes a kernel recorded (the
+    lowest of the negative ones, else 0; the highest of those >= end, else 0).
+
+    >>> outside(2, -1, 9, 5)
+    'got 2 outside it (as low as -1 and as high as 9)'
+    """
+    extremes = [f"as low as {lowest}" if lowest < 0 else "", f"as high as {highest}" if highest >= end else ""]
+    return f"got {count} outside it ({' and '.join(e for e in extremes if e)})"

@@ -15,7 +15,8 @@ import numpy as np
 from ...backend import module_of
 from ...kernels import Elementwise
 from ..block_kernels import per_dtype
-from ..device_checks import DeferredChecks
+from ..cross_entropy import NO_COUNT
+from ..device_checks import DeferredChecks, outside
 
 __all__ = ["softmax_cross_entropy", "nll_loss"]
 
@@ -229,9 +230,7 @@ def _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, own
 def _report(found: list[int], k: int, owner: str) -> None:
     bad, lowest, highest, no_count = found
     if bad:
-        extremes = [f"as low as {lowest}" if lowest < 0 else "", f"as high as {highest}" if highest >= k else ""]
-        raise ValueError(f"{owner}: labels must lie in [0, {k}), got {bad} outside it "
-                         f"({' and '.join(e for e in extremes if e)}); the loss of that call was NaN")
+        raise ValueError(f"{owner}: labels must lie in [0, {k}), {outside(bad, lowest, highest, k)}; the loss of that "
+                         "call was NaN")
     if no_count:
-        raise ValueError(f"{owner}: no target counts towards the mean (every label ignored or of weight 0); "
-                         "use reduction='sum' for a batch that may have none")
+        raise ValueError(NO_COUNT.format(owner=owner))

@@ -13,7 +13,7 @@ import numpy as np
 from ...backend import module_of
 from ...kernels import Elementwise
 from ..block_kernels import per_dtype
-from ..device_checks import DeferredChecks
+from ..device_checks import DeferredChecks, outside
 
 __all__ = ["lookup_rows", "scatter_add_rows"]
 
@@ -113,8 +113,5 @@ def lookup_rows(table, indices, owner, error):
 
 
 def _report(found, rows, owner, error):
-    bad, lowest, highest = found
-    if bad:
-        extremes = [f"as low as {lowest}" if lowest < 0 else "", f"as high as {highest}" if highest >= rows else ""]
-        raise error(f"{owner}: expected indices in [0, {rows}), got {bad} outside it "
-                    f"({' and '.join(e for e in extremes if e)}); the rows of that call were NaN")
+    if found[0]:
+        raise error(f"{owner}: expected indices in [0, {rows}), {outside(*found, rows)}; the rows of that call were NaN")
