@@ -399,7 +399,7 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
             return NotImplemented
         return ours(*args, **kwargs)
 
-    def get(self) -> np.ndarray:
+    def get(self, stream: Any = None) -> np.ndarray:
         _launch("memcpy", "device_to_host")
         return self._meta.copy()
 

@@ -12,6 +12,8 @@ call it at their next call: a bad input raises there, one call late.
 
 from __future__ import annotations
 
+import atexit
+import threading
 from typing import Any, Callable
 
 __all__ = ["DeferredChecks", "outside"]
@@ -27,26 +29,33 @@ class DeferredChecks:
     def __init__(self) -> None:
         self._pending: list[tuple[Any, Any, Callable[[list[int]], None]]] = []  # (event, flag, report)
         self._streams: dict[int, Any] = {}  # device id -> a stream that does not wait for the others
+        self._lock = threading.Lock()  # calls from several threads take each flag once
+        # The last flags, unread, are dropped while the allocator that served them lives.
+        atexit.register(self._pending.clear)
 
     def add(self, xp: Any, flag: Any, report: Callable[[list[int]], None]) -> None:
         """Registers `flag` (a device array written by the kernels just launched);
         ``report(values)`` raises if its values say so."""
         event = xp.cuda.Event(disable_timing=True)
         event.record()
-        self._pending.append((event, flag, report))
+        with self._lock:
+            self._pending.append((event, flag, report))
 
     def raise_found(self, xp: Any) -> None:
-        """Reads the flags of the current device whose kernels have run; raises the first
-        problem found (the others stay registered)."""
+        """Reads the flags of the current device whose kernels have run and raises the
+        first problem found among them."""
         device = xp.cuda.runtime.getDevice()
-        for entry in [e for e in self._pending if e[0].done and e[1].device.id == device]:
-            self._pending.remove(entry)
+        with self._lock:
+            ready, waiting = [], []
+            for entry in self._pending:
+                (ready if entry[0].done and entry[1].device.id == device else waiting).append(entry)
+            self._pending[:] = waiting
             stream = self._streams.get(device)
             if stream is None:
                 stream = self._streams[device] = xp.cuda.Stream(non_blocking=True)
-            with stream:
-                values = [int(v) for v in entry[1].get()]
-            entry[2](values)
+        found = [([int(v) for v in flag.get(stream=stream)], report) for _, flag, report in ready]
+        for values, report in found:
+            report(values)
 
 
 def outside(count: int, lowest: int, highest: int, end: int) -> str:
