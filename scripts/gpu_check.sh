@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-side of luxnn in one go, in at most 6.5 minutes, on a machine with an NVIDIA
+# Everything GPU-side of luxnn in one go, in at most 8.5 minutes, on a machine with an NVIDIA
 # GPU and CuPy already installed, without network:
 #
 #   bash scripts/gpu_check.sh            # PYTHON=/path/to/python to choose the interpreter
@@ -18,7 +18,10 @@
 #             and through the luxnn cache's C hook
 #   table     benchmarks/gpu_step.py: time, driver allocations, peak live and reserved
 #             per training step without a pool, with CuPy's pool and with the luxnn cache
-# The alloc figures and the table come last. Exit status: 0 all stages passed, 1 a stage failed, 2 no usable GPU.
+#   bench     luxnn bench --device gpu --quick: the training rows and the basics beside PyTorch
+#             eager on the same GPU (time, CUDA kernels per step, peak reserved, first step),
+#             as markdown; its JSON in the logs directory
+# The alloc figures and the tables come last. Exit status: 0 all stages passed, 1 a stage failed, 2 no usable GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -70,6 +73,7 @@ stage demo-cnn 30 "$PYTHON" -m luxnn.cli demo --device gpu --model cnn --epochs 
 stage nccl 30 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_distributed.py -k nccl_on_one_gpu
 stage alloc 60 "$PYTHON" benchmarks/allocator.py --gpu --rounds 3
 stage table 60 "$PYTHON" benchmarks/gpu_step.py
+stage bench 120 "$PYTHON" -m luxnn.cli bench --device gpu --quick --markdown --json "$LOGS/gpu-bench.json"
 
 for name in tests match nccl; do  # the pytest summaries: counts and skip reasons
     grep -E "passed|failed|SKIPPED|error" "$LOGS/$name.log" | tail -n 5 | sed "s/^/    [$name] /" || true
@@ -87,4 +91,6 @@ echo
 sed -n '/^5\. alloc+free/,$p' "$LOGS/alloc.log" || true
 echo
 grep -v "^gpu_step: " "$LOGS/table.log" | sed -n '/^GPU training steps on/,$p' || true
+echo
+sed -n '/^- run: /,$p' "$LOGS/bench.log" | grep -v "^luxnn bench: wrote" || true
 [ ${#failed[@]} -eq 0 ]

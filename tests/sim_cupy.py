@@ -37,9 +37,11 @@ import numpy as np
 
 import fake_cupy
 
-# CuPy's allocator interface is the fake's; only the runtime learns how many devices exist.
+# CuPy's allocator interface is the fake's; only the runtime learns how many devices exist
+# and how to wait for them (every launch here has finished when it returns).
 cuda = types.SimpleNamespace(**vars(fake_cupy.cuda))
-cuda.runtime = types.SimpleNamespace(getDevice=fake_cupy.runtime.getDevice, getDeviceCount=lambda: 1)
+cuda.runtime = types.SimpleNamespace(getDevice=fake_cupy.runtime.getDevice, getDeviceCount=lambda: 1,
+                                     deviceSynchronize=lambda: None)
 
 
 class _Stream(fake_cupy.Stream):
@@ -365,7 +367,10 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
         self.base = base  # the array whose memory a view shares, as in CuPy
 
     def _view(self, values: np.ndarray) -> "ndarray":
-        return ndarray(values, self.data, self if self.base is None else self.base)
+        # As CuPy's, a view's ``data`` points at its first element, in the same memory.
+        offset = values.__array_interface__["data"][0] - self._meta.__array_interface__["data"][0]
+        data = cuda.MemoryPointer(self.data.mem, self.data.ptr - self.data.mem.ptr + offset) if offset else self.data
+        return ndarray(values, data, self if self.base is None else self.base)
 
     _values = property(lambda self: self._meta)
     ndim = property(lambda self: self._meta.ndim)
@@ -376,6 +381,14 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
     T = property(lambda self: _api("transpose")(self))
     mT = property(lambda self: _api("swapaxes")(self, -1, -2))
     device = property(lambda self: _DeviceOf(self.data.device_id))
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """CuPy's (version 3): the device address of the first element, shape and strides."""
+        meta = self._meta
+        strides = None if meta.flags.c_contiguous else meta.strides
+        return {"shape": meta.shape, "typestr": meta.dtype.str, "data": (meta.__array_interface__["data"][0], False),
+                "strides": strides, "version": 3}
 
     def __repr__(self) -> str:
         return f"sim_cupy.ndarray({self._meta!r})"

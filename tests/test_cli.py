@@ -89,6 +89,12 @@ def test_device_gpu_without_a_gpu_is_refused_before_training(capsys, no_work):
     _one_line_error(capsys, "--device", "expected a usable CUDA GPU for 'gpu', got none")
 
 
+@pytest.mark.skipif(_gpu_usable(), reason="a GPU is usable here")
+def test_bench_on_the_gpu_without_one_is_refused_before_measuring(capsys, no_work):
+    assert main(["bench", "--device", "gpu", "--quick"]) == 2
+    _one_line_error(capsys, "luxnn bench: --device gpu needs CuPy and a CUDA device: ")
+
+
 def test_good_demo_arguments_reach_training_and_an_interrupt_is_one_line(capsys, monkeypatch, tmp_path):
     seen = {}
 
@@ -114,6 +120,8 @@ def test_good_demo_arguments_reach_training_and_an_interrupt_is_one_line(capsys,
         (["--against=--help"], ["--against", "revision '--help' does not exist"]),
         (["--quick", "--filter", "basics/dense$", "--against", "no-such-revision-xyz"], ["--against", "'no-such-revision-xyz' does not exist"]),
         (["--fast"], ["unrecognized arguments: --fast"]),
+        (["--device", "tpu"], ["--device", "'tpu'", "'cpu', 'gpu'"]),
+        (["--device", "gpu", "--against", "main"], ["--against", "expected no revision with --device gpu", "'main'"]),
     ],
 )
 def test_a_bad_bench_argument_is_one_line_and_exit_status_2_before_measuring(capsys, no_work, args, expected):

@@ -146,7 +146,7 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         if args.command == "compare":
             return commands.compare_command(args.base, args.new, args.markdown)
-        return commands.bench(args.quick, args.filter, args.json, args.rounds, args.against, args.markdown)
+        return commands.bench(args.quick, args.filter, args.json, args.rounds, args.against, args.markdown, args.device)
     except commands.ArgumentError as e:
         raise _BadArgument(str(e)) from None
     except BenchError as e:
@@ -176,6 +176,8 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=_integer(1), metavar="N", help="rounds per row (default 5 quick, 8 full)")
     bench.add_argument("--against", metavar="REV", help="also build git revision REV and print the comparison")
     bench.add_argument("--markdown", action="store_true", help="print markdown tables")
+    bench.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                       help="the CPU suite, or the training rows and basics on a CUDA GPU beside PyTorch's (CuPy)")
     bench.set_defaults(run=_bench)
     compare = commands.add_parser("compare", help="compare two `luxnn bench --json` results")
     compare.add_argument("base", metavar="BASE.json")

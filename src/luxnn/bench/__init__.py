@@ -6,7 +6,8 @@
 - `runner`: warm-up, interleaved rounds, the memory pass, fresh-process rows, the JSON;
 - `worker`: the process that runs a suite for ``--against`` and the fresh-process rows;
 - `revision`: ``--against REV``, a revision built in a temporary worktree;
-- `compare`: the tables; `stats`: medians, IQRs, ratios and their formatting.
+- `compare`: the tables; `stats`: medians, IQRs, ratios and their formatting;
+- `gpu`, `gpu_models`: ``luxnn bench --device gpu``, its rows on a CUDA GPU beside PyTorch's.
 
 The modules import each other relatively and luxnn itself only as ``luxnn``, so that the
 package can be copied under another name and run against another revision's luxnn.

@@ -226,12 +226,17 @@ def memory_rows(base: dict[str, Any], new: dict[str, Any]) -> tuple[list[list[st
     per_call, peaks = [], []
     for name in _ordered_names(base, new):
         rb, rn = ((r or {}).get("memory") for r in (b_rows.get(name), n_rows.get(name)))
-        if not (rb or rn):
+        if not (_counted_on_the_host(rb) or _counted_on_the_host(rn)):
             continue
         mb, mn = _memory(b_rows.get(name)), _memory(n_rows.get(name))
         per_call.append([name, _memory_cell(rb, _allocs), _memory_cell(rn, _allocs), _plain_ratio(mb, mn, "bytes")])
         peaks.append([name, _memory_cell(rb, _peaks), _memory_cell(rn, _peaks), _plain_ratio(mb, mn, "peak_live")])
     return per_call, peaks
+
+
+def _counted_on_the_host(m: dict[str, Any] | None) -> bool:
+    """Whether a row's memory figures are the host allocations' (a GPU row's are not)."""
+    return bool(m) and ("error" in m or "allocs" in m)
 
 
 def _plain_ratio(mb: dict[str, Any] | None, mn: dict[str, Any] | None, key: str) -> str:

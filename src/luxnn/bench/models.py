@@ -30,31 +30,31 @@ Step = Callable[[], Any]
 # ---- basics: one forward call at Lux.jl's benchmark sizes ------------------------------
 
 
-def basic_dense() -> Step:
+def _forward(model: lx.Layer, shape: tuple[int, ...], device: Any) -> Step:
+    """One forward call of `model` on a float32 input of `shape`, on `device` (None: NumPy)."""
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    if device is not None:
+        ps, st, x = device((ps, st, x))
+    return lambda: model(x, ps, st)
+
+
+def basic_dense(device: Any = None) -> Step:
     """Dense 2 -> 3 on a batch of 3 (Lux.jl's ``basics/dense``)."""
-    model = lx.Dense(2, 3)
-    ps, st = lx.setup(np.random.default_rng(0), model)
-    x = np.random.default_rng(1).standard_normal((3, 2)).astype(np.float32)
-    return lambda: model(x, ps, st)
+    return _forward(lx.Dense(2, 3), (3, 2), device)
 
 
-def basic_conv() -> Step:
+def basic_conv(device: Any = None) -> Step:
     """Conv 2x2, 3 -> 16 channels on a (4, 2, 2, 3) NHWC input (Lux.jl's ``basics/conv``)."""
-    model = lx.Conv(2, 3, 16)
-    ps, st = lx.setup(np.random.default_rng(0), model)
-    x = np.random.default_rng(1).standard_normal((4, 2, 2, 3)).astype(np.float32)
-    return lambda: model(x, ps, st)
+    return _forward(lx.Conv(2, 3, 16), (4, 2, 2, 3), device)
 
 
-def basic_mha() -> Step:
+def basic_mha(device: Any = None) -> Step:
     """Self-attention, dim 4, 2 heads on (batch 2, seq 3, dim 4) (Lux.jl's ``basics/MHA``)."""
-    model = lx.MultiHeadAttention(4, num_heads=2)
-    ps, st = lx.setup(np.random.default_rng(0), model)
-    x = np.random.default_rng(1).standard_normal((2, 3, 4)).astype(np.float32)
-    return lambda: model(x, ps, st)
+    return _forward(lx.MultiHeadAttention(4, num_heads=2), (2, 3, 4), device)
 
 
-BASICS: dict[str, Callable[[], Step]] = {"dense": basic_dense, "conv": basic_conv, "MHA": basic_mha}
+BASICS: dict[str, Callable[..., Step]] = {"dense": basic_dense, "conv": basic_conv, "MHA": basic_mha}
 
 
 # ---- training steps --------------------------------------------------------------------
@@ -75,15 +75,15 @@ def luxnn_train_step(model: lx.Layer, optimizer: Any, loss: Any, data: tuple, ca
     return step
 
 
-def torch_train_step(model: Any, optimizer: Any, loss_fn: Any, x: np.ndarray, y: np.ndarray) -> Step:
+def torch_train_step(model: Any, optimizer: Any, loss_fn: Any, x: np.ndarray, y: np.ndarray, device: str = "cpu") -> Step:
     """The same training step in PyTorch eager: zero_grad, forward, backward, step, on as
-    many threads as NumPy's BLAS."""
+    many threads as NumPy's BLAS; the data on `device` (the model's)."""
     import torch
 
     threads = blas_threads()
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    tx, ty = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)

@@ -87,14 +87,17 @@ def calibrate(step: Callable[[], Any], timing: Timing, warmup_calls: int = 2) ->
     return inner, samples, per_call
 
 
-def sample(step: Callable[[], Any], inner: int, samples: int) -> list[float]:
-    """`samples` timings of `inner` calls each, in seconds per call."""
+def sample(step: Callable[[], Any], inner: int, samples: int, sync: Callable[[], Any] | None = None) -> list[float]:
+    """`samples` timings of `inner` calls each, in seconds per call; `sync` (a GPU's): called
+    after the calls of each sample, inside its time, so that it counts their device work."""
     out = []
     perf_counter = time.perf_counter
     for _ in range(samples):
         t0 = perf_counter()
         for _ in range(inner):
             step()
+        if sync is not None:
+            sync()
         out.append((perf_counter() - t0) / inner)
     return out
 
@@ -168,7 +171,7 @@ def count_memory(step: Callable[[], Any], cache: Any, *, own: bool, calls: int, 
     }
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
@@ -179,6 +182,8 @@ class Session:
     reported as that row's error; the others run.
     """
 
+    sync: Callable[[], Any] | None = None  # a device's synchronisation, ending each sample
+
     def __init__(self, group: suite.Group, names: Sequence[str], timing: Timing) -> None:
         self.group, self.timing = group, timing
         self.steps: dict[str, Callable[[], Any]] = {}
@@ -186,12 +191,16 @@ class Session:
         self.errors: dict[str, str] = {}
         for name in names:
             try:
-                step = group.variant(name).build("default")
-                with self._load(name):
-                    self.plan[name] = calibrate(step, timing, group.warmup_calls)
+                step, self.plan[name] = self._setup(group.variant(name))
                 self.steps[name] = step
             except Exception as e:  # noqa: BLE001 - any failure of the measured code is the row's result
-                self.errors[name] = _describe(e)
+                self.errors[name] = describe_error(e)
+
+    def _setup(self, variant: suite.Variant) -> tuple[Callable[[], Any], tuple[int, int, float]]:
+        """The variant's step, built and calibrated."""
+        step = variant.build("default")
+        with self._load(variant.name):
+            return step, calibrate(step, self.timing, self.group.warmup_calls)
 
     def describe(self) -> dict[str, Any]:
         return {"plan": {n: list(p) for n, p in self.plan.items()}, "errors": self.errors}
@@ -205,7 +214,7 @@ class Session:
         for name in names[k:] + names[:k]:
             gc.collect()
             with self._load(name):
-                out[name] = sample(self.steps[name], *self.plan[name][:2])
+                out[name] = sample(self.steps[name], *self.plan[name][:2], self.sync)
         return out
 
     def _load(self, name: str) -> contextlib.AbstractContextManager:
@@ -231,7 +240,7 @@ class Session:
                 else:
                     out[name] = count_memory(step, cache, own=False, calls=calls, warmup=warmup)
             except Exception as e:  # noqa: BLE001 - reported in the row, as the time is
-                out[name] = {"error": _describe(e)}
+                out[name] = {"error": describe_error(e)}
         return out
 
 
@@ -244,9 +253,12 @@ class LocalWorker:
         self.sessions: dict[str, Session] = {}
 
     def setup(self, group: str, names: list[str]) -> dict[str, Any]:
-        session = Session(suite.find_group(group, self.quick), names, self.timing)
-        self.sessions[group] = session
+        session = self.sessions[group] = self._session(group, names)
         return session.describe()
+
+    def _session(self, group: str, names: list[str]) -> Session:
+        """The group's `Session`, set up."""
+        return Session(suite.find_group(group, self.quick), names, self.timing)
 
     def round(self, group: str, index: int) -> dict[str, list[float]]:
         return self.sessions[group].round(index)

@@ -77,12 +77,23 @@ def significant(x: float, digits: int) -> str:
 TIME_UNITS = ((1e-6, "ns", 1e9), (1e-3, "μs", 1e6), (1.0, "ms", 1e3), (math.inf, "s", 1.0))
 
 
+def _time_unit(seconds: float) -> tuple[str, float]:
+    for bound, unit, scale in TIME_UNITS:
+        if seconds < bound:
+            break
+    return unit, scale
+
+
 def format_time(median: float, iqr: float) -> str:
     """``median ± IQR`` in the median's unit, 3 significant digits for the median."""
-    for bound, unit, scale in TIME_UNITS:
-        if median < bound:
-            break
+    unit, scale = _time_unit(median)
     return f"{significant(median * scale, 3)} ± {significant(iqr * scale, 2)} {unit}"
+
+
+def format_duration(seconds: float) -> str:
+    """One duration, 3 significant digits: ``format_duration(0.8123) == '812 ms'``."""
+    unit, scale = _time_unit(seconds)
+    return f"{significant(seconds * scale, 3)} {unit}"
 
 
 def format_ratio(r: float, err: float) -> str:

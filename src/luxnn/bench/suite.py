@@ -206,13 +206,18 @@ class Selection:
 def select(quick: bool, pattern: str | None) -> Selection:
     """The rows whose names `pattern` (a regular expression, searched) matches; variants
     whose peer is not installed are left out and named in ``unavailable``."""
+    return select_from(groups(quick), pattern, with_time_to_load=True)
+
+
+def select_from(candidates: list[Group], pattern: str | None, *, with_time_to_load: bool) -> Selection:
+    """`select` over the groups `candidates` (time_to_load among them if `with_time_to_load`)."""
     regex = re.compile(pattern) if pattern else None
 
     def wanted(name: str) -> bool:
         return regex is None or regex.search(name) is not None
 
     chosen, unavailable = [], []
-    for group in groups(quick):
+    for group in candidates:
         names = []
         for v in group.variants:
             if wanted(v.name):
@@ -220,4 +225,4 @@ def select(quick: bool, pattern: str | None) -> Selection:
         first = group.first_run is not None and wanted(group.first_run)
         if names or first:
             chosen.append((group, names, first))
-    return Selection(chosen, wanted(TIME_TO_LOAD), unavailable)
+    return Selection(chosen, with_time_to_load and wanted(TIME_TO_LOAD), unavailable)

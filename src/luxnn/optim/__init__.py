@@ -7,8 +7,9 @@ A `GradientTransformation` is a pair of functions:
 
 The updates already carry the minus sign: ``apply_updates(params, updates)`` adds them.
 The package is laid out as optax: `base` (the interface: `GradientTransformation`, the
-`Stage` a building block subclasses and the capabilities it declares, `chain`,
-`apply_updates`), the building blocks by family (`scaling`, `momentum`, `adam`,
+`Stage` a building block subclasses and the capabilities it declares, `apply_updates`),
+`combine` (`chain`), `fused` (the stages' CUDA fragments composed into one kernel over
+all leaves), the building blocks by family (`scaling`, `momentum`, `adam`, `lion`,
 `second_moments`, `clipping`, `decay_noise`, gathered in `transform`), `alias` (the named
 optimisers, each a `chain` of building blocks), `schedule`, and `wrappers` (`masked`,
 `multi_transform`, `MultiSteps`, `apply_if_finite`, `inject_hyperparams`).
@@ -25,8 +26,9 @@ Conventions the rest of luxnn relies on:
 
 - No hidden state: everything an optimiser remembers is in `opt_state`, a tree of small
   NamedTuples whose leaves are arrays. Step counts are 0-d int64 arrays of the parameters'
-  array module (NumPy or CuPy) and stay arrays inside `update` (never a Python int: no host
-  round trip per step on a GPU), so the whole state saves and loads as a pytree of arrays.
+  array module (NumPy or CuPy) and stay arrays inside `update` (no host round trip per
+  step on a GPU: a schedule on a GPU runs at the count's host mirror, `arrays.host_count`),
+  so the whole state saves and loads as a pytree of arrays.
 - `update` is pure: it returns new update and moment arrays and never writes into `grads`,
   `params` or the old state (an old state stays valid, e.g. for a retried step). Its
   in-place twin `GradientTransformation.update_` gives the same numbers but writes the new
@@ -46,6 +48,8 @@ from .alias import *  # noqa: F403
 from .alias import __all__ as _alias
 from .base import *  # noqa: F403
 from .base import __all__ as _base
+from .combine import *  # noqa: F403
+from .combine import __all__ as _combine
 from .schedule import *  # noqa: F403
 from .schedule import __all__ as _schedule
 from .transform import *  # noqa: F403
@@ -55,4 +59,4 @@ from .update import __all__ as _update
 from .wrappers import *  # noqa: F403
 from .wrappers import __all__ as _wrappers
 
-__all__ = [*_base, *_update, *_transform, *_alias, *_schedule, *_wrappers]
+__all__ = [*_base, *_combine, *_update, *_transform, *_alias, *_schedule, *_wrappers]

@@ -1,5 +1,5 @@
 """Adam and its family: directions from bias-corrected first and second moments (Adam,
-NAdam, AMSGrad, Adamax, RAdam, AdaBelief) and Lion's sign of the momentum.
+NAdam, AMSGrad, Adamax, RAdam, AdaBelief).
 """
 
 from __future__ import annotations
@@ -9,22 +9,22 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from luxnn.backend import module_of
-from luxnn.kernels import Elementwise
 
 from .arithmetic import (
-    MUL_PREAMBLE, PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average,
-    moving_average_of_squares, no_buffer, scaled, times,
+    PerDtype, bias_correction, corrected_mu, corrected_mu_coefficients, moving_average, moving_average_of_squares,
+    no_buffer,
 )  # fmt: skip
 from .arrays import (
-    Params, Updates, Workspace, cast_like, launch_per_leaf, leafwise, next_count, out_buffer, scalar_as, upcast,
+    Params, Updates, Workspace, cast_like, counted, leafwise, next_count, out_buffer, scalar_as, upcast,
     zero_count, zeros_like_tree
 )  # fmt: skip
-from .base import FreshUpdates, GradientTransformation, InPlace, KernelUpdate, ScaledUpdate, transformation
+from .base import FreshUpdates, FusedUpdate, GradientTransformation, InPlace, ScaledUpdate, transformation
+from .fused import FACTOR_PROLOGUE, Fragment, FusedStep, factor_arguments, factor_of
 from .checks import check_decay, check_float, check_match
 
 __all__ = [
-    "ScaleByAdamState", "ScaleByAmsgradState", "ScaleByLionState", "ScaleByBeliefState", "scale_by_adam",
-    "scale_by_amsgrad", "scale_by_adamax", "scale_by_lion", "scale_by_radam", "scale_by_belief",
+    "ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adam", "scale_by_amsgrad",
+    "scale_by_adamax", "scale_by_radam", "scale_by_belief",
 ]  # fmt: skip
 
 
@@ -46,13 +46,6 @@ class ScaleByAmsgradState(NamedTuple):
     nu_max: Any
 
 
-class ScaleByLionState(NamedTuple):
-    """Step count and momentum of `scale_by_lion`."""
-
-    count: Any
-    mu: Any
-
-
 class ScaleByBeliefState(NamedTuple):
     """Step count, first moment and the moment of the prediction error (`scale_by_belief`)."""
 
@@ -66,7 +59,7 @@ def adam_leaf(gc: Any, m: Any, v: Any, scratch: Any, mu_out: Any, nu_out: Any, b
     """Adam's moments and direction of one leaf `gc` (in its compute dtype, `m` and `v` its
     moments), pass by pass: (the direction, in `scratch`; mu, in `mu_out`; nu, in `nu_out`)
     (an ``out=`` of None: a new array). ``b`` is None, or Nesterov's coefficient of `gc`
-    (`corrected_mu_coefficients`). `ADAM_KERNEL` fuses these passes, in the same order."""
+    (`corrected_mu_coefficients`). `ADAM_FRAGMENT` fuses these passes, in the same order."""
     xp = module_of(gc)
     scratch = xp.multiply(gc, one_minus_b1, out=scratch)
     mu = xp.multiply(m, b1, out=mu_out)
@@ -89,33 +82,56 @@ def adam_leaf(gc: Any, m: Any, v: Any, scratch: Any, mu_out: Any, nu_out: Any, b
     return scratch, mu, nu
 
 
-# `adam_leaf` as one CUDA kernel, its update added into the parameter; products rounded
-# one by one (`MUL_PREAMBLE`).
-def _adam_twin(g, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, c2, a, b, nesterov, p, mu, nu) -> None:
-    g, p, mu, nu = (np.atleast_1d(x) for x in (g, p, mu, nu))  # 0-d leaves: views NumPy can write through
-    direction = adam_leaf(g.astype(mu.dtype, copy=False), mu, nu, None, mu, nu, b1, one_minus_b1, b2, one_minus_b2,
-                          eps, eps_root, c2, a, b if nesterov else None)[0]
-    p += direction.astype(p.dtype, copy=False)
+# `adam_leaf` as a fused fragment (`fused`): the count, the bias corrections and Nesterov's
+# coefficients computed in the kernel from the step count, as `_ScaleByAdam._scalars` does;
+# products rounded one by one (`MUL_PREAMBLE`).
+def _adam_step_twin(b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, nesterov, count, new_count, factor_value,
+                    factor_array, *, dtype) -> tuple:
+    new_count[...] = count + 1
+    c2, a, b = adam_scalars(b1, b2, count + 1, bool(nesterov), factor_of(factor_value, factor_array))
+    hyper = (float(x) for x in (b1, one_minus_b1, b2, one_minus_b2, eps, eps_root))  # Python floats, as `hyper`
+    return (*hyper, c2.astype(dtype), a.astype(dtype), None if b is None else b.astype(dtype))
 
 
-ADAM_KERNEL = Elementwise(
-    "luxnn_adam",
-    "G g, T b1, T one_minus_b1, T b2, T one_minus_b2, T eps, T eps_root, T c2, T a, T b, bool nesterov",
-    "P p, T mu, T nu",
+def _adam_leaf_twin(constants, u, p, mu, nu) -> Any:
+    return adam_leaf(upcast(u), mu, nu, None, mu, nu, *constants)[0].astype(u.dtype, copy=False)
+
+
+ADAM_FRAGMENT = Fragment(
+    "adam",
+    "const double $b1, const double $one_minus_b1, const double $b2, const double $one_minus_b2, const double $eps, "
+    "const double $eps_root, const int $nesterov, const long long* $count, long long* $new_count, "
+    "const double $factor_value, const double* $factor_array",
     """
-    T gc = (T)g;
-    mu = mul(mu, b1) + mul(gc, one_minus_b1);
-    nu = mul(nu, b2) + mul(mul(gc, gc), one_minus_b2);
-    T denominator = sqrt(mul(nu, c2) + eps_root) + eps;
-    T update = nesterov ? (mul(mu, a) + mul(gc, b)) / denominator : mul(mu / denominator, a);
-    p = (P)((T)p + (T)(P)update);
+    const T gc = (T)u;
+    $m0 = mul($m0, $t_b1) + mul(gc, $t_one_minus_b1);
+    $m1 = mul($m1, $t_b2) + mul(mul(gc, gc), $t_one_minus_b2);
+    const T denominator = sqrt(mul($m1, $c2) + $t_eps_root) + $t_eps;
+    u = (P)($nesterov ? (mul($m0, $a) + mul(gc, $b)) / denominator : mul($m0 / denominator, $a));
     """,
-    twin=_adam_twin,
-    preamble=MUL_PREAMBLE,
+    _adam_step_twin,
+    _adam_leaf_twin,
+    prologue=FACTOR_PROLOGUE + """
+    const T $t_b1 = (T)$b1, $t_one_minus_b1 = (T)$one_minus_b1, $t_b2 = (T)$b2, $t_one_minus_b2 = (T)$one_minus_b2;
+    const T $t_eps = (T)$eps, $t_eps_root = (T)$eps_root;
+    const double $t = (double)(*$count + 1), $c1 = 1.0 / (1.0 - pow($b1, $t));
+    const T $c2 = (T)(1.0 / (1.0 - pow($b2, $t)));
+    const T $a = (T)(($nesterov ? $b1 * (1.0 / (1.0 - pow($b1, $t + 1.0))) : $c1) * $factor);
+    const T $b = (T)($nesterov ? (1.0 - $b1) * $c1 * $factor : 0.0);
+    """,
+    epilogue="*$new_count = *$count + 1;",
+    moments=2,
 )
 
 
-class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate, KernelUpdate):
+def adam_scalars(b1: float, b2: float, count: Any, nesterov: bool, factor: Any) -> tuple[Any, Any, Any]:
+    """(c2, a, b) of `adam_leaf` after `count` steps, the direction times `factor`."""
+    c1, c2 = bias_correction(b1, count), bias_correction(b2, count)
+    a, b = corrected_mu_coefficients(b1, count, c1, nesterov)
+    return c2, a * factor, None if b is None else b * factor
+
+
+class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate, FusedUpdate):
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
         self.b1, self.b2, self.eps, self.eps_root, self.nesterov = b1, b2, eps, eps_root, nesterov
@@ -132,9 +148,7 @@ class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate, KernelUpdate):
         """The new count and the scalars (c2, a, b) of `adam_leaf`."""
         check_match(state.mu, "the optimizer state (adam moments)", grads, "grads")
         count = next_count(state.count)
-        c1, c2 = bias_correction(self.b1, count), bias_correction(self.b2, count)
-        a, b = corrected_mu_coefficients(self.b1, count, c1, self.nesterov)
-        return count, (c2, a * factor, None if b is None else b * factor)
+        return count, adam_scalars(self.b1, self.b2, count, self.nesterov, factor)
 
     def update_scaled(self, grads: Updates, state: ScaleByAdamState, params: Params, factor: Any, in_place: bool,
                       into: list | None = None):
@@ -151,13 +165,13 @@ class _ScaleByAdam(InPlace, FreshUpdates, ScaledUpdate, KernelUpdate):
         updates, mu, nu = leafwise(leaf, grads, state.mu, state.nu, outputs=3, into=into)
         return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
-    def kernel_update_into(self, grads: Updates, state: ScaleByAdamState, params: Params, into: list,
-                           factor: Any = 1.0) -> ScaleByAdamState:
-        count, (c2, a, b) = self._step(grads, state, factor)
-        constants = (*self.hyper, c2, a, 0.0 if b is None else b)
-        if not launch_per_leaf(ADAM_KERNEL, grads, (state.mu, state.nu), into, constants, (self.nesterov,)):
-            return self.update_scaled(grads, state, params, factor, True, into)[1]  # dtypes the kernel does not mix
-        return ScaleByAdamState(count=count, mu=state.mu, nu=state.nu)
+    def fused_step(self, grads: Updates, state: ScaleByAdamState, params: Params,
+                   factor: Any = 1.0) -> tuple[FusedStep, ScaleByAdamState]:
+        check_match(state.mu, "the optimizer state (adam moments)", grads, "grads")
+        count = module_of(state.count).empty((), np.int64)  # written by the launch
+        counted(state.count, count)
+        arguments = (*self.hyper, self.nesterov, state.count, count, *factor_arguments(factor))
+        return FusedStep(ADAM_FRAGMENT, (state.mu, state.nu), arguments), ScaleByAdamState(count, state.mu, state.nu)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
@@ -266,82 +280,6 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
     >>> opt = optim.chain(scale_by_adamax(), optim.scale_by_learning_rate(2e-3))  # == adamax(2e-3)
     """
     return transformation(_ScaleByAdamax(check_decay("b1", b1), check_decay("b2", b2), check_float("eps", eps)))
-
-
-def lion_leaf(gc: Any, m: Any, mu_out: Any, b1: Any, one_minus_b1: Any, b2: Any, one_minus_b2: Any) -> tuple[Any, Any]:
-    """Lion's direction and momentum of one leaf `gc` (in its compute dtype, `m` its
-    momentum): (the direction, a new array; mu, in `mu_out`, None: a new array).
-    `LION_KERNEL` fuses these passes, in order."""
-    xp = module_of(gc)
-    direction = xp.multiply(m, b1)
-    direction += xp.multiply(gc, one_minus_b1)
-    xp.sign(direction, out=direction)
-    mu = xp.multiply(m, b2, out=mu_out)
-    mu += xp.multiply(gc, one_minus_b2)
-    return direction, mu
-
-
-# `lion_leaf` as one CUDA kernel, its direction cast to the parameter's dtype, times
-# `factor` (a learning rate, `times`) and added into the parameter (NumPy's sign: NaN stays).
-def _lion_twin(g, b1, one_minus_b1, b2, one_minus_b2, factor, p, mu) -> None:
-    g, p, mu = (np.atleast_1d(x) for x in (g, p, mu))
-    direction = lion_leaf(g.astype(mu.dtype, copy=False), mu, mu, b1, one_minus_b1, b2, one_minus_b2)[0]
-    p += times(direction.astype(p.dtype, copy=False), factor)
-
-
-LION_KERNEL = Elementwise(
-    "luxnn_lion",
-    "G g, T b1, T one_minus_b1, T b2, T one_minus_b2, T factor",
-    "P p, T mu",
-    """
-    T gc = (T)g;
-    T d = mul(mu, b1) + mul(gc, one_minus_b1);
-    T direction = d > 0 ? (T)1 : d < 0 ? (T)-1 : d == 0 ? (T)0 : d;
-    mu = mul(mu, b2) + mul(gc, one_minus_b2);
-    p = (P)((T)p + (T)(P)mul((T)(P)direction, factor));
-    """,
-    twin=_lion_twin,
-    preamble=MUL_PREAMBLE,
-)
-
-
-class _ScaleByLion(InPlace, FreshUpdates, KernelUpdate):
-
-    def __init__(self, b1: float, b2: float) -> None:
-        self.b1, self.b2 = b1, b2
-        self.hyper = (b1, 1.0 - b1, b2, 1.0 - b2)  # the constants of `lion_leaf`
-
-    def init(self, params: Params) -> ScaleByLionState:
-        return ScaleByLionState(count=zero_count(params), mu=zeros_like_tree(params))
-
-    def compute(self, grads: Updates, state: ScaleByLionState, params: Params, in_place: bool,
-                into: list | None = None):
-        check_match(state.mu, "the optimizer state (lion momentum)", grads, "grads")
-
-        def leaf(g: Any, m: Any) -> tuple[Any, Any]:
-            direction, mu = lion_leaf(upcast(g), m, out_buffer(m, in_place), *self.hyper)
-            return cast_like(direction, g), mu
-
-        updates, mu = leafwise(leaf, grads, state.mu, outputs=2, into=into)
-        return updates, ScaleByLionState(count=next_count(state.count), mu=mu)
-
-    def kernel_update_into(self, grads: Updates, state: ScaleByLionState, params: Params, into: list,
-                           factor: Any = 1.0) -> ScaleByLionState:
-        check_match(state.mu, "the optimizer state (lion momentum)", grads, "grads")
-        if launch_per_leaf(LION_KERNEL, grads, (state.mu,), into, (*self.hyper, factor)):
-            return ScaleByLionState(count=next_count(state.count), mu=state.mu)
-        updates, state = self.update_in_place(grads, state, params)  # dtypes the kernel does not mix
-        scaled(updates, factor, into)
-        return state
-
-
-def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
-    """Lion's direction ``sign((1 - b1) g + b1 m)``, then ``m = b2 m + (1 - b2) g`` (optax).
-
-    >>> from luxnn import optim
-    >>> opt = optim.chain(scale_by_lion(), optim.scale_by_learning_rate(1e-4))
-    """
-    return transformation(_ScaleByLion(check_decay("b1", b1), check_decay("b2", b2)))
 
 
 class _ScaleByRadam(InPlace, FreshUpdates):

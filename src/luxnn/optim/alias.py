@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from .arrays import ScalarOrSchedule
-from .base import GradientTransformation, chain
+from .base import GradientTransformation
+from .combine import chain
 from .checks import check_float, check_learning_rate
 from .transform import (
     add_decayed_weights, add_noise, clip_by_block_rms, ema, scale, scale_by_adadelta, scale_by_adam,

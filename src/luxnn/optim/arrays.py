@@ -5,6 +5,7 @@ leaf-wise maps, and the scratch and ``out=`` buffers of the in-place updates.
 from __future__ import annotations
 
 import operator
+import weakref
 from types import ModuleType
 from typing import Any, Callable, Union
 
@@ -12,7 +13,6 @@ import numpy as np
 
 from luxnn import tree
 from luxnn.backend import module_of
-from luxnn.kernels import Elementwise
 
 Schedule = Callable[[Any], Any]
 ScalarOrSchedule = Union[float, Schedule]
@@ -44,30 +44,6 @@ class Workspace:
         return view
 
 
-def kernel_scalar(value: Any, dtype: Any) -> Any:
-    """`value` as a scalar argument of a kernel computing in `dtype`: rounded to `dtype`
-    as NumPy rounds a scalar operand of an array of `dtype` (a 0-d array stays one)."""
-    return np.dtype(dtype).type(value) if isinstance(value, (int, float)) else value.astype(dtype)
-
-
-def launch_per_leaf(kernel: Elementwise, grads: Any, moments: tuple, into: list, constants: tuple,
-                    flags: tuple = ()) -> bool:
-    """One launch per leaf of the CUDA `kernel`: ``kernel(g, *constants, *flags, p, *m)``,
-    `p` the leaf's array of `into` and `m` its arrays of the trees `moments`, written in place; each constant is cast to the moments'
-    dtype (`kernel_scalar`) once per dtype. Returns False, launching nothing, when a leaf's
-    dtypes are not those the kernel takes: `p` of `g`'s dtype, `m` of its `compute_dtype`."""
-    leaves = list(zip(tree.leaves(grads), into, *(tree.leaves(m) for m in moments)))
-    if not all(p.dtype == g.dtype and all(m.dtype == compute_dtype(g.dtype) for m in ms) for g, p, *ms in leaves):
-        return False
-    cast: dict = {}
-    for g, p, *ms in leaves:
-        dtype = ms[0].dtype
-        if dtype not in cast:
-            cast[dtype] = [kernel_scalar(c, dtype) for c in constants]
-        kernel(g, *cast[dtype], *flags, p, *ms)
-    return True
-
-
 def out_buffer(old: Any, in_place: bool, otherwise: Any = None) -> Any:
     """The ``out=`` of a new state leaf: `old` itself when an in-place update may overwrite
     it (a writable array: CuPy's flags have no ``writeable``), else `otherwise` (None: a
@@ -87,13 +63,62 @@ def module_of_tree(t: Any) -> ModuleType:
 
 def zero_count(params: Params) -> Any:
     """A 0-d int64 step count of the parameters' array module."""
-    return module_of_tree(params).zeros((), dtype=np.int64)
+    count = module_of_tree(params).zeros((), dtype=np.int64)
+    _remember(count, 0)
+    return count
 
 
 def next_count(count: Any) -> Any:
     """``count + 1`` as a 0-d array of the count's module (NumPy would return a scalar).
-    The count never leaves its device: no Python int is made of it."""
-    return module_of(count).asarray(count + 1)
+    The count never leaves its device: no Python int is made of it (`host_count` keeps
+    its value on the host beside it)."""
+    new = module_of(count).asarray(count + 1)
+    counted(count, new)
+    return new
+
+
+def counted(count: Any, new: Any) -> None:
+    """Note that the device count `new` is ``count + 1`` (made by `next_count`, or written
+    by a fused kernel), for `host_count`."""
+    value = _known(count)
+    if value is not None:
+        _remember(new, value + 1)
+
+
+def host_count(count: Any) -> Any:
+    """A step count to evaluate a schedule at on the host: a NumPy count itself; for a
+    device count, its value as a Python int, known without reading the device when the
+    optimisers made it (`zero_count`, `next_count`, `counted`), else read once (a state
+    made elsewhere, e.g. loaded from a checkpoint). A device count written in place
+    afterwards by other code is not seen: the optimisers never write a count in place."""
+    if module_of(count) is np:
+        return count
+    value = _known(count)
+    if value is None:
+        value = int(count)
+        _remember(count, value)
+    return value
+
+
+# id of a device count -> (a weak reference to it, its value): the entry of a count that
+# is gone is dropped with it, so an id is never taken for another array's.
+_HOST_COUNTS: dict = {}
+
+
+def _known(count: Any) -> int | None:
+    entry = _HOST_COUNTS.get(id(count))
+    return entry[1] if entry is not None and entry[0]() is count else None
+
+
+def _remember(count: Any, value: int) -> None:
+    if module_of(count) is np:
+        return
+    key = id(count)
+    try:
+        reference = weakref.ref(count, lambda _: _HOST_COUNTS.pop(key, None))
+    except TypeError:  # an array type without weak references: its count is read each time
+        return
+    _HOST_COUNTS[key] = (reference, value)
 
 
 _COMPUTE_DTYPES: dict = {}

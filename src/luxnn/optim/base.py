@@ -1,16 +1,17 @@
 """The interface every optimiser shares: `GradientTransformation`, the `Stage` a building
-block subclasses and the capabilities it declares, `chain`, and `update_and_apply_`, which
+block subclasses and the capabilities it declares, and `update_and_apply_`, which
 runs an update in place (`update` applies updates, `arrays` and `checks` hold the helpers
 of the leaves and of validation).
 
 A `GradientTransformation` is a pair of functions, ``init(params) -> opt_state`` and
-``update(grads, opt_state, params=None) -> (updates, opt_state)``; `chain` composes them.
+``update(grads, opt_state, params=None) -> (updates, opt_state)``; `chain` (module
+`combine`) composes them.
 The functions are bound methods of small module-level classes, `Stage` subclasses (never
 local closures), so an optimiser pickles and deep-copies with its configuration. A stage
 declares what more than a pure `update` it can do by subclassing the capabilities below
 (`InPlaceUpdate`, `UpdateInto`, `FreshUpdates`, `OwnedUpdate`, `FoldedFactor`,
-`ScaledUpdate`, `KernelUpdate`); `chain`, the wrappers and `update_and_apply_` look for them with
-`isinstance`. A transformation made of other functions runs on the pure path.
+`ScaledUpdate`, `KernelUpdate`, `FusedUpdate`); `chain`, the wrappers and `update_and_apply_`
+look for them with `isinstance`. A transformation made of other functions runs on the pure path.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from luxnn.backend import module_of
 
 from .arrays import OptState, Params, ScalarOrSchedule, Schedule, Updates, Workspace, out_buffer
 from .checks import check_gradients, where
+from .fused import FusedStep, launch
 from .update import (  # apply_updates and its kin are part of base's interface, as in optax's base
     add_into, apply_updates, apply_updates_, check_separate, global_norm, in_place_pairs, incremental_update,
     periodic_update,
@@ -33,9 +35,9 @@ from .update import (  # apply_updates and its kin are part of base's interface,
 
 __all__ = [
     "GradientTransformation", "Schedule", "ScalarOrSchedule", "EmptyState", "Stage", "Stateless", "InPlaceUpdate",
-    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "KernelUpdate", "InPlace",
-    "Listening", "precheck", "update_into", "listen", "apply_updates", "apply_updates_", "update_and_apply_",
-    "incremental_update", "periodic_update", "global_norm", "identity", "set_to_zero", "chain",
+    "UpdateInto", "FreshUpdates", "OwnedUpdate", "FoldedFactor", "ScaledUpdate", "KernelUpdate", "FusedUpdate",
+    "InPlace", "Listening", "precheck", "update_into", "listen", "apply_updates", "apply_updates_", "update_and_apply_",
+    "incremental_update", "periodic_update", "global_norm", "identity", "set_to_zero",
 ]  # fmt: skip
 
 
@@ -199,6 +201,21 @@ class KernelUpdate(Stage):
         per leaf; `into` holds CuPy arrays."""
 
 
+class FusedUpdate(Stage):
+    """A stage whose update of an element is CUDA code (a `fused.Fragment`): adding into
+    CuPy parameters, `update_into` and `chain` (when each of its stages is a `FusedUpdate`
+    or a `FoldedFactor`) compose the fragments into one kernel over all leaves of a dtype,
+    which writes the parameters and the moments in place (`fused.launch`)."""
+
+    @abc.abstractmethod
+    def fused_step(self, grads: Updates, state: OptState, params: Params,
+                   factor: Any = 1.0) -> tuple[FusedStep, OptState]:
+        """This update's part of the fused launch and the new state (the arrays of `state`
+        the step names are written by the launch). `factor`: that of a `FoldedFactor` stage
+        that follows a stage that is also `ScaledUpdate`, folded into its update (1.0 for
+        any other). Raises what `update` would, before anything is launched."""
+
+
 def on_device(into: list) -> bool:
     """Whether `into` (the parameters' arrays) are CuPy arrays: what a `KernelUpdate` fuses."""
     return bool(into) and module_of(into[0]) is not np
@@ -321,7 +338,8 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
     """`transformation`'s in-place update (`GradientTransformation.update_`, which consumes
     `state`) with its updates added into `into`, a list of arrays, one per leaf of `grads`
     (usually the parameters' arrays, ``luxnn.tree.leaves(params)``); returns the new state.
-    A stage declaring `KernelUpdate` computes each leaf of CuPy arrays in one kernel; one
+    A stage declaring `FusedUpdate` updates every leaf of CuPy arrays of a dtype in one
+    kernel; one declaring `KernelUpdate` computes each leaf of CuPy arrays in one kernel; one
     declaring `UpdateInto` adds each leaf's update as soon as it is computed; for any
     other, the updates are computed first and then added.
 
@@ -333,6 +351,11 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
     array([0.5, 0.5])
     """
     stage = transformation.stage
+    if isinstance(stage, FusedUpdate) and on_device(into):
+        check_state_type(stage, state)
+        step, new_state = stage.fused_step(grads, state, params)
+        if launch([step], grads, into):
+            return new_state
     if isinstance(stage, KernelUpdate) and on_device(into):
         check_state_type(stage, state)
         return stage.kernel_update_into(grads, state, params, into)
@@ -419,100 +442,3 @@ def set_to_zero() -> GradientTransformation:
     array([-0., -0.])
     """
     return transformation(_SetToZero())
-
-
-# How `chain` runs a stage: its own update (pure, in place or adding `into`), its update
-# into the updates the stage before made (`OwnedUpdate` after `FreshUpdates`), or its
-# update scaled by the factor of the stage after it (`ScaledUpdate`, then `FoldedFactor`),
-# or, adding into CuPy parameters, its kernel with that factor (`KernelUpdate`).
-_OWN, _OWNED, _SCALED, _KERNEL = "own", "owned", "scaled", "kernel"
-
-
-def _plan(stages: list) -> list[tuple[int, str]]:
-    """(position of the stage, how it runs) for each step of a chain of `stages` (None for
-    a transformation that is no `Stage`), from what they declare."""
-    steps, i, fresh = [], 0, False  # fresh: the updates so far are arrays nothing else holds
-    while i < len(stages):
-        stage, follower = stages[i], stages[i + 1] if i + 1 < len(stages) else None
-        if isinstance(stage, ScaledUpdate) and isinstance(follower, FoldedFactor):
-            steps.append((i, _SCALED))
-            stage, i = follower, i + 2
-        else:
-            steps.append((i, _OWNED if fresh and isinstance(stage, OwnedUpdate) else _OWN))
-            i += 1
-        fresh = isinstance(stage, FreshUpdates)
-    return steps
-
-
-def _kernel_plan(stages: list) -> list[tuple[int, str]] | None:
-    """The steps of a chain of `stages` adding into CuPy parameters when it ends with a
-    `KernelUpdate` stage and a `FoldedFactor` one (a learning rate): that pair runs as one
-    kernel per leaf, the factor folded in. None for any other chain (a `KernelUpdate`
-    stage last runs its kernel through `update_into`)."""
-    n = len(stages)
-    if n >= 2 and isinstance(stages[-2], KernelUpdate) and isinstance(stages[-1], FoldedFactor):
-        return _plan(stages[:-2]) + [(n - 2, _KERNEL)]
-    return None
-
-
-class _Chain(InPlace):
-    def __init__(self, transforms: tuple[GradientTransformation, ...]) -> None:
-        self.transforms = transforms
-        self.stages = [t.stage for t in transforms]
-        self.steps = _plan(self.stages)
-        self.kernel_steps = _kernel_plan(self.stages)
-
-    def init(self, params: Params) -> tuple:
-        return tuple(t.init(params) for t in self.transforms)
-
-    def _check_state(self, state: Any) -> None:
-        """A ValueError unless `state` holds one state of the right type per stage."""
-        n = len(self.transforms)
-        if not isinstance(state, tuple) or len(state) != n:
-            size = len(state) if isinstance(state, tuple) else type(state).__name__
-            raise ValueError(f"chain of {n} transformations got an optimizer state of {size} entries")
-        for stage, s in zip(self.stages, state):
-            check_state_type(stage, s)
-
-    def precheck(self, state: tuple) -> None:
-        self._check_state(state)
-        for stage, s in zip(self.stages, state):
-            if stage is not None:
-                stage.precheck(s)
-
-    def compute(self, grads: Updates, state: tuple, params: Params, in_place: bool,
-                into: list | None = None) -> tuple[Updates, tuple]:
-        self._check_state(state)
-        new_states: list = []
-        last = len(self.transforms) - 1
-        fused = into is not None and self.kernel_steps is not None and on_device(into)
-        for i, how in self.kernel_steps if fused else self.steps:
-            t, stage, s = self.transforms[i], self.stages[i], state[i]
-            if how == _KERNEL:  # the last step
-                factor, follower_state = self.stages[i + 1].folded_factor(state[i + 1])
-                new_states += [stage.kernel_update_into(grads, s, params, into, factor), follower_state]
-                return None, tuple(new_states)
-            if how == _SCALED:
-                factor, follower_state = self.stages[i + 1].folded_factor(state[i + 1])
-                grads, s = stage.update_scaled(grads, s, params, factor, in_place, into if i + 1 == last else None)
-                new_states += [s, follower_state]
-                continue
-            if how == _OWNED:
-                grads, s = stage.update_owned(grads, s, params)
-            elif into is not None and i == last:  # the last stage adds its updates
-                grads, s = None, update_into(t, grads, s, params, into)
-            else:
-                grads, s = (t.update_ if in_place else t.update)(grads, s, params)
-            new_states.append(s)
-        return grads, tuple(new_states)
-
-
-def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Apply `transforms` one after the other; the state is the tuple of their states.
-
-    >>> from luxnn import optim
-    >>> opt = chain(optim.clip_by_global_norm(1.0), optim.scale_by_adam(), optim.scale_by_learning_rate(1e-3))
-    """
-    for i, t in enumerate(transforms):
-        check_transformation(f"chain: argument {i}", t)
-    return transformation(_Chain(transforms))

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from luxnn import tree
 from luxnn.backend import module_of
 
 from .arithmetic import root_mean_square, scaled, times
 from .arrays import Params, Updates, cast_like, leafwise, map_arrays, upcast
-from .base import EmptyState, GradientTransformation, Stage, Stateless, transformation
+from .base import EmptyState, FusedUpdate, GradientTransformation, Stage, Stateless, transformation
 from .checks import check_float, check_match, check_params
+from .fused import Fragment, FusedStep
 from .update import global_norm
 
 __all__ = [
@@ -45,9 +48,45 @@ def clip(max_delta: float) -> GradientTransformation:
     return transformation(_Clip(check_float("clip: max_delta", max_delta)))
 
 
-class _ClipByGlobalNorm(Stateless):
+def _clip_step_twin(partials: Any, blocks: int, max_norm: float, *, dtype: Any) -> Any:
+    total = 0.0
+    for partial in partials[:blocks]:  # in order, as the kernel's prologue
+        total += float(partial)
+    norm = np.sqrt(dtype.type(total))
+    return float(max_norm) / np.maximum(norm, float(max_norm))  # a Python float, as `_ClipByGlobalNorm.max_norm`
+
+
+# The clip of `_ClipByGlobalNorm` as a fused fragment (`fused`): the sum of squares reduced
+# per block by the launch (`sums_squares`), totalled by one thread of each block; the
+# factor ``max_norm / max(norm, max_norm)`` in the compute dtype, as the CPU path's.
+CLIP_FRAGMENT = Fragment(
+    "clip",
+    "const double $max_norm",
+    "u = (P)mul((T)u, $factor);",
+    _clip_step_twin,
+    lambda factor, u, p: times(u, factor),
+    prologue="""
+    __shared__ T $shared_factor;
+    if (threadIdx.x == 0) {
+        double total = 0.0;
+        for (int k = 0; k < $blocks; ++k) total += $partials[k];
+        const T norm = sqrt((T)total);
+        $shared_factor = (T)$max_norm / (!(norm <= (T)$max_norm) ? norm : (T)$max_norm);  // a NaN norm stays
+    }
+    __syncthreads();
+    const T $factor = $shared_factor;
+    """,
+    sums_squares=True,
+)
+
+
+class _ClipByGlobalNorm(Stateless, FusedUpdate):
     def __init__(self, max_norm: float) -> None:
         self.max_norm = max_norm
+
+    def fused_step(self, grads: Updates, state: EmptyState, params: Params,
+                   factor: Any = 1.0) -> tuple[FusedStep, EmptyState]:
+        return FusedStep(CLIP_FRAGMENT, (), (self.max_norm,)), state
 
     def update(self, grads: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         if not tree.leaves(grads):

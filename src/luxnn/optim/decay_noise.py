@@ -11,7 +11,8 @@ import numpy as np
 from luxnn.backend import module_of
 
 from .arrays import Params, Updates, cast_like, map_arrays, next_count, scalar_as, upcast, zero_count
-from .base import EmptyState, FreshUpdates, GradientTransformation, Stage, Stateless, transformation
+from .base import EmptyState, FreshUpdates, FusedUpdate, GradientTransformation, Stage, Stateless, transformation
+from .fused import Fragment, FusedStep
 from .checks import check_float, check_match, check_params
 
 __all__ = [
@@ -26,22 +27,43 @@ class AddNoiseState(NamedTuple):
     rng_key: Any
 
 
-class _AddDecayedWeights(Stateless, FreshUpdates):
+def decayed(u: Any, p: Any, weight_decay: float) -> Any:
+    """``u + weight_decay * p`` in the compute dtype, returned in `u`'s dtype."""
+    out = upcast(p) * weight_decay
+    out += u
+    return cast_like(out, u)
+
+
+# `decayed` as a fused fragment (`fused`).
+DECAY_FRAGMENT = Fragment(
+    "decay",
+    "const double $weight_decay",
+    "u = (P)(mul((T)p, $t_weight_decay) + (T)u);",
+    lambda weight_decay, *, dtype: float(weight_decay),  # a Python float, as `_AddDecayedWeights.weight_decay`
+    lambda weight_decay, u, p: decayed(u, p, weight_decay),
+    prologue="const T $t_weight_decay = (T)$weight_decay;",
+)
+
+
+class _AddDecayedWeights(Stateless, FreshUpdates, FusedUpdate):
 
     def __init__(self, weight_decay: float) -> None:
         self.weight_decay = weight_decay
 
     def update(self, grads: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
+        self._check(grads, params)
+        weight_decay = self.weight_decay
+        return map_arrays(lambda u, p: decayed(u, p, weight_decay), grads, params), state
+
+    def fused_step(self, grads: Updates, state: EmptyState, params: Params,
+                   factor: Any = 1.0) -> tuple[FusedStep, EmptyState]:
+        self._check(grads, params)
+        return FusedStep(DECAY_FRAGMENT, (), (self.weight_decay,)), state
+
+    @staticmethod
+    def _check(grads: Updates, params: Params) -> None:
         check_params("add_decayed_weights", params)
         check_match(params, "params", grads, "grads")
-        weight_decay = self.weight_decay
-
-        def decay(g: Any, p: Any) -> Any:
-            out = upcast(p) * weight_decay
-            out += g
-            return cast_like(out, g)
-
-        return map_arrays(decay, grads, params), state
 
 
 def add_decayed_weights(weight_decay: float = 0.0, mask: Any = None) -> GradientTransformation:

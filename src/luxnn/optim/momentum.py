@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from luxnn.backend import module_of
-from luxnn.kernels import Elementwise
 
-from .arithmetic import MUL_PREAMBLE, bias_correction, moving_average, scaled, times
+from .arithmetic import bias_correction, moving_average
 from .arrays import (
-    Params, Updates, cast_like, launch_per_leaf, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count,
+    Params, Updates, cast_like, leafwise, next_count, out_buffer, scalar_as, upcast, zero_count,
     zeros_like_tree
 )  # fmt: skip
-from .base import GradientTransformation, InPlace, KernelUpdate, transformation
+from .base import FusedUpdate, GradientTransformation, InPlace, transformation
+from .fused import Fragment, FusedStep
 from .checks import check_decay, check_float, check_match
 
 __all__ = [
@@ -37,7 +35,7 @@ class EmaState(NamedTuple):
 
 def trace_leaf(gc: Any, t: Any, out: Any, decay: Any, nesterov: bool) -> tuple[Any, Any]:
     """Momentum of one leaf `gc` (in its compute dtype, `t` its trace): (the update, the new
-    trace, in `out`; None: a new array). `TRACE_KERNEL` fuses these passes, in order."""
+    trace, in `out`; None: a new array). `TRACE_FRAGMENT` fuses these passes, in order."""
     new = module_of(t).multiply(t, decay, out=out)
     new += gc
     if not nesterov:
@@ -47,30 +45,31 @@ def trace_leaf(gc: Any, t: Any, out: Any, decay: Any, nesterov: bool) -> tuple[A
     return update, new
 
 
-# `trace_leaf` as one CUDA kernel, its update cast to the parameter's dtype, times `factor`
-# (a learning rate, `times`) and added into the parameter; products rounded one by one.
-def _trace_twin(g, decay, factor, nesterov, p, t) -> None:
-    g, p, t = (np.atleast_1d(x) for x in (g, p, t))
-    update = trace_leaf(g.astype(t.dtype, copy=False), t, t, decay, nesterov)[0]
-    p += times(update.astype(p.dtype, copy=False), factor)
+# `trace_leaf` as a fused fragment (`fused`); products rounded one by one.
+def _trace_step_twin(decay, nesterov, *, dtype) -> tuple[float, bool]:
+    return float(decay), bool(nesterov)  # a Python float, as `_Trace.decay`
 
 
-TRACE_KERNEL = Elementwise(
-    "luxnn_trace",
-    "G g, T decay, T factor, bool nesterov",
-    "P p, T t",
+def _trace_leaf_twin(constants, u, p, t) -> Any:
+    return trace_leaf(upcast(u), t, t, *constants)[0].astype(u.dtype, copy=False)
+
+
+TRACE_FRAGMENT = Fragment(
+    "trace",
+    "const double $decay, const int $nesterov",
     """
-    T gc = (T)g;
-    t = mul(t, decay) + gc;
-    T update = nesterov ? mul(t, decay) + gc : t;
-    p = (P)((T)p + (T)(P)mul((T)(P)update, factor));
+    const T gc = (T)u;
+    $m0 = mul($m0, $t_decay) + gc;
+    u = (P)($nesterov ? mul($m0, $t_decay) + gc : $m0);
     """,
-    twin=_trace_twin,
-    preamble=MUL_PREAMBLE,
+    _trace_step_twin,
+    _trace_leaf_twin,
+    prologue="const T $t_decay = (T)$decay;",
+    moments=1,
 )
 
 
-class _Trace(InPlace, KernelUpdate):
+class _Trace(InPlace, FusedUpdate):
     def __init__(self, decay: float, nesterov: bool) -> None:
         self.decay, self.nesterov = decay, nesterov
 
@@ -89,14 +88,10 @@ class _Trace(InPlace, KernelUpdate):
         updates, traces = leafwise(leaf, grads, state.trace, outputs=2, into=into)
         return updates, TraceState(trace=traces)
 
-    def kernel_update_into(self, grads: Updates, state: TraceState, params: Params, into: list,
-                           factor: Any = 1.0) -> TraceState:
+    def fused_step(self, grads: Updates, state: TraceState, params: Params,
+                   factor: Any = 1.0) -> tuple[FusedStep, TraceState]:
         check_match(state.trace, "the optimizer state (momentum)", grads, "grads")
-        if launch_per_leaf(TRACE_KERNEL, grads, (state.trace,), into, (self.decay, factor), (self.nesterov,)):
-            return state
-        updates, state = self.update_in_place(grads, state, params)  # dtypes the kernel does not mix
-        scaled(updates, factor, into)
-        return state
+        return FusedStep(TRACE_FRAGMENT, (state.trace,), (self.decay, self.nesterov)), state
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:

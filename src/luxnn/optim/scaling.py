@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from luxnn.backend import module_of
 
 from .arithmetic import at_least, l2_norm, root_mean_square, scale_in_place, scaled, times
-from .arrays import Params, ScalarOrSchedule, Schedule, Updates, map_arrays, next_count, zero_count
+from .arrays import Params, ScalarOrSchedule, Schedule, Updates, host_count, map_arrays, next_count, zero_count
 from .base import (
     EmptyState, FoldedFactor, FreshUpdates, GradientTransformation, OwnedUpdate, Stateless, UpdateInto, identity,
     transformation
@@ -81,12 +81,17 @@ class _ScaleBySchedule(FreshUpdates, OwnedUpdate, UpdateInto, FoldedFactor):
         return state
 
     def folded_factor(self, state: ScaleByScheduleState) -> tuple[Any, ScaleByScheduleState]:
-        factor = self.step_size_fn(state.count)
-        check_schedule_value("scale_by_schedule (a learning rate schedule)", factor, state.count)
-        return factor, ScaleByScheduleState(next_count(state.count))
+        return self._factor(state), ScaleByScheduleState(next_count(state.count))
 
     def precheck(self, state: ScaleByScheduleState) -> None:
-        self.folded_factor(state)
+        self._factor(state)
+
+    def _factor(self, state: ScaleByScheduleState) -> Any:
+        """The schedule's value at the state's count, checked. On a GPU the schedule runs
+        on the host, at the count's host value (`host_count`): no launch, no read."""
+        factor = self.step_size_fn(host_count(state.count))
+        check_schedule_value("scale_by_schedule (a learning rate schedule)", factor, state.count)
+        return factor
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:

@@ -27,8 +27,12 @@ from .arrays import (
     Params, Updates, cast_like, map_arrays, module_of_tree, next_count, out_buffer, scalar_as, shaped_like, upcast,
     zero_count, zeros_like_tree
 )  # fmt: skip
-from .base import GradientTransformation, InPlace, check_transformation, precheck, transformation, update_into
+from .base import (
+    FusedUpdate, GradientTransformation, InPlace, Stateless, check_transformation, precheck, transformation,
+    update_into
+)  # fmt: skip
 from .checks import check_match, check_steps, where
+from .fused import FusedStep
 
 __all__ = [
     "MaskedNode", "MaskedState", "MultiTransformState", "MultiStepsState", "ApplyIfFiniteState",
@@ -222,6 +226,15 @@ class _Masked(InPlace):
         return None, MaskedState(inner_state=inner_state)
 
 
+class _MaskedFused(_Masked, FusedUpdate):
+    """`masked` of a stateless `FusedUpdate` stage: its fused step, on the selected leaves."""
+
+    def fused_step(self, grads: Updates, state: MaskedState, params: Params,
+                   factor: Any = 1.0) -> tuple[FusedStep, MaskedState]:
+        step, inner_state = self.inner.stage.fused_step(grads, state.inner_state, params)
+        return step._replace(active=self._selected(grads)), MaskedState(inner_state=inner_state)
+
+
 def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     """Apply `inner` to the leaves `mask` marks True; the others pass unchanged (optax).
 
@@ -235,7 +248,9 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     >>> t.update({"w": np.ones(1), "b": np.ones(1)}, t.init({"w": np.ones(1), "b": np.ones(1)}))[0]
     {'w': array([0.]), 'b': array([1.])}
     """
-    return transformation(_Masked(check_transformation("masked: inner", inner), mask))
+    inner = check_transformation("masked: inner", inner)
+    fused = isinstance(inner.stage, FusedUpdate) and isinstance(inner.stage, Stateless)
+    return transformation((_MaskedFused if fused else _Masked)(inner, mask))
 
 
 class _MultiTransform(InPlace):

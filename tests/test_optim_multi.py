@@ -1,0 +1,195 @@
+"""The multi-tensor optimiser step on the simulated device (tests/sim_cupy.py): a few
+launches per step whatever the number of leaves, leaves grouped by dtype, the pointer
+table kept while the addresses stay, the wrappers (`inject_hyperparams`, `MultiSteps`,
+`masked`) and the pure verbs giving the CPU's numbers, and the fallbacks.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import luxnn as lx
+from luxnn import optim
+
+import sim_cupy
+from test_optim_fused import _assert_close, _run_updates, _tree
+
+LAUNCHES = ("kernel", "fill", "cublas")
+SCHEDULE = optim.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=50)
+
+
+@pytest.fixture
+def sim_gpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", sim_cupy)
+    yield lx.gpu_device(force=True)
+
+
+def _shapes(leaves):
+    return ([(8, 8), (8,), ()] * leaves)[:leaves]
+
+
+def _launches_of_a_warm_step(make, leaves, device):
+    """The launches of the second update of a model of `leaves` float32 leaves."""
+    rng = np.random.default_rng(0)
+    params, grads = device(_tree(rng, np.float32, _shapes(leaves))), device(_tree(rng, np.float32, _shapes(leaves)))
+    opt = make()
+    state = optim.update_and_apply_(opt, grads, opt.init(params), params)
+    with sim_cupy.counting() as counts:
+        optim.update_and_apply_(opt, grads, state, params)
+    return counts
+
+
+BUDGETED = {
+    "adam": lambda: optim.adam(1e-3),
+    "adamw": lambda: optim.adamw(1e-3, mask=lambda ps: lx.tree.map(lambda p: p.ndim > 1, ps)),
+    "sgd_momentum": lambda: optim.sgd(0.1, momentum=0.9, nesterov=True),
+    "lion": lambda: optim.lion(1e-4),
+    "adam_schedule": lambda: optim.adam(SCHEDULE),
+    "adamw_schedule": lambda: optim.adamw(SCHEDULE),
+    "sgd_momentum_schedule": lambda: optim.sgd(SCHEDULE, momentum=0.9),
+    "lion_schedule": lambda: optim.lion(SCHEDULE),
+    "clip_adamw": lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3)),
+}
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+def test_an_optimiser_step_launches_at_most_7_kernels_for_any_number_of_leaves(name, sim_gpu):
+    few, many = (_launches_of_a_warm_step(BUDGETED[name], leaves, sim_gpu) for leaves in (3, 20))
+    total = sum(many[k] for k in LAUNCHES)
+    assert total == sum(few[k] for k in LAUNCHES) <= 7, (few, many)
+    # the step's scalars (count, bias corrections, schedule) need no read of the device,
+    # and the pointer table of the same arrays is not uploaded again
+    assert many["memcpy"] == 0 and many["fill"] == 0, many
+
+
+def test_the_step_launches_one_kernel_per_dtype_of_the_leaves(sim_gpu):
+    dtypes = [np.float32, np.float64, np.float16, np.float32, np.float64]
+    make = lambda: optim.adamw(1e-2, weight_decay=0.1)  # noqa: E731
+
+    def run(device):
+        rng = np.random.default_rng(1)
+        def tree():
+            return device({f"w{i}": rng.standard_normal((3, 2)).astype(d) for i, d in enumerate(dtypes)})
+
+        params, opt = tree(), make()
+        state = opt.init(params)
+        with sim_cupy.counting() as counts:
+            for _ in range(3):
+                state = optim.update_and_apply_(opt, tree(), state, params)
+        return lx.cpu_device()((params, state)), counts
+
+    (cpu, _), (gpu, counts) = run(lx.cpu_device()), run(sim_gpu)
+    for dtype in ("float16", "float32", "float64"):
+        assert counts["kernel", f"luxnn_fused_adam_decay_scale_{dtype}"] == 3
+    _assert_close(gpu, cpu, np.float16)  # each leaf to its own dtype's rounding at worst
+    for (path, want), (_, got) in zip(lx.tree.paths(cpu), lx.tree.paths(gpu)):
+        if want.dtype == np.float64:
+            np.testing.assert_allclose(got, want, rtol=1e-12, err_msg=path)
+
+
+def test_a_non_contiguous_gradient_takes_the_unfused_path_with_the_same_numbers(sim_gpu):
+    def run(device):
+        rng = np.random.default_rng(2)
+        params = device({"w": rng.standard_normal((3, 4)), "b": rng.standard_normal(4)})
+        opt = optim.adamw(1e-2)
+        state = opt.init(params)
+        with sim_cupy.counting() as counts:
+            for _ in range(3):
+                grads = device({"w": rng.standard_normal((4, 3)), "b": rng.standard_normal(4)})
+                grads["w"] = grads["w"].T  # a transposed view, as a backward pass may give
+                state = optim.update_and_apply_(opt, grads, state, params)
+        return lx.cpu_device()((params, state)), counts
+
+    (cpu, _), (gpu, counts) = run(lx.cpu_device()), run(sim_gpu)
+    assert counts["kernel", "luxnn_fused_adam_decay_scale_float64"] == 0
+    _assert_close(gpu, cpu, np.float64)
+
+
+def test_set_hyperparams_changes_the_learning_rate_of_the_fused_step(sim_gpu):
+    def run(device):
+        rng = np.random.default_rng(3)
+        params = device(_tree(rng, np.float32))
+        opt = optim.inject_hyperparams(optim.adamw)(learning_rate=1e-2, weight_decay=0.1)
+        state = opt.init(params)
+        with sim_cupy.counting() as counts:
+            for lr in (1e-2, 3e-3, 1e-1):
+                state = optim.set_hyperparams(state, learning_rate=lr)
+                state = optim.update_and_apply_(opt, device(_tree(rng, np.float32)), state, params)
+        return lx.cpu_device()((params, state)), counts
+
+    (cpu, _), (gpu, counts) = run(lx.cpu_device()), run(sim_gpu)
+    assert counts["kernel", "luxnn_fused_adam_decay_scale_float32"] == 3
+    _assert_close(gpu, cpu, np.float32)
+
+
+def test_multi_steps_runs_the_fused_step_every_k_gradients(sim_gpu):
+    make = lambda: optim.MultiSteps(optim.sgd(_halving_schedule(), momentum=0.9), every_k_schedule=3)  # noqa: E731
+    cpu = _run_updates(make(), lx.cpu_device(), np.float32, steps=7)
+    with sim_cupy.counting() as counts:
+        gpu = _run_updates(make(), sim_gpu, np.float32, steps=7)
+    assert counts["kernel", "luxnn_fused_trace_scale_float32"] == 2  # after gradients 3 and 6
+    _assert_close(gpu, cpu, np.float32)
+
+
+def _halving_schedule():
+    return optim.exponential_decay(0.1, 1, 0.5)
+
+
+@pytest.mark.parametrize("make", [lambda: optim.adamw(SCHEDULE), lambda: optim.sgd(0.1, momentum=0.9),
+                                  lambda: optim.lion(1e-3)])
+@pytest.mark.parametrize("verb", ["update", "update_"])
+def test_the_pure_and_in_place_verbs_give_the_cpus_numbers_on_the_device(make, verb, sim_gpu):
+    def run(device):
+        rng = np.random.default_rng(4)
+        params = device(_tree(rng, np.float32))
+        opt = make()
+        state = opt.init(params)
+        for _ in range(3):
+            updates, state = getattr(opt, verb)(device(_tree(rng, np.float32)), state, params)
+            params = optim.apply_updates(params, updates)
+        return lx.cpu_device()((params, state))
+
+    _assert_close(run(sim_gpu), run(lx.cpu_device()), np.float32)
+
+
+def test_a_state_made_elsewhere_reads_its_count_once_for_the_schedule(sim_gpu):
+    """A copied state's counts are new arrays of unknown value: read once, then followed."""
+    rng = np.random.default_rng(5)
+    params = sim_gpu(_tree(rng, np.float32))
+    opt = optim.adam(SCHEDULE)
+    state = opt.init(params)
+    grads = sim_gpu(_tree(rng, np.float32))
+    for _ in range(3):
+        state = optim.update_and_apply_(opt, grads, state, params)
+    copied = lx.tree.map(lambda a: a.copy(), state)  # e.g. a loaded checkpoint
+    reference = lx.tree.map(lambda a: a.copy(), params)
+    with sim_cupy.counting() as counts:
+        copied = optim.update_and_apply_(opt, grads, copied, params)
+        optim.update_and_apply_(opt, grads, copied, params)
+    assert counts["memcpy", "device_to_host"] == 1  # the schedule's count, read once
+    # the same two updates from the original state
+    state = optim.update_and_apply_(opt, grads, state, reference)
+    optim.update_and_apply_(opt, grads, state, reference)
+    _assert_close(lx.cpu_device()(params), lx.cpu_device()(reference), np.float32)
+
+
+def test_parameters_that_are_views_of_one_flat_buffer_are_updated_through_their_own_pointers(sim_gpu):
+    def run(device):
+        rng = np.random.default_rng(6)
+        flat = device(rng.standard_normal(30))
+        params = {"w": flat[:12].reshape(3, 4), "b": flat[12:16], "c": flat[16:30].reshape(2, 7)}
+        opt = optim.adamw(1e-2, weight_decay=0.1)
+        state = opt.init(params)
+        with sim_cupy.counting() as counts:
+            for _ in range(3):
+                grads = device({"w": rng.standard_normal((3, 4)), "b": rng.standard_normal(4),
+                                "c": rng.standard_normal((2, 7))})
+                state = optim.update_and_apply_(opt, grads, state, params)
+        return lx.cpu_device()((flat, state)), counts
+
+    (cpu, _), (gpu, counts) = run(lx.cpu_device()), run(sim_gpu)
+    assert counts["kernel", "luxnn_fused_adam_decay_scale_float64"] == 3
+    _assert_close(gpu, cpu, np.float64)
