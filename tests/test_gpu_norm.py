@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import luxnn as lx
-from luxnn.kernels import KERNELS, Raw
+from luxnn.kernels import Raw
 
 from test_gpu import NO_GPU
-from test_sim_norm import LAYER_CASES, LOSS_CASES, _assert_close, _layer_run, _loss_run, _weights
+from test_sim_norm import LAYER_CASES, LOSS_CASES, _assert_close, _layer_run, _loss_run, _weights, kernels_here
 
 pytestmark = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
 
@@ -24,22 +24,13 @@ if NO_GPU is None:
 
 DTYPES = [np.float32, np.float64]
 GPU_TOLERANCE = {np.float32: 1e-4, np.float64: 1e-10}
-PREFIXES = ("luxnn_norm_", "luxnn_affine_", "luxnn_scale_shift", "luxnn_frozen_", "luxnn_inverse_std",
-            "luxnn_running_update", "luxnn_cross_entropy_", "luxnn_embedding_")
-
-
-def _kernels():
-    import luxnn.ops.cuda.cross_entropy, luxnn.ops.cuda.embedding, luxnn.ops.cuda.norm  # noqa: E401, F401 - declares them
-
-    return [k for k in KERNELS.values() if k.name.startswith(PREFIXES)]
-
 
 @pytest.fixture
 def twins_checked(monkeypatch):
     """Runs each launch of these kernels' twin on host copies of its arguments and checks
     that every array agrees after the launch; yields the launches checked by name."""
     checked = collections.Counter()
-    for kernel in _kernels():
+    for kernel in kernels_here():
         monkeypatch.setattr(kernel, "compiled", _shadowed(kernel, kernel.compiled, checked))
     yield checked
 

@@ -15,12 +15,22 @@ import numpy as np
 import pytest
 
 import luxnn as lx
+from luxnn.kernels import KERNELS
 from luxnn.ops.cuda import cross_entropy as cuda_cross_entropy
 from luxnn.ops.cuda import embedding as cuda_embedding
+from luxnn.ops.cuda import norm as cuda_norm  # noqa: F401 - declares its kernels
 
+import cupy_source
 import sim_cupy
 
 DTYPES = [np.float32, np.float64]
+PREFIXES = ("luxnn_norm_", "luxnn_affine_", "luxnn_scale_shift", "luxnn_frozen_", "luxnn_inverse_std",
+            "luxnn_running_update", "luxnn_cross_entropy_", "luxnn_embedding_")
+
+
+def kernels_here() -> list:
+    """The kernels of the modules tested here."""
+    return [k for k in KERNELS.values() if k.name.startswith(PREFIXES)]
 TOLERANCE = {np.float32: 2e-5, np.float64: 1e-11}
 
 
@@ -223,3 +233,9 @@ def test_embedding_indices_out_of_range_on_the_device_give_nan_then_raise_the_la
     with pytest.raises(lx.LayerError, match=r"^Embedding\(10 => 4\): expected indices in \[0, 10\), got 1 outside it \(as high as 12\)"):
         layer(sim_gpu(np.array([1, 2])), ps, st)
     cuda_embedding.CHECKS.raise_found(sim_cupy)  # nothing left
+
+
+@pytest.mark.skipif(cupy_source.nvcc() is None, reason="needs nvcc (the CUDA toolkit) to compile the kernels' CUDA sources")
+def test_these_kernels_cuda_sources_compile_as_cupy_would_compile_them():
+    mine = kernels_here()
+    assert len(mine) == 19 and cupy_source.compile_errors(mine, cupy_source.nvcc()) == {}

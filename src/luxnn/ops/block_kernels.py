@@ -42,9 +42,11 @@ def per_dtype(name: str, body: str, signature: str, call: str, twin, prelude: st
     """One `Raw` kernel per floating dtype, ``name_float32`` and ``name_float64`` (the dict's
     keys: their dtypes), each calling the template function of `body` as `call` does
     (`signature`'s ``T`` is the dtype), after `BLOCK_REDUCE` and `prelude`."""
-    entry = 'extern "C" __global__ void {name}_{dtype}({signature}) {{ {call}; }}'
-    code = "\n".join([BLOCK_REDUCE, prelude, body] + [
-        entry.format(name=name, dtype=dtype, signature=re.sub(r"\bT\b", ctype, signature), call=call)
-        for dtype, ctype in (("float32", "float"), ("float64", "double"))
-    ])
-    return {np.dtype(dtype): Raw(f"{name}_{dtype}", code, twin=twin) for dtype in ("float32", "float64")}
+    entry = 'extern "C" __global__ void {name}({signature}) {{ {call}; }}'
+    kernels = {}
+    for dtype, ctype in (("float32", "float"), ("float64", "double")):
+        kernel = f"{name}_{dtype}"
+        code = "\n".join([BLOCK_REDUCE, prelude, body, entry.format(
+            name=kernel, signature=re.sub(r"\bT\b", ctype, signature), call=call)])
+        kernels[np.dtype(dtype)] = Raw(kernel, code, twin=twin)
+    return kernels

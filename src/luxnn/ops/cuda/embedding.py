@@ -22,7 +22,7 @@ MAX_BLOCKS = 1024  # of the scatter-add: block b owns the rows r with r % blocks
 CHECKS = DeferredChecks()
 
 
-def _lookup_twin(indices, table, rows, dim, flag, out):
+def _lookup_twin(indices, table, rows, dim, out, flag):
     r = indices.reshape(-1)
     bad = (r < 0) | (r >= rows)
     out.reshape(-1, dim)[...] = np.where(bad[:, None], np.nan, table.reshape(rows, dim)[np.where(bad, 0, r)])
@@ -35,8 +35,8 @@ def _lookup_twin(indices, table, rows, dim, flag, out):
 # out[i, d] = table[indices[i], d]; an index out of range: NaN, counted in the flag.
 EMBEDDING_LOOKUP = Elementwise(
     "luxnn_embedding_lookup",
-    "raw int64 indices, raw T table, int64 rows, int64 dim, raw int64 flag",
-    "T out",
+    "raw int64 indices, raw T table, int64 rows, int64 dim",
+    "T out, raw int64 flag",
     """
     const long long row = i / dim, d = i - row * dim, r = indices[row];
     if (r < 0 || r >= rows) {
@@ -100,8 +100,8 @@ def lookup_rows(table, indices, owner, error):
     rows, dim = table.shape
     flat = xp.ascontiguousarray(indices).reshape(-1).astype(np.int64, copy=False)
     flag = xp.zeros(3, np.int64)
-    out = EMBEDDING_LOOKUP(flat, xp.ascontiguousarray(table), np.int64(rows), np.int64(dim), flag,
-                           xp.empty((*indices.shape, dim), table.dtype))
+    out, _ = EMBEDDING_LOOKUP(flat, xp.ascontiguousarray(table), np.int64(rows), np.int64(dim),
+                              xp.empty((*indices.shape, dim), table.dtype), flag)
     CHECKS.add(xp, flag, lambda found: _report(found, rows, owner, error))
 
     def vjp(g, needs):
