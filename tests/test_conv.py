@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import luxnn as lx
-from luxnn.ops.conv import _BLOCK_BYTES, conv
+from luxnn.ops.conv import conv
+from luxnn.ops.cpu.conv import _BLOCK_BYTES
 
 RTOL = 1e-6
 
@@ -299,3 +300,95 @@ def test_wrong_parameters():
 def test_bad_configuration(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+# -- CUDA kernels against their NumPy twins (on a GPU) ----------------------------------------
+
+from luxnn.ops.cuda import conv as cuda_conv, pool as cuda_pool  # noqa: E402
+
+
+def _conv_geometry(case):
+    (n, sizes, c, groups), (kernel, stride, dilation, padding) = case
+    out = tuple(
+        (size + lo + hi - d * (k - 1) - 1) // s + 1 for size, k, s, d, (lo, hi) in zip(sizes, kernel, stride, dilation, padding)
+    )  # fmt: skip
+    return n, sizes, c, groups, out, cuda_conv._Geometry(c, groups, sizes, out, kernel, stride, dilation, padding)
+
+
+# (images, spatial sizes, channels, groups), (kernel, stride, dilation, padding): odd sizes,
+# ranks 1 to 3, strides, dilations, groups, asymmetric padding, one image.
+CONV_CASES = [
+    ((3, (7, 6), 4, 1), ((3, 3), (1, 1), (1, 1), ((1, 1), (1, 1)))),
+    ((2, (11, 10), 6, 3), ((3, 2), (2, 3), (2, 1), ((1, 0), (2, 1)))),
+    ((1, (17,), 2, 2), ((3,), (2,), (2,), ((3, 3),))),
+    ((2, (5, 6, 4), 3, 1), ((2, 2, 2), (1, 2, 1), (1, 1, 1), ((0, 1), (1, 1), (0, 0)))),
+]
+
+
+def _conv_kernel_args(kernel, case, rng, dtype):
+    """Host arguments of one launch of a conv kernel (outputs last, zero-filled)."""
+    n, sizes, c, groups, out, geometry = _conv_geometry(case)
+    rows, width = n * math.prod(out), geometry.width
+    normal = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+    if kernel is cuda_conv.IM2COL:
+        return [normal(n, *sizes, c), *geometry.args(n), True, np.zeros((groups, width, rows), dtype)]
+    if kernel is cuda_conv.COL2IM:
+        return [normal(groups, rows, width), normal(c), *geometry.args(n), True, True, np.zeros((n, *sizes, c), dtype)]
+    o = 2 * groups
+    if kernel is cuda_conv.EPILOGUE:
+        return [normal(groups, rows, 2), normal(o), o, groups, rows, True, True, np.zeros((rows, o), dtype), np.zeros((rows, o), bool)]
+    return [normal(rows, o), normal(rows, o) > 0, o, groups, rows, True, np.zeros((groups, rows, 2), dtype)]  # BY_GROUP
+
+
+# (input shape, output sizes, window, stride, padding); window None: adaptive.
+POOL_CASES = [
+    ((3, 9, 8, 4), (5, 4), (3, 3), (2, 2), ((1, 1), (1, 1))),
+    ((2, 7, 3), (4,), (3,), (2,), ((1, 1),)),
+    ((2, 4, 5, 6, 3), (5, 3, 4), (2, 2, 3), (1, 2, 2), ((1, 1), (1, 1), (1, 1))),
+    ((3, 9, 8, 4), (4, 3), None, None, None),
+]
+
+
+def _pool_kernel_args(kernel, case, rng, dtype):
+    shape, out, window, stride, padding = case
+    geometry = cuda_pool._Geometry(shape, out, window, stride, padding)
+    y_shape = (shape[0], *out, shape[-1])
+    x, g = rng.standard_normal(shape).astype(dtype), rng.standard_normal(y_shape).astype(dtype)
+    if kernel is cuda_pool.MAX_POOL:
+        return [x, *geometry.args, np.zeros(y_shape, dtype), np.zeros(y_shape, np.int32)]
+    if kernel is cuda_pool.AVG_POOL:
+        return [x, *geometry.args, False, np.zeros(y_shape, dtype)]
+    if kernel is cuda_pool.AVG_POOL_GRAD:
+        return [g, *geometry.args, False, np.zeros(shape, dtype)]
+    arg = np.zeros(y_shape, np.int32)
+    cuda_pool.MAX_POOL.twin(x, *geometry.args, np.zeros(y_shape, dtype), arg)
+    return [g, arg, *geometry.args, np.zeros(shape, dtype)]  # MAX_POOL_GRAD
+
+
+KERNEL_CASES = [
+    *((k, case, _conv_kernel_args) for k in (cuda_conv.IM2COL, cuda_conv.COL2IM, cuda_conv.EPILOGUE, cuda_conv.BY_GROUP)
+      for case in CONV_CASES),
+    *((k, case, _pool_kernel_args) for k in (cuda_pool.MAX_POOL, cuda_pool.MAX_POOL_GRAD, cuda_pool.AVG_POOL,
+                                              cuda_pool.AVG_POOL_GRAD) for case in POOL_CASES),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("kernel,case,make", KERNEL_CASES, ids=lambda v: getattr(v, "name", None))
+def test_each_cuda_kernel_computes_its_numpy_twin(kernel, case, make, dtype, gpu):
+    """On a GPU: float64 to 1e-10, float32 to 1e-4 of the output's scale; integer and
+    boolean outputs exactly."""
+    import cupy
+
+    host = make(kernel, case, np.random.default_rng(0), dtype)
+    device = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in host]
+    kernel(*device)
+    kernel.twin(*host)
+    for got, want in zip(device, host):
+        if isinstance(want, np.ndarray):
+            got = cupy.asnumpy(got)
+            if want.dtype.kind == "f":
+                scale = max(float(np.abs(want).max(initial=0)), 1e-30)
+                assert float(np.abs(got - want).max(initial=0)) <= (1e-10 if dtype == np.float64 else 1e-4) * scale
+            else:
+                np.testing.assert_array_equal(got, want)

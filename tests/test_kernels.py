@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import pkgutil
 
 import numpy as np
 import pytest
 
-import luxnn as lx  # noqa: F401  (declares the kernels of every module)
+import luxnn as lx  # noqa: F401  (declares the kernels of every module it imports)
+import luxnn.ops.cuda
 from luxnn import kernels
+
+# The CUDA implementations load when a CuPy array first comes: load them all here.
+for _module in pkgutil.iter_modules(luxnn.ops.cuda.__path__):
+    importlib.import_module(f"luxnn.ops.cuda.{_module.name}")
 
 import cupy_source
 
@@ -17,7 +24,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolk
 
 
 def test_every_kernel_is_registered_by_name_with_its_twin():
-    assert {"luxnn_sum_of_squares_float32", "luxnn_dropout_mask"} <= set(kernels.KERNELS)
+    assert {"luxnn_sum_of_squares_float32", "luxnn_dropout_mask", "luxnn_lstm_cell"} <= set(kernels.KERNELS)
     for name, kernel in kernels.KERNELS.items():
         assert kernel.name == name and callable(kernel.twin), name
 

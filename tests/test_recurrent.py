@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import luxnn as lx
-import luxnn.ops.recurrent as rec
+import luxnn.ops.cpu.recurrent as rec
 from luxnn.ops import _recurrent
 from luxnn.ops.recurrent import gru_sequence, lstm_sequence, rnn_sequence
 from test_ad_primitives import check_grad  # the one finite-difference checker
@@ -238,7 +238,7 @@ def run_passes(forward, backward, ops, reverse, with_g):
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("with_g", [False, True])
 def test_c_passes_match_the_array_passes(rows, seq, hidden, K, reverse, with_g):
-    """The C passes against the array-API ones (the CuPy path): float64 to rounding, and
+    """The C passes against the NumPy ones: float64 to rounding, and
     float32 (its own tanh) against float64 within float32's precision."""
     ops64 = pass_operands(np.random.default_rng(rows * 100 + hidden), rows, seq, hidden, K, np.float64)
     want = run_passes(rec._lstm_forward_steps, rec._lstm_backward_steps, ops64, reverse, with_g)
@@ -354,7 +354,7 @@ def test_lstm_passes_split_over_threads_agree_with_one_block(split_passes, monke
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_lstm_without_the_blas_runs_the_array_passes(monkeypatch, reverse):
-    """Where NumPy's BLAS is not found (HAS_GEMM False), the primitive runs the array-API
+    """Where NumPy's BLAS is not found (HAS_GEMM False), the primitive runs the NumPy
     passes: the same outputs and gradients, and these against finite differences."""
     args = lstm_args(np.random.default_rng(12), 3, 4, 2, 3)
     f = lambda *a: lstm_sequence(*a, reverse=reverse)  # noqa: E731
@@ -362,7 +362,7 @@ def test_lstm_without_the_blas_runs_the_array_passes(monkeypatch, reverse):
     loss = lx.value_and_grad(lambda *a: (f(*a) * weights).sum(), argnums=tuple(range(6)))
     (value, grads), y = loss(*args), f(*args)
     monkeypatch.setattr(_recurrent, "HAS_GEMM", False)
-    assert rec._lstm_passes(np, np.float64) == (rec._lstm_forward_steps, rec._lstm_backward_steps)
+    assert rec._lstm_passes(np.float64) == (rec._lstm_forward_steps, rec._lstm_backward_steps)
     check_grad(f, *args)
     (value_arrays, grads_arrays), y_arrays = loss(*args), f(*args)
     np.testing.assert_allclose(y_arrays, y, rtol=1e-12, atol=1e-12)

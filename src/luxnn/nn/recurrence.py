@@ -181,7 +181,7 @@ class Recurrence(Layer):
 
 
 def _concat(f: Any, b: Any) -> Any:
-    return array_namespace(f, b).concat([f, b], axis=-1)
+    return array_namespace(f, b).concatenate([f, b], axis=-1)  # `concat` is not in CuPy 13
 
 
 def _mean(f: Any, b: Any) -> Any:

@@ -7,29 +7,17 @@ Flux/Lux's ConvTranspose, and PyTorch's ``(C, O/groups, *k)`` transposed). The p
 take their static configuration normalised (`stride` and `dilation` one entry per spatial
 axis, `padding` one ``(low, high)`` pair per axis); `conv` and `conv_transpose` normalise it.
 
-How a call spends its time and memory: blocks of images, each padded (only when padding is
-nonzero), its im2col matrix ``(groups, rows, prod(k)*C/groups)`` built from a strided window
-view by a single copy, one GEMM per group against the kernel, and the bias and the optional
-fused relu on the block's output rows while they are in cache (with the relu, a boolean
-mask of where it let its input through, which the backward pass keeps instead of the
-output). The blocks run on all of
-`luxnn.num_threads` at once, the BLAS single-threaded in each (`luxnn.parallel.for_blocks`),
-and are sized so that the im2col blocks in flight hold about 4 MB together: a call never
-holds the matrix of the whole batch, nor a padded copy of the whole input. Blocks shared
-out to threads build their im2col matrices in buffers the call makes before they start,
-one per thread, so that the cache sees the same large requests in the same order every
-step. The backward pass
-makes one pass over blocks of images: the relu mask, the bias gradient, the input gradient
-(skipped when the input is not differentiated) and the weight gradient, a GEMM against the
-block's im2col matrix, rebuilt rather than kept from the forward pass; each thread sums the
-weight and bias gradients of its own blocks, and the sums are added at the end.
-At stride 1 the input gradient is itself a correlation: of the output gradient, padded by the
-dilated kernel's extent less the forward's padding (cropped where that is negative), with the
-flipped kernel; it runs as the forward does. At other strides it is a GEMM, then a col2im
-scatter-add: one strided add per kernel offset into the padded input gradient. The first
-is the faster: one copy and one GEMM, where the second adds a strided pass per kernel offset.
-`conv_transpose` runs the same kernels the other way round: its forward is the GEMM and
-col2im, its backward the im2col GEMMs of the output gradient.
+This module is the device-neutral part: the configuration, the output sizes, the layout
+helpers and the VJP wiring. The work runs in the implementation of the arrays' device
+(`luxnn.ops.traits`): ``ops/cpu/conv.py`` (blocks of images in cache on luxnn's threads)
+and ``ops/cuda/conv.py`` (whole-batch im2col and col2im kernels and GEMMs). Each exports
+
+- ``conv_forward(x, w, b, stride, padding, dilation, groups, relu, out) -> (y, residual)``
+- ``conv_backward(g, x, w, residual, needs, stride, padding, dilation, groups, out) -> (dx, dw, db)``
+- ``conv_transpose_forward(...)`` and ``conv_transpose_backward(...)``, with the same parameters,
+
+where `out` is the output's spatial sizes and `residual` what the backward pass needs of
+the forward's besides its inputs (where a fused relu let its input through).
 
 >>> import numpy as np
 >>> x = np.ones((1, 5, 5, 2), np.float32); w = np.ones((3, 3, 2, 4), np.float32)
@@ -39,22 +27,17 @@ col2im, its backward the im2col GEMMs of the output gradient.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import math
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from ..parallel import cut, for_blocks, matmul, num_threads
+from .traits import implementation
 
 __all__ = [
     "conv", "conv_transpose", "conv_output_size", "window_slices", "pad_spatial", "crop_spatial", "per_axis",
-    "per_side",
+    "per_side", "grouped_kernel", "by_group",
 ]  # fmt: skip
 
 Pairs = tuple[tuple[int, int], ...]
@@ -104,212 +87,16 @@ def window_slices(offset: tuple[int, ...], stride: tuple[int, ...], dilation: tu
     )
 
 
-def _im2col(
-    xpad: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int,
-    into: Any = None,
-) -> Any:  # fmt: skip
-    """The im2col matrix ``(groups, N*prod(out), prod(kernel)*C/groups)`` of `xpad`: a strided
-    window view ``(N, *out, *kernel, C)`` of the input, copied once, into the front of the
-    flat buffer `into` if given (no copy at all for a 1x1 kernel at stride 1 without groups,
-    where the view already is the matrix)."""
-    xp = module_of(xpad)
-    n, c = xpad.shape[0], xpad.shape[-1]
-    sn, *ss, sc = xpad.strides
-    cg = c // groups
-    rows, width = n * math.prod(out), math.prod(kernel) * cg
-    cols = None if into is None else into[: groups * rows * width]
-    if cg == 1 and out[-1] > kernel[-1]:
-        # One channel per group (a first layer on grey images, a depthwise conv): the view's
-        # contiguous runs would be one kernel row, a few elements long, so fill the buffer one
-        # kernel offset at a time instead, whose runs are whole output rows. 3x faster.
-        cols = xp.empty(groups * rows * width, xpad.dtype) if cols is None else cols
-        grid = cols.reshape(groups, n, *out, *kernel)
-        lead = (slice(None),) * (2 + len(out))
-        for offset in itertools.product(*map(range, kernel)):
-            grid[lead + offset] = np.moveaxis(xpad[window_slices(offset, stride, dilation, out)], -1, 0)
-        return cols.reshape(groups, rows, width)
-    view = xp.lib.stride_tricks.as_strided(
-        xpad,
-        (n, *out, *kernel, groups, cg),
-        (sn, *(a * s for a, s in zip(ss, stride)), *(a * d for a, d in zip(ss, dilation)), cg * sc, sc),
-    )
-    if groups > 1:
-        view = np.moveaxis(view, -2, 0)
-    if cols is None or (groups == 1 and all(k == 1 for k in kernel) and all(s == 1 for s in stride) and xpad.flags.c_contiguous):
-        return view.reshape(groups, rows, width)  # a copy where the window view is not the matrix already
-    np.copyto(cols.reshape(groups, n, *out, *kernel, cg), view.reshape(groups, n, *out, *kernel, cg))
-    return cols.reshape(groups, rows, width)
-
-
-class _ColumnBuffers:
-    """A call's im2col buffers, one per thread its blocks are shared out to, made by the
-    caller before the blocks start. A block's largest temporary then lies where it lay in
-    the step before, whichever thread runs the block when: made by the blocks themselves, in
-    an order that varied with the threads' timing, it now and then found no free piece of
-    the cache that fitted, and the cache took a new segment from the system late in
-    training. Blocks that run one after another on the caller (a single block, one thread,
-    CuPy arrays) make their own, in the same order every time: ``take()`` gives None."""
-
-    def __init__(self, xp: Any, n: int, rows: int, per_image: int, dtype: Any) -> None:
-        """For blocks of at most `rows` of `n` images, `per_image` elements each, as
-        `luxnn.parallel.for_blocks` cuts them (`luxnn.parallel.cut`)."""
-        blocks, threads = cut(n, rows), num_threads()
-        shared = xp is np and len(blocks) > 1 and threads > 1
-        size = max(hi - lo for lo, hi in blocks) * per_image
-        self._free = [xp.empty(size, dtype) for _ in range(min(len(blocks), threads))] if shared else None
-        self._lock = threading.Lock()
-
-    def take(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext() if self._free is None else self._take()
-
-    @contextlib.contextmanager
-    def _take(self) -> Iterator[Any]:
-        with self._lock:
-            buffer = self._free.pop()
-        try:
-            yield buffer
-        finally:
-            with self._lock:
-                self._free.append(buffer)
-
-
-def _channel_sum(g: Any, channels: int) -> Any:
-    """Bias gradient: `g` summed over all axes but the last, as a GEMV (several times
-    faster than NumPy's column sum of a tall matrix)."""
-    g2 = g.reshape(-1, channels)
-    return module_of(g2).ones(g2.shape[0], g2.dtype) @ g2
-
-
-# Images per block: about this many bytes of im2col columns (or of output rows, if more),
-# so that a block is still in cache when its GEMM, its bias and relu or its col2im read it,
-# and a call holds one block, never the whole matrix. Measured on the issue's CNN: faster
-# than one im2col and one GEMM over the batch, and 14 MB less peak memory.
-_BLOCK_BYTES = 4 << 20
-
-
-def _blocks(n: int, bytes_per_image: int) -> list[tuple[int, int]]:
-    step = max(1, _BLOCK_BYTES // max(1, bytes_per_image))
-    return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
-
-
-# On a GPU: about this many bytes of im2col matrix per block. The blocks run one after
-# another, whatever the host's threads: fewer blocks launch fewer kernels, but one block of
-# the whole batch would hold its whole matrix (the bench's CNN on the simulated device of
-# tests/sim_cupy.py: 409 launches per step and 113 MiB peak with these blocks; 246 and
-# 356 MiB with one block; 6323 and 81 MiB with the CPU's blocks on 16 threads).
-_DEVICE_BLOCK_BYTES = 32 << 20
-
-
-def _block_images(like: Any, bytes_per_image: int) -> int:
-    """Images per block of the batch `like` ``(n, ...)``. NumPy: the blocks run on all
-    threads at once, and those in flight hold about `_BLOCK_BYTES` of im2col matrix together,
-    as one block does on one thread. CuPy: blocks of `_DEVICE_BLOCK_BYTES`, one at a time."""
-    if not isinstance(like, np.ndarray):
-        return max(1, _DEVICE_BLOCK_BYTES // max(1, bytes_per_image))
-    return max(1, _BLOCK_BYTES // num_threads() // max(1, bytes_per_image))
-
-
-def _accumulate(sums: dict, key: Any, value: Any) -> None:
-    if key in sums:
-        sums[key] += value
-    else:
-        sums[key] = value
-
-
-def _matmul_into(out: Any, a: Any, b: Any, accumulate: bool) -> None:
-    """``out = a @ b``, or ``out += a @ b``; `out` may be a strided view (BLAS writes it)."""
-    if accumulate:
-        out += matmul(a, b)
-    else:
-        matmul(a, b, out=out)
-
-
-def _col2im_add(target: Any, cols: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int) -> None:
-    """The adjoint of `_im2col`: scatter-add `cols` ``(groups, n*prod(out), prod(kernel)*C/groups)``
-    into `target` ``(n, *spatial, C)`` (padded), one strided add per kernel offset."""
-    n, c = target.shape[0], target.shape[-1]
-    grouped = target.reshape(*target.shape[:-1], groups, c // groups)
-    # (groups, n, *out, *kernel, C/groups) -> (n, *out, *kernel, groups, C/groups), a view.
-    src = np.moveaxis(cols.reshape(groups, n, *out, *kernel, c // groups), 0, -2)
-    lead = (slice(None),) * (1 + len(kernel))
-    for offset in itertools.product(*map(range, kernel)):
-        dst = grouped[window_slices(offset, stride, dilation, out)]
-        dst += src[lead + offset]
-
-
-def _gemm_col2im(a: Any, wg: Any, padded_shape: tuple[int, ...], kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int, dtype: Any) -> Any:
-    """col2im of ``a @ wg^T`` into a zero array of `padded_shape` ``(N, *spatial, C)``: `a`
-    ``(groups, N*prod(out), c)``, `wg` ``(groups, prod(kernel)*C/groups, c)``; a block of
-    images at a time."""
-    per_image = math.prod(out)
-    target = module_of(a).zeros(padded_shape, dtype)
-    wt = wg.transpose(0, 2, 1)
-    for n0, n1 in _blocks(padded_shape[0], per_image * wg.shape[1] * groups * np.dtype(dtype).itemsize):
-        cols = matmul(a[:, n0 * per_image : n1 * per_image], wt).astype(dtype, copy=False)
-        _col2im_add(target[n0:n1], cols, kernel, stride, dilation, out, groups)
-        del cols  # before the next block is computed
-    return target
-
-
-def _pad_or_crop(x: Any, padding: Pairs) -> Any:
-    """`x` ``(N, *spatial, C)`` padded by `padding`, a negative pad cropping that side instead;
-    `x` itself, or a view of it, when nothing is padded."""
-    crop = (slice(None), *(slice(max(-lo, 0), n - max(-hi, 0)) for n, (lo, hi) in zip(x.shape[1:-1], padding)), slice(None))
-    return pad_spatial(x[crop], tuple((max(lo, 0), max(hi, 0)) for lo, hi in padding))
-
-
-def _correlate(
-    x: Any, padding: Pairs, wg: Any, y: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], groups: int,
-    into: Any = None,
-) -> None:  # fmt: skip
-    """The cross-correlation of `x` ``(n, *spatial, C)``, padded by `padding` (see
-    `_pad_or_crop`), with the grouped kernel `wg` ``(groups, prod(kernel)*C/groups, O/groups)``,
-    written into `y` ``(n, *out, O)``: one im2col matrix, one GEMM per group. Called with a
-    block of images, so that the matrix, about ``prod(kernel)`` times `x`, stays small."""
-    cols = _im2col(_pad_or_crop(x, padding), kernel, stride, dilation, y.shape[1:-1], groups, into)
-    matmul(cols, wg, out=_by_group(y, groups))
-
-
-def _im2col_gemms(
-    xpad: Any, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], out: tuple[int, ...], groups: int,
-    forward: tuple[Any, Any] | None = None, weight_grad: tuple[Any, Any] | None = None,
-) -> None:  # fmt: skip
-    """The GEMMs against the im2col matrix of `xpad`, built a block of images at a time:
-    ``forward = (wg, yg)``: ``yg = cols @ wg`` (`yg` ``(groups, rows, c)``, a view it writes);
-    ``weight_grad = (gg, dwg)``: ``dwg = cols^T @ gg`` (`dwg` ``(groups, width, c)``)."""
-    per_image = math.prod(out)
-    width = math.prod(kernel) * xpad.shape[-1]
-    for i, (n0, n1) in enumerate(_blocks(xpad.shape[0], per_image * width * xpad.itemsize)):
-        cols = _im2col(xpad[n0:n1], kernel, stride, dilation, out, groups)
-        rows = slice(n0 * per_image, n1 * per_image)
-        if forward is not None:
-            wg, yg = forward
-            matmul(cols, wg, out=yg[:, rows])
-        if weight_grad is not None:
-            gg, dwg = weight_grad
-            _matmul_into(dwg, cols.transpose(0, 2, 1), gg[:, rows], accumulate=i > 0)
-        del cols  # before the next block is built
-
-
-def _grouped_kernel(w: Any, groups: int) -> Any:
+def grouped_kernel(w: Any, groups: int) -> Any:
     """Kernel ``(*k, Cin/groups, Cout)`` as ``(groups, prod(k)*Cin/groups, Cout/groups)``, a view:
     output channel ``o`` belongs to group ``o // (Cout/groups)``, as in PyTorch."""
     return w.reshape(-1, groups, w.shape[-1] // groups).transpose(1, 0, 2)
 
 
-def _by_group(a: Any, groups: int) -> Any:
+def by_group(a: Any, groups: int) -> Any:
     """``(..., groups * c)`` as a ``(groups, rows, c)`` view of its contiguous data."""
     a = a.reshape(-1, groups, a.shape[-1] // groups)
     return a.transpose(1, 0, 2)
-
-
-def _flipped_kernel(w: Any, groups: int) -> Any:
-    """The kernel ``(*k, O/groups, C)`` of the correlation that is the input gradient of a
-    stride-1 correlation with `w` ``(*k, C/groups, O)``: `w` flipped along its spatial axes,
-    its input and output channels swapped within each group. A copy, of the kernel's size."""
-    k, (cg, o) = w.shape[:-2], w.shape[-2:]
-    wf = w[(slice(None, None, -1),) * len(k)].reshape(*k, cg, groups, o // groups)
-    return np.swapaxes(wf, -3, -1).reshape(*k, o // groups, groups * cg)
 
 
 def per_axis(value: Any, r: int) -> tuple[int, ...]:
@@ -362,129 +149,28 @@ def conv_transpose(
 
 @primitive
 def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
-    r = x.ndim - 2
-    kernel = w.shape[:r]
-    n, in_sizes, c, o = x.shape[0], x.shape[1:-1], x.shape[-1], w.shape[-1]
-    out = tuple(conv_output_size(*args) for args in zip(in_sizes, kernel, stride, dilation, padding))
-    per_image = math.prod(out)
-    wg = _grouped_kernel(w, groups)
-    xp = module_of(x)
-    y = xp.empty((n, *out, o), np.result_type(x.dtype, w.dtype))
-    # NumPy broadcasts a row of O channels (or a scalar, for maximum) with slow short inner
-    # loops; one image's worth of bias or zeros is a long contiguous row, 2.5-4x faster.
-    bias_row = None if b is None else xp.tile(b.astype(y.dtype, copy=False), per_image)
-    zero_row = xp.zeros(per_image * o, y.dtype) if relu else None
-    # Where the relu let its input through: the backward pass's mask, a quarter of y's
-    # bytes (of float32), made while each block is in cache; the VJP keeps it, not y.
-    passed = xp.empty(y.shape, bool) if relu else None
-    image_bytes = per_image * max(math.prod(kernel) * c, o) * y.itemsize
-    rows = _block_images(x, image_bytes)
-    buffers = _ColumnBuffers(xp, n, rows, per_image * math.prod(kernel) * c, x.dtype)
-
-    def forward(n0, n1):
-        with buffers.take() as cols:
-            _correlate(x[n0:n1], padding, wg, y[n0:n1], kernel, stride, dilation, groups, cols)
-        per_row = y[n0:n1].reshape(n1 - n0, per_image * o)
-        if b is not None:
-            per_row += bias_row
-        if relu:
-            np.greater(per_row, zero_row, out=passed[n0:n1].reshape(per_row.shape))
-            np.maximum(per_row, zero_row, out=per_row)
-
-    for_blocks(forward, y, rows=rows, blas=True)
+    kernel = w.shape[: x.ndim - 2]
+    out = tuple(conv_output_size(*args) for args in zip(x.shape[1:-1], kernel, stride, dilation, padding))
+    device = implementation("conv", module_of(x))
+    y, residual = device.conv_forward(x, w, b, stride, padding, dilation, groups, relu, out)
 
     def vjp(g, needs):
-        # One pass over the blocks does everything a block of images needs: its relu mask
-        # (never one of the whole batch), bias gradient, input gradient and weight gradient
-        # (the im2col block rebuilt rather than kept from the forward pass: as fast, the block
-        # being in cache, and between the passes the call keeps only its input).
-        xp = module_of(g)
-        g = xp.ascontiguousarray(g)
-        dx = dxpad = None
-        block_bytes = image_bytes
-        cols_per_image = per_image * math.prod(kernel) * c if needs[1] else 0
-        if needs[0] and all(s == 1 for s in stride):
-            # dx[i] = sum_k g[i - k*dilation + low]·w[k]: the correlation of g, padded by the
-            # dilated kernel's extent less the forward's padding, with the flipped kernel,
-            # which the forward's im2col GEMM computes faster than a GEMM and a col2im would.
-            extent = tuple(d * (k - 1) for k, d in zip(kernel, dilation))
-            g_padding = tuple((e - lo, e - hi) for e, (lo, hi) in zip(extent, padding))
-            wf = _grouped_kernel(_flipped_kernel(w, groups), groups)
-            dx = xp.empty(x.shape, g.dtype)
-            block_bytes = max(block_bytes, math.prod(in_sizes) * math.prod(kernel) * o * g.itemsize)
-            cols_per_image = max(cols_per_image, math.prod(in_sizes) * math.prod(kernel) * o)
-        elif needs[0]:
-            dxpad = xp.zeros((n, *(s + lo + hi for s, (lo, hi) in zip(in_sizes, padding)), c), g.dtype)
-            dx = crop_spatial(dxpad, in_sizes, padding)
-        # The weight and bias gradients sum over every block: each thread sums its own blocks.
-        dw_sums, db_sums = {}, {}
-
-        rows = _block_images(g, block_bytes)
-        buffers = _ColumnBuffers(xp, n, rows, cols_per_image, np.result_type(x.dtype, g.dtype))
-
-        def backward(n0, n1):
-            gb = g[n0:n1] * passed[n0:n1] if relu else g[n0:n1]
-            ggb = _by_group(gb, groups)
-            thread = threading.get_ident()
-            with buffers.take() as cols:
-                if dxpad is not None:
-                    _col2im_add(dxpad[n0:n1], matmul(ggb, wg.transpose(0, 2, 1)), kernel, stride, dilation, out, groups)
-                elif dx is not None:
-                    _correlate(gb, g_padding, wf, dx[n0:n1], kernel, stride, dilation, groups, cols)
-                if needs[1]:
-                    xcols = _im2col(_pad_or_crop(x[n0:n1], padding), kernel, stride, dilation, out, groups, cols)
-                    _accumulate(dw_sums, thread, matmul(xcols.transpose(0, 2, 1), ggb))
-            if needs[2]:
-                _accumulate(db_sums, thread, _channel_sum(gb, o))
-
-        for_blocks(backward, g, rows=rows, blas=True)
-        dw = xp.zeros(w.shape, g.dtype) if needs[1] else None
-        db = xp.zeros(o, g.dtype) if needs[2] else None
-        for part in dw_sums.values():
-            _by_group(dw, groups)[...] += part
-        for part in db_sums.values():
-            db += part
-        return dx, dw, db
+        return device.conv_backward(g, x, w, residual, needs, stride, padding, dilation, groups, out)
 
     return y, vjp
 
 
 @primitive
 def _conv_transpose(x, w, b, *, stride, padding, dilation, groups, output_padding, relu):
-    r = x.ndim - 2
-    kernel = w.shape[:r]
-    n, og = x.shape[0], w.shape[-2]
-    o = og * groups
-    in_sizes = x.shape[1:-1]
-    full = tuple((i - 1) * s + d * (k - 1) + 1 for i, k, s, d in zip(in_sizes, kernel, stride, dilation))
-    out = tuple(f - lo - hi + e for f, (lo, hi), e in zip(full, padding, output_padding))
-    # The col2im target covers the full output, and the output_padding beyond it if any.
-    padded = (n, *(max(f, lo + s) for f, (lo, _), s in zip(full, padding, out)), o)
-    crop = tuple((lo, p - lo - s) for (lo, _), p, s in zip(padding, padded[1:-1], out))
-    wg = _grouped_kernel(w, groups)  # the kernel of the convolution O -> C, grouped
-    xg = _by_group(x, groups)
-    dtype = np.result_type(x.dtype, w.dtype)
-    y = crop_spatial(_gemm_col2im(xg, wg, padded, kernel, stride, dilation, in_sizes, groups, dtype), out, crop)
-    y = y + b if b is not None else module_of(y).ascontiguousarray(y)
-    if relu:
-        np.maximum(y, 0, out=y)
+    kernel = w.shape[: x.ndim - 2]
+    out = tuple(
+        (i - 1) * s + d * (k - 1) + 1 - lo - hi + e
+        for i, k, s, d, (lo, hi), e in zip(x.shape[1:-1], kernel, stride, dilation, padding, output_padding)
+    )  # fmt: skip
+    device = implementation("conv", module_of(x))
+    y, residual = device.conv_transpose_forward(x, w, b, stride, padding, dilation, groups, relu, out)
 
     def vjp(g, needs):
-        xp = module_of(g)
-        g = g * (y > 0) if relu else xp.ascontiguousarray(g)
-        gpad = pad_spatial(g, crop)
-        dx = dw = db = None
-        if needs[0]:
-            dx = xp.empty(x.shape, dtype)
-        if needs[1]:
-            dw = xp.empty(w.shape, dtype)
-        _im2col_gemms(
-            gpad, kernel, stride, dilation, in_sizes, groups,
-            forward=(wg, _by_group(dx, groups)) if needs[0] else None,
-            weight_grad=(xg, _by_group(dw, groups)) if needs[1] else None,
-        )  # fmt: skip
-        if needs[2]:
-            db = _channel_sum(g, o)
-        return dx, dw, db
+        return device.conv_transpose_backward(g, x, w, residual, needs, stride, padding, dilation, groups, out)
 
     return y, vjp

@@ -1,37 +1,32 @@
 """Recurrent cells run over whole sequences: one primitive per cell, whose backward pass
 is backpropagation through time in one loop.
 
-A pass runs one GEMM per step into a preallocated gate buffer and applies the gate
-nonlinearities and the cell update in place on it; the backward pass walks the steps in
-reverse with one GEMM per step for the hidden state's cotangent and forms the weights'
-gradients afterwards as GEMMs over all steps. Equations, gate order and bias placement are
-PyTorch's, so weights copy over from ``torch.nn.RNN/LSTM/GRU`` by a transpose.
-
-`rnn_sequence` and `gru_sequence` take the input projection of every step (``x_t @ W_ih +
-b``, one GEMM over all steps made by the caller), time-major ``(seq, batch, features)``.
-`lstm_sequence` takes the inputs themselves, batch first, and makes each step's input and
-hidden projections one GEMM; its cell's pointwise work is one C pass per step on NumPy
-float32 and float64 arrays (`luxnn.ops._recurrent`), and its passes run on the kernel threads, each taking rows
-of the batch for the whole sequence (see `_by_rows`).
+Equations, gate order and bias placement are PyTorch's, so weights copy over from
+``torch.nn.RNN/LSTM/GRU`` by a transpose. `rnn_sequence` and `gru_sequence` take the input
+projection of every step (``x_t @ W_ih + b``, one GEMM over all steps made by the caller),
+time-major ``(seq, batch, features)``; `lstm_sequence` takes the inputs themselves, batch
+first, and makes their projection itself.
 
 ``reverse=True`` runs from the last step to the first; outputs stay aligned with the
 inputs' positions (as the backward half of PyTorch's bidirectional RNNs). ``last_only=True``
 returns only the output of the last step taken, ``(batch, P)``, whose cotangent then seeds
 the backward pass (no cotangent of zeros for every other step). Padded sequences of
 different lengths run forward as they are and in reverse through `reverse_padded`.
+
+This module checks the arguments, settles the dtype and wires the VJPs; the passes
+themselves are per device (`luxnn.ops.traits`): ``<cell>_forward(...) -> (outputs,
+saved)`` and ``<cell>_backward(saved, g, last_only, needs) -> cotangents`` in
+`luxnn.ops.cpu.recurrent` (the batch's rows on the kernel threads, the LSTM's cell in C)
+and `luxnn.ops.cuda.recurrent` (per step one GEMM and one fused kernel each way).
 """
 
 from __future__ import annotations
-
-import functools
-import operator
 
 import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from ..parallel import for_blocks, matmul, num_threads
-from . import _recurrent
+from .traits import device_of_module, implementation
 
 __all__ = ["rnn_sequence", "lstm_sequence", "gru_sequence", "reverse_padded"]
 
@@ -49,67 +44,18 @@ def _check(who, xw, w_hh, gates, carries):
     return hidden
 
 
-def _operand(a, dtype, xp):
-    """`a` in `dtype`, contiguous along its last axis (as the C passes read arrays)."""
-    a = a.astype(dtype, copy=False)
-    return xp.ascontiguousarray(a) if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize else a
-
-
-# A pass runs the whole sequence on each thread's own rows of the batch: no row depends on
-# another, so the threads never wait for one another inside the pass (cutting each step's
-# GEMM instead would make them meet at every step, a hundred times in the benchmark's).
-_ROWS_PER_THREAD = 8  # at least: with fewer, a thread's GEMMs run far below the BLAS's speed
-_CUT_MADDS = 1 << 22  # a pass's hidden-projection work below which one thread is faster
-
-
-def _by_rows(kernel, like, madds_per_row):
-    """Run ``kernel(lo, hi)`` over the rows of `like` ``(batch, ...)``, an array of the
-    pass's backend: one block per thread, each with the BLAS on one thread, when each gets
-    enough rows and the pass's GEMMs are large enough (their multiply-adds per batch row
-    given); else one block on this thread. CuPy arrays: always one block (blocks would run
-    one after another on the device, launches growing with the host's threads)."""
-    batch = like.shape[0]
-    parts = min(num_threads(), batch // _ROWS_PER_THREAD) if isinstance(like, np.ndarray) else 1
-    split = parts > 1 and batch * madds_per_row >= _CUT_MADDS
-    for_blocks(kernel, like, rows=-(-batch // parts) if split else max(batch, 1), blas=True)
-
-
-def _order(seq, reverse):
-    """The steps in the order the forward pass takes them."""
-    return range(seq - 1, -1, -1) if reverse else range(seq)
-
-
-def _previous(hs, h0, t, seq, reverse):
-    """The hidden state step t started from: h0 at the first step taken."""
-    p = t + 1 if reverse else t - 1
-    return h0 if p < 0 or p == seq else hs[p]
+def _cells(who, *arrays):
+    """The passes for the device of `arrays` (None skipped), after checking it is one."""
+    modules = {module_of(a) for a in arrays if a is not None}
+    if len(modules) > 1:
+        devices = " and ".join(sorted(device_of_module(m).upper() for m in modules))
+        raise TypeError(f"{who}: expected the arrays on one device, got {devices} arrays")
+    return implementation("recurrent", modules.pop())
 
 
 def _result(outputs, last_only, reverse):
     """A primitive's output: every step's `outputs`, or a copy of the last step taken's."""
     return outputs[0 if reverse else -1].copy() if last_only else outputs
-
-
-def _carried(g, shape, dtype, last_only, xp):
-    """The cotangent carried back from step to step, before the last step taken: that
-    step's output cotangent for `last_only`, else zeros (each step then adds its own)."""
-    return g.astype(dtype, copy=True) if last_only else xp.zeros(shape, dtype)
-
-
-def _hidden_weight_grad(hs, h0, d, reverse):
-    """``sum_t h_prev(t)^T @ d[t]``: the gradient of w_hh from every step's gate cotangent
-    `d` ``(seq, batch, G)``, as two GEMMs (the first step taken, from h0, and all the
-    others from the outputs `hs` ``(seq, batch, H)``, a view whose steps are stacked rows)."""
-    seq, batch, hidden = hs.shape
-    rows_h = hs.reshape(seq * batch, hidden)  # no copy: the steps of `hs` are evenly spaced
-    rows_d = d.reshape(seq * batch, d.shape[2])
-    first = d[-1] if reverse else d[0]
-    grad = matmul(h0.T, first)
-    if seq > 1:
-        later = rows_d[: (seq - 1) * batch] if reverse else rows_d[batch:]
-        before = rows_h[batch:] if reverse else rows_h[: (seq - 1) * batch]
-        grad += matmul(before.T, later)
-    return grad
 
 
 @primitive
@@ -126,113 +72,13 @@ def rnn_sequence(xw, w_hh, h0, *, activation="tanh", reverse=False, last_only=Fa
     if activation not in ("tanh", "relu"):
         raise ValueError(f"rnn_sequence: activation must be 'tanh' or 'relu', got {activation!r}")
     _check("rnn_sequence", xw, w_hh, 1, (h0,))
-    xp = module_of(xw)
-    seq = xw.shape[0]
-    hs = xp.empty(xw.shape, np.result_type(xw, w_hh, h0))
-    for t in _order(seq, reverse):
-        h = hs[t]
-        matmul(_previous(hs, h0, t, seq, reverse), w_hh, out=h)
-        h += xw[t]
-        if activation == "tanh":
-            np.tanh(h, out=h)
-        else:
-            np.maximum(h, 0, out=h)
+    cells = _cells("rnn_sequence", xw, w_hh, h0)
+    hs, saved = cells.rnn_forward(xw, w_hh, h0, np.result_type(xw, w_hh, h0), activation, reverse)
 
     def vjp(g, needs):
-        d = xp.empty_like(hs)  # the cotangent of each step's pre-activation
-        dh = _carried(g, hs[0].shape, hs.dtype, last_only, xp)
-        for t in reversed(_order(seq, reverse)):
-            y, dt = hs[t], d[t]
-            if not last_only:
-                dh += g[t]
-            if activation == "tanh":
-                np.multiply(y, y, out=dt)
-                np.subtract(1, dt, out=dt)
-                dt *= dh
-            else:
-                np.multiply(dh, y > 0, out=dt)
-            matmul(dt, w_hh.T, out=dh)
-        gw = _hidden_weight_grad(hs, h0, d, reverse) if needs[1] else None
-        return d, gw, dh
+        return cells.rnn_backward(saved, g, last_only, needs)
 
     return _result(hs, last_only, reverse), vjp
-
-
-# The LSTM's passes over a block of batch rows: on NumPy arrays (with NumPy's BLAS found)
-# `_recurrent`'s, in C, step after step with the GIL released once; otherwise (CuPy) these,
-# the same in array-API operations. sigmoid(x) = (1 + tanh(x / 2)) / 2, which never
-# overflows. The derivatives come from the activated gates themselves (s * (1 - s), 1 -
-# g^2): the pre-activations are not kept, which halves what the forward pass writes for
-# the backward one to read.
-def _lstm_forward_steps(inputs, weights, gates, out, tanh_c, c0, reverse):
-    """As `_recurrent.lstm_forward_pass`: the forward pass over a block of rows. inputs
-    ``(rows, seq, K)``: each step's GEMM rows ``[h_prev | x_t | 1]`` (h_prev given at the
-    first step taken), weights ``(K, 4H)``; writes the activated gates ``(rows, seq, 4H)``,
-    out ``(rows, seq, 2H)`` = ``[h_t | c_t]`` and tanh_c ``(rows, seq, H)``, from c0."""
-    seq, H = gates.shape[1], tanh_c.shape[2]
-    order = _order(seq, reverse)
-    c_prev = c0
-    for k, t in enumerate(order):
-        a, h, c = gates[:, t], out[:, t, :H], out[:, t, H:]
-        matmul(inputs[:, t], weights, out=a)
-        for sig in (a[:, : 2 * H], a[:, 3 * H :]):
-            sig *= 0.5
-            np.tanh(sig, out=sig)
-            sig += 1
-            sig *= 0.5
-        i, f, g, o = a[:, :H], a[:, H : 2 * H], a[:, 2 * H : 3 * H], a[:, 3 * H :]
-        np.tanh(g, out=g)
-        np.multiply(f, c_prev, out=c)
-        np.multiply(i, g, out=h)  # i * g, with h as scratch
-        c += h
-        np.tanh(c, out=tanh_c[:, t])
-        np.multiply(o, tanh_c[:, t], out=h)
-        if k + 1 < seq:
-            inputs[:, order[k + 1], :H] = h
-        c_prev = c
-
-
-def _lstm_backward_steps(gates, tanh_c, out, c0, g, dhc, d, weights, reverse, need_h0):
-    """As `_recurrent.lstm_backward_pass`: the backward pass over a forward pass's block of
-    rows. g ``(rows, seq, 2H)``, every step's output cotangent, or None; dhc ``(rows, 2H)``
-    = ``[dh | dc]`` carried into the last step taken, left as (h0, c0)'s (dh only if
-    `need_h0`); writes d ``(rows, seq, 4H)``, each step's pre-activation cotangent."""
-    seq, H = gates.shape[1], tanh_c.shape[2]
-    order = _order(seq, reverse)
-    dh, dc = dhc[:, :H], dhc[:, H:]
-    for k in range(seq - 1, -1, -1):
-        t = order[k]
-        a, tc, dt = gates[:, t], tanh_c[:, t], d[:, t]
-        c_prev = c0 if k == 0 else out[:, order[k - 1], H:]
-        if g is not None:
-            dh += g[:, t, :H]
-            dc += g[:, t, H:]
-        i, f, gg, o = a[:, :H], a[:, H : 2 * H], a[:, 2 * H : 3 * H], a[:, 3 * H :]
-        di, df, dg, do = dt[:, :H], dt[:, H : 2 * H], dt[:, 2 * H : 3 * H], dt[:, 3 * H :]
-        np.multiply(tc, tc, out=do)  # dc += dh * o * (1 - tanh(c)^2), with do as scratch
-        np.subtract(1, do, out=do)
-        do *= o
-        do *= dh
-        dc += do
-        np.multiply(dh, tc, out=do)
-        np.multiply(dc, gg, out=di)
-        np.multiply(dc, c_prev, out=df)
-        np.multiply(dc, i, out=dg)
-        dc *= f
-        slopes = (1 - a) * a  # s * (1 - s), then 1 - g^2 in g's columns
-        slopes[:, 2 * H : 3 * H] = 1 - gg * gg
-        dt *= slopes
-        if k > 0 or need_h0:
-            matmul(dt, weights[:H].T, out=dh)
-
-
-def _lstm_passes(xp, dtype):
-    """The (forward, backward) passes for arrays of `xp` and `dtype`: C's for NumPy's float32
-    and float64, the array-API ones otherwise (float16 then computes in float16, as the RNN's
-    and the GRU's passes do)."""
-    if xp is np and _recurrent.HAS_GEMM and dtype in (np.float32, np.float64):
-        return _recurrent.lstm_forward_pass, _recurrent.lstm_backward_pass
-    return _lstm_forward_steps, _lstm_backward_steps
 
 
 @primitive
@@ -248,69 +94,23 @@ def lstm_sequence(x, w_ih, b, w_hh, h0, c0, *, reverse=False, last_only=False):
     ``[h_t | c_t]`` at every step (``(batch, 2H)`` with `last_only`; the carry is part of
     the output, so a cell step is the one-step sequence).
 
-    Each step is one GEMM, ``[h_{t-1} | x_t | 1] @ [w_hh; w_ih; b]``, whose left rows the
-    pass lays out for every step beforehand (the previous step's h lands in them), so that
-    the backward pass forms the gradients of w_hh, w_ih and b together as one GEMM over all
-    steps. Threads each take rows of the batch for the whole pass.
-
     >>> out = lstm_sequence(np.ones((2, 3, 5)), np.zeros((5, 8)), None, np.zeros((2, 8)), np.zeros((2, 2)), np.zeros((2, 2)))
     >>> out.shape
     (2, 3, 4)
     """
-    H = _check_lstm(x, w_ih, b, w_hh, h0, c0)
-    xp = module_of(x)
-    batch, seq, n_in = x.shape
+    _check_lstm(x, w_ih, b, w_hh, h0, c0)
+    cells = _cells("lstm_sequence", x, w_ih, b, w_hh, h0, c0)
     dtype = np.result_type(*(a for a in (x, w_ih, b, w_hh, h0, c0) if a is not None))
-    h0, c0 = (_operand(a, dtype, xp) for a in (h0, c0))
-    forward_pass, backward_pass = _lstm_passes(xp, dtype)
-    # each step's GEMM rows [h_prev | x_t | 1] (the 1 only with a bias), and the stacked weights
-    width = H + n_in + (b is not None)
-    inputs = xp.empty((batch, seq, width), dtype)
-    weights = xp.concatenate([w_hh, w_ih] + ([] if b is None else [b.reshape(1, -1)])).astype(dtype, copy=False)
-    gates = xp.empty((batch, seq, 4 * H), dtype)  # i, f, g, o
-    out = xp.empty((batch, seq, 2 * H), dtype)
-    tanh_c = xp.empty((batch, seq, H), dtype)
-    first, last = (seq - 1, 0) if reverse else (0, seq - 1)
-
-    def forward(lo, hi):
-        rows = inputs[lo:hi]
-        rows[:, :, H : H + n_in] = x[lo:hi]
-        if b is not None:
-            rows[:, :, -1] = 1
-        rows[:, first, :H] = h0[lo:hi]
-        forward_pass(rows, weights, gates[lo:hi], out[lo:hi], tanh_c[lo:hi], c0[lo:hi], reverse)
-
-    _by_rows(forward, h0, seq * weights.size)
+    out, saved = cells.lstm_forward(x, w_ih, b, w_hh, h0, c0, dtype, reverse)
 
     def vjp(g, needs):
-        g = _operand(g, dtype, xp)
-        d = xp.empty((batch, seq, 4 * H), dtype)  # the cotangent of each step's pre-activation
-        dhc = _carried(g, (batch, 2 * H), dtype, last_only, xp)  # [dh | dc]
-        gx = xp.empty(x.shape, dtype) if needs[0] else None
-        weight_grads = {}  # each block's sum over its rows and steps, by its first row
+        return cells.lstm_backward(saved, g, last_only, needs)
 
-        def backward(lo, hi):
-            g_block = None if last_only else g[lo:hi]
-            backward_pass(gates[lo:hi], tanh_c[lo:hi], out[lo:hi], c0[lo:hi], g_block, dhc[lo:hi], d[lo:hi], weights, reverse, needs[4])
-            # Then, over all of the block's steps at once (its rows are contiguous):
-            d_rows = d[lo:hi].reshape(-1, 4 * H)
-            if needs[0]:
-                matmul(d_rows, weights[H : H + n_in].T, out=gx[lo:hi].reshape(-1, n_in))
-            if any(needs[1:4]):
-                weight_grads[lo] = matmul(inputs[lo:hi].reshape(-1, width).T, d_rows)  # [w_hh; w_ih; b]'s
-
-        _by_rows(backward, h0, seq * (w_hh.size + weights.size))
-        gw_ih = gb = gw_hh = None
-        if weight_grads:
-            grads = functools.reduce(operator.add, (weight_grads[lo] for lo in sorted(weight_grads)))
-            gw_hh, gw_ih, gb = grads[:H], grads[H : H + n_in], grads[-1] if b is not None else None
-        return gx, gw_ih, gb, gw_hh, dhc[:, :H], dhc[:, H:]
-
-    return (out[:, last].copy() if last_only else out), vjp
+    return (out[:, 0 if reverse else -1].copy() if last_only else out), vjp
 
 
 def _check_lstm(x, w_ih, b, w_hh, h0, c0):
-    """The hidden size, after checking the shapes `lstm_sequence` takes."""
+    """Checks the shapes `lstm_sequence` takes."""
     hidden = w_hh.shape[0] if w_hh.ndim == 2 else 0
     batch, n_in = (x.shape[0], x.shape[2]) if x.ndim == 3 else (0, 0)
     ok = x.ndim == 3 and x.shape[1] >= 1 and w_hh.shape == (hidden, 4 * hidden) and w_ih.shape == (n_in, 4 * hidden)
@@ -319,7 +119,6 @@ def _check_lstm(x, w_ih, b, w_hh, h0, c0):
             "lstm_sequence: expected x (batch, seq >= 1, in), w_ih (in, 4 * H), b (4 * H,) or None, w_hh (H, 4 * H) "
             f"and h0, c0 (batch, H), got shapes {[None if a is None else a.shape for a in (x, w_ih, b, w_hh, h0, c0)]}"
         )
-    return hidden
 
 
 @primitive
@@ -341,67 +140,12 @@ def gru_sequence(xw, w_hh, b_hh, h0, *, reverse=False, last_only=False):
     H = _check("gru_sequence", xw, w_hh, 3, (h0,))
     if b_hh is not None and b_hh.shape != (3 * H,):
         raise ValueError(f"gru_sequence: expected b_hh of shape ({3 * H},), got {b_hh.shape}")
-    xp = module_of(xw)
-    seq, batch, _ = xw.shape
+    cells = _cells("gru_sequence", xw, w_hh, b_hh, h0)
     dtype = np.result_type(xw, w_hh, h0, *(() if b_hh is None else (b_hh,)))
-    hidden_proj = xp.empty(xw.shape, dtype)  # h_{t-1} @ w_hh + b_hh
-    gates = xp.empty(xw.shape, dtype)  # r, z, n
-    hs = xp.empty((seq, batch, H), dtype)
-    for t in _order(seq, reverse):
-        gh, a, h, x_t, h_prev = hidden_proj[t], gates[t], hs[t], xw[t], _previous(hs, h0, t, seq, reverse)
-        matmul(h_prev, w_hh, out=gh)
-        if b_hh is not None:
-            gh += b_hh
-        rz = a[:, : 2 * H]
-        np.add(x_t[:, : 2 * H], gh[:, : 2 * H], out=rz)
-        rz *= 0.5  # sigmoid(x) = (1 + tanh(x / 2)) / 2, which never overflows
-        np.tanh(rz, out=rz)
-        rz += 1
-        rz *= 0.5
-        n = a[:, 2 * H :]
-        np.multiply(a[:, :H], gh[:, 2 * H :], out=n)
-        n += x_t[:, 2 * H :]
-        np.tanh(n, out=n)
-        np.subtract(h_prev, n, out=h)  # h_t = n + z * (h_prev - n)
-        h *= a[:, H : 2 * H]
-        h += n
+    hs, saved = cells.gru_forward(xw, w_hh, b_hh, h0, dtype, reverse)
 
     def vjp(g, needs):
-        d_in = xp.empty(xw.shape, dtype)  # the cotangent of xw's pre-activations
-        d_hid = xp.empty(xw.shape, dtype)  # the cotangent of the hidden projection
-        dh = _carried(g, (batch, H), dtype, last_only, xp)
-        scratch = xp.empty((batch, H), dtype)
-        for t in reversed(_order(seq, reverse)):
-            a, gh, di, dhid = gates[t], hidden_proj[t], d_in[t], d_hid[t]
-            r, z, n = a[:, :H], a[:, H : 2 * H], a[:, 2 * H :]
-            dr, dz, dn = di[:, :H], di[:, H : 2 * H], di[:, 2 * H :]
-            h_prev = _previous(hs, h0, t, seq, reverse)
-            if not last_only:
-                dh += g[t]
-            # dn_pre = dh * (1 - z) * (1 - n^2)
-            np.subtract(1, z, out=dn)
-            dn *= dh
-            np.multiply(n, n, out=scratch)
-            np.subtract(1, scratch, out=scratch)
-            dn *= scratch
-            # dz_pre = dh * (h_prev - n) * z * (1 - z)
-            np.subtract(h_prev, n, out=dz)
-            dz *= dh
-            dz *= z
-            np.subtract(1, z, out=scratch)
-            dz *= scratch
-            # dr_pre = dn_pre * gh_n * r * (1 - r)
-            np.multiply(dn, gh[:, 2 * H :], out=dr)
-            dr *= r
-            np.subtract(1, r, out=scratch)
-            dr *= scratch
-            dhid[:, : 2 * H] = di[:, : 2 * H]
-            np.multiply(dn, r, out=dhid[:, 2 * H :])
-            dh *= z
-            dh += matmul(dhid, w_hh.T, out=scratch)
-        gw = _hidden_weight_grad(hs, h0, d_hid, reverse) if needs[1] else None
-        gb = d_hid.reshape(-1, 3 * H).sum(axis=0) if b_hh is not None and needs[2] else None
-        return d_in, gw, gb, dh
+        return cells.gru_backward(saved, g, last_only, needs)
 
     return _result(hs, last_only, reverse), vjp
 

@@ -34,8 +34,8 @@ def device_of_module(xp: ModuleType) -> str:
 def implementation(area: str, xp: ModuleType) -> ModuleType:
     """The module implementing `area`'s kernels for arrays of the module `xp`.
 
-    >>> implementation("activations", np).__name__
-    'luxnn.ops.cpu.activations'
+    >>> implementation("recurrent", np).__name__
+    'luxnn.ops.cpu.recurrent'
     """
     key = (area, xp)
     found = _CHOSEN.get(key)
