@@ -6,6 +6,9 @@ An array `x` normalised over some axes is seen as ``(B, S, G, J)`` with the stat
 ``S`` and ``J``: one per ``(b, g)``. A LayerNorm's rows are ``(B, 1, 1, J)``, BatchNorm's
 channels ``(1, S, C, 1)``, InstanceNorm's ``(N, S, C, 1)``, GroupNorm's ``(N, S, G, C/G)``;
 the affine map's channel of an element is ``g * J + j``. Other axes are moved last first.
+
+With fixed statistics (test mode), the normalisation and the affine map are one kernel
+per element, and the running statistics' update one kernel per channel.
 """
 
 from __future__ import annotations
