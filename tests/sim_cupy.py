@@ -42,6 +42,32 @@ import fake_cupy
 cuda = types.SimpleNamespace(**vars(fake_cupy.cuda))
 cuda.runtime = types.SimpleNamespace(getDevice=fake_cupy.runtime.getDevice, getDeviceCount=lambda: 1,
                                      deviceSynchronize=lambda: None)
+
+
+class _Stream(fake_cupy.Stream):
+    """``cupy.cuda.Stream(null=False, non_blocking=False, ptds=False)``."""
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
+        super().__init__()
+
+
+class _Event:
+    """``cupy.cuda.Event``: here every launch has run when it returns, so an event is done
+    as soon as it is recorded."""
+
+    def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
+        self._recorded = False
+
+    def record(self, stream: Any = None) -> None:
+        self._recorded = True
+
+    done = property(lambda self: self._recorded)
+
+    def synchronize(self) -> None:
+        pass
+
+
+cuda.Stream, cuda.Event = _Stream, _Event
 get_default_memory_pool = fake_cupy.get_default_memory_pool
 __version__ = "14.0.0-simulated"
 
@@ -392,7 +418,7 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
             return NotImplemented
         return ours(*args, **kwargs)
 
-    def get(self) -> np.ndarray:
+    def get(self, stream: Any = None) -> np.ndarray:
         _launch("memcpy", "device_to_host")
         return self._meta.copy()
 

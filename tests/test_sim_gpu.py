@@ -197,7 +197,10 @@ def _assert_same_training(cpu, gpu) -> None:
     np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-10)
     for (path, want), (_, got) in zip(lx.tree.paths(cpu_ps), lx.tree.paths(gpu_ps)):
         assert type(got) is np.ndarray, path
-        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=path)
+        # atol: a parameter whose gradient is 0 in exact arithmetic (an attention key's
+        # bias, a conv's bias before an InstanceNorm) moves by rounding noise alone, which
+        # Adam scales up to ~1e-10 a step and which differs where a kernel sums in another order.
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=path)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -232,8 +235,9 @@ def test_each_layer_trains_on_the_cuda_path_as_on_the_cpu_path(name, sim_gpu):
 # 784-256-10), 6323 (CNN; 409 since conv and LSTM stopped cutting the batch by the host's
 # threads on CuPy arrays: see the test after this one), 412 (attention) and 18067 (LSTM,
 # input 32; now 2366). Lower the counts here as the CUDA implementations land (the fused
-# optimiser kernels took these models from 127, 246, 412 and 371).
-LAUNCHES = {"mlp": 55, "cnn": 150, "attention": 196, "lstm": 299}
+# optimiser kernels took these models from 127, 246, 412 and 371; the fused norms, cross-
+# entropy and embedding from 40, 53, 169 and 67).
+LAUNCHES = {"mlp": 26, "cnn": 39, "attention": 95, "lstm": 53}
 MARGIN = 1.1
 
 

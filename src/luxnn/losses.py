@@ -269,9 +269,6 @@ class _ClassTargets:
             return
         if y.shape != y_hat.shape[:-1]:
             raise ValueError(f"{type(self).__name__}: expected integer labels of shape {y_hat.shape[:-1]}, got {y.shape}")
-        real = y if self.ignore_index is None else y[y != self.ignore_index]
-        if real.size and (int(real.min()) < 0 or int(real.max()) >= k):
-            raise ValueError(f"{type(self).__name__}: labels must lie in [0, {k}), got values in [{int(real.min())}, {int(real.max())}]")
 
     def _class_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {} if self.weight is None else {"weight": self.weight.tolist()}
@@ -311,17 +308,18 @@ class CrossEntropyLoss(_LabelSmoothingLoss, _ClassTargets):
     def _value(self, y_hat: Any, y: Any) -> Any:
         if not _is_labels(y):
             return super()._value(y_hat, y)
-        self._check_classes(y_hat, y)  # integer labels: the fused kernel does the reduction too
+        self._check_classes(y_hat, y)  # integer labels: the fused kernel checks them and does the reduction too
         return ops.softmax_cross_entropy(
             y_hat, y, label_smoothing=self.label_smoothing, reduction=self.reduction, weight=self.weight,
-            ignore_index=self.ignore_index,
+            ignore_index=self.ignore_index, owner=type(self).__name__,
         )  # fmt: skip
 
     def elementwise(self, y_hat: Any, y: Any) -> Any:
         self._check_classes(y_hat, y)
         if _is_labels(y):
             return ops.softmax_cross_entropy(
-                y_hat, y, label_smoothing=self.label_smoothing, weight=self.weight, ignore_index=self.ignore_index
+                y_hat, y, label_smoothing=self.label_smoothing, weight=self.weight, ignore_index=self.ignore_index,
+                owner=type(self).__name__,
             )
         self._check_same_shape(y_hat, y)
         target = self._smooth(y, y_hat.shape[-1])
@@ -351,26 +349,9 @@ class NLLLoss(Loss, _ClassTargets):
     def _value(self, y_hat: Any, y: Any) -> Any:
         if not _is_labels(y):
             raise ValueError(f"NLLLoss: expected integer labels, got targets of dtype {getattr(y, 'dtype', type(y).__name__)}")
-        self._check_classes(y_hat, y)
-        xp = array_namespace(y_hat)
-        backend = array_namespace(stop_gradient(y_hat))
-        keep = None if self.ignore_index is None else y != self.ignore_index
-        labels = y if keep is None else backend.where(keep, y, 0)
-        example_weight = None if self.weight is None else backend.asarray(self.weight, dtype=y_hat.dtype)[labels]
-        if keep is not None:
-            example_weight = keep.astype(y_hat.dtype) if example_weight is None else example_weight * keep
-        losses = -_pick(xp, y_hat, labels)
-        if example_weight is not None:
-            losses = losses * example_weight
-        if self.reduction == "none":
-            return losses
-        total = losses.sum()
-        if self.reduction == "sum":
-            return total
-        count = y.size if example_weight is None else float(example_weight.sum())
-        if not count > 0:
-            raise ValueError("NLLLoss: no target counts towards the mean (every label ignored or of weight 0)")
-        return total / count
+        self._check_classes(y_hat, y)  # the fused kernel checks the labels' range
+        return ops.nll_loss(y_hat, y, reduction=self.reduction, weight=self.weight, ignore_index=self.ignore_index,
+                            owner="NLLLoss")
 
     def _options(self) -> dict[str, Any]:
         return self._class_options()

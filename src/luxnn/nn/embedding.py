@@ -46,14 +46,8 @@ class Embedding(Layer):
                 f"{type(x).__name__ if dtype is None else f'an array of dtype {dtype}'}"
             )
         check_params(self, ps, {"weight": (self.num_embeddings, self.dim)})
-        if x.size:
-            low, high = int(x.min()), int(x.max())
-            if low < 0 or high >= self.num_embeddings:
-                raise LayerError(
-                    f"{self}: expected indices in [0, {self.num_embeddings}), got indices "
-                    f"from {low} to {high}"
-                )
-        return lookup_rows(ps["weight"], x), st
+        # The indices' range: checked on the host for NumPy arrays, by the kernel on a GPU.
+        return lookup_rows(ps["weight"], x, owner=str(self), error=LayerError), st
 
     def __repr__(self) -> str:
         return f"Embedding({self.num_embeddings} => {self.dim})"

@@ -12,7 +12,7 @@ import numpy as np
 from ..ad import stop_gradient
 from ..core import Layer, LayerError, check_params
 from ..dtypes import match_eltype
-from ..ops.norm import moments, normalize, rms_normalize, scale_shift
+from ..ops.norm import frozen_normalize, moments, normalize, normalize_affine, rms_normalize, scale_shift, update_running
 from .activations import get_activation
 
 __all__ = ["BatchNorm", "InstanceNorm", "LayerNorm", "GroupNorm", "RMSNorm"]
@@ -77,6 +77,19 @@ class _Norm(Layer):
     def _check_params(self, ps: dict[str, Any]) -> None:
         names = ("scale", "bias") if self.with_bias else ("scale",)
         check_params(self, ps, {name: self._affine_shape for name in names} if self.affine else {})
+
+    def _normalize(self, x: Any, ps: dict[str, Any], axes: tuple[int, ...], *, stats: Any = None,
+                   centre: bool = True, scale_shape: tuple[int, ...] | None = None) -> Any:
+        """`x` normalised over `axes` (centred, or by its root mean square), then the affine
+        map (of its parameters reshaped to `scale_shape`): one fused primitive."""
+        if not self.affine:
+            if centre:
+                return normalize(x, axis=axes, epsilon=self.epsilon, stats=stats)
+            return rms_normalize(x, axis=axes, epsilon=self.epsilon)
+        scale, bias = ps["scale"], ps["bias"] if self.with_bias else None
+        if scale_shape is not None:
+            scale, bias = scale.reshape(scale_shape), None if bias is None else bias.reshape(scale_shape)
+        return normalize_affine(x, scale, bias, axis=axes, epsilon=self.epsilon, stats=stats, centre=centre)
 
     def _scale_and_shift(self, y: Any, ps: dict[str, Any]) -> Any:
         if not self.affine:
@@ -155,26 +168,28 @@ class _RunningNorm(_Norm):
             raise LayerError(f"{self}: expected state keys {sorted(expected_state)}, got {sorted(st) if isinstance(st, dict) else type(st).__name__}")
         training = st["training"]
         if training or not self.track_stats:
-            y, st = self._batch_statistics(x, st, axes, update=training and self.track_stats)
-            return self._activate(self._scale_and_shift(y, ps)), st
+            y, st = self._batch_statistics(x, ps, st, axes, update=training and self.track_stats)
+            return self._activate(y), st
         # Test mode: the running statistics fold into one per-channel scale and shift.
-        inv_std = 1.0 / np.sqrt(st["running_var"] + self.epsilon)
-        if not self.affine:
-            return self._activate((x - st["running_mean"]) * inv_std), st
-        scale = ps["scale"] * inv_std
-        return self._activate(x * scale + (ps["bias"] - st["running_mean"] * scale)), st
+        scale, bias = (ps["scale"], ps["bias"]) if self.affine else (None, None)
+        y = frozen_normalize(x, scale, bias, st["running_mean"], st["running_var"], epsilon=self.epsilon)
+        return self._activate(y), st
 
-    def _batch_statistics(self, x: Any, st: dict[str, Any], axes: tuple[int, ...], update: bool) -> tuple[Any, dict[str, Any]]:
+    def _batch_statistics(self, x: Any, ps: dict[str, Any], st: dict[str, Any], axes: tuple[int, ...],
+                          update: bool) -> tuple[Any, dict[str, Any]]:
+        """`x` normalised with its batch's statistics and mapped by the affine map, and the
+        state (its running statistics updated where `update`)."""
         step = _data_parallel_step()
         if self.sync and step is not None:
-            return self._global_batch_statistics(x, st, axes, update, step)
+            y, st = self._global_batch_statistics(x, st, axes, update, step)
+            return self._scale_and_shift(y, ps), st
         if not update:
-            return normalize(x, axis=axes, epsilon=self.epsilon), st
+            return self._normalize(x, ps, axes), st
         count = self._check_count(x, math.prod(x.shape[a] for a in axes))
         # The statistics come from the raw values: the running statistics must never hold
         # (or keep alive) traced values, and normalize's VJP already accounts for them.
         mean, var = moments(stop_gradient(x), axes)
-        y = normalize(x, axis=axes, epsilon=self.epsilon, stats=(mean, var))
+        y = self._normalize(x, ps, axes, stats=(mean, var))
         running = self._running(st, mean, var, count)
         if step is not None:
             from ..distributed import norm
@@ -201,12 +216,9 @@ class _RunningNorm(_Norm):
     def _running(self, st: dict[str, Any], mean: Any, var: Any, count: int) -> tuple[Any, Any]:
         """The running statistics updated with a batch's `mean` and biased `var` (kept
         dimensions), each of `count` values."""
-        m, c = self.momentum, self.num_features
         # One statistic per channel (BatchNorm) or per sample and channel (InstanceNorm,
         # whose running statistics are the means over the batch, as PyTorch's).
-        new_mean = (1 - m) * st["running_mean"] + m * mean.reshape(-1, c).mean(axis=0)
-        new_var = (1 - m) * st["running_var"] + (m * count / (count - 1)) * var.reshape(-1, c).mean(axis=0)
-        return new_mean, new_var
+        return update_running(st["running_mean"], st["running_var"], mean, var, self.momentum, count)
 
     @staticmethod
     def _state(st: dict[str, Any], new_mean: Any, new_var: Any) -> dict[str, Any]:
@@ -344,7 +356,7 @@ class LayerNorm(_Norm):
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         axes = _trailing_axes(self, x, self.shape)
         x = self._input(x, ps)
-        return self._activate(self._scale_and_shift(normalize(x, axis=axes, epsilon=self.epsilon), ps)), st
+        return self._activate(self._normalize(x, ps, axes)), st
 
     def __repr__(self) -> str:
         return f"LayerNorm({_shape_repr(self.shape)}{_options(**self._flags())})"
@@ -373,7 +385,7 @@ class RMSNorm(_Norm):
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         axes = _trailing_axes(self, x, self.shape)
         x = self._input(x, ps)
-        return self._scale_and_shift(rms_normalize(x, axis=axes, epsilon=self.epsilon), ps), st
+        return self._normalize(x, ps, axes, centre=False), st
 
     def __repr__(self) -> str:
         return f"RMSNorm({_shape_repr(self.shape)}{_options(**self._flags())})"
@@ -408,8 +420,8 @@ class GroupNorm(_Norm):
         x = self._input(x, ps)
         grouped = x.reshape((*shape[:-1], g, c // g))
         axes = (*range(1, len(shape) - 1), len(shape))
-        y = normalize(grouped, axis=axes, epsilon=self.epsilon).reshape(shape)
-        return self._activate(self._scale_and_shift(y, ps)), st
+        y = self._normalize(grouped, ps, axes, scale_shape=(g, c // g)).reshape(shape)
+        return self._activate(y), st
 
     def __repr__(self) -> str:
         return f"GroupNorm({self.num_groups}, {self.num_channels}{_options(**self._flags())})"
