@@ -1,0 +1,278 @@
+"""The softmax family on CuPy arrays: one row kernel per function each way.
+
+A row kernel runs one thread block per row of the reduced axis (several rows per block
+when the grid is full), reading the row as many times as it needs (max, sum, write) and
+writing nothing in between: softmax, log-softmax and the masked softmax of attention
+(mask and causal limit applied inside) one launch each way, logsumexp one forward and one
+elementwise launch back. Any single axis runs in place of the last (its rows strided);
+several axes at once run as the CPU's passes through CuPy. The kernels exist for float32
+and float64 (`floating` casts other dtypes); the twins are the CPU's functions
+(ops/cpu/softmax.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...backend import module_of
+from ...kernels import Elementwise, Raw
+from ..cpu import softmax as cpu
+from .activations import floating
+
+__all__ = [
+    "logsumexp", "logsumexp_grad", "softmax", "softmax_grad", "log_softmax", "log_softmax_grad", "masked_softmax",
+    "masked_softmax_grad",
+]  # fmt: skip
+
+# Modes of the forward and gradient kernels.
+SOFTMAX, LOG_SOFTMAX, MASKED = 0, 1, 2
+
+ROWS_SOURCE = r"""
+template <typename T> __device__ T luxnn_infinity();
+template <> __device__ float luxnn_infinity<float>() { return __int_as_float(0x7f800000); }
+template <> __device__ double luxnn_infinity<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
+
+// NumPy's maximum: a NaN wins.
+template <typename T> __device__ T luxnn_nan_max(T a, T b) { return (a > b || a != a) ? a : b; }
+
+// The block's max (MAX) or sum of v, returned to every thread; blockDim.x is a multiple of
+// 32 and at most 1024, `shared` holds 32 values.
+template <typename T, bool MAX> __device__ T luxnn_block_reduce(T v, T* shared) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        T other = __shfl_xor_sync(0xffffffffu, v, offset);
+        v = MAX ? luxnn_nan_max(v, other) : v + other;
+    }
+    __syncthreads();  // every thread has read `shared` of the previous reduction
+    if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = shared[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) v = MAX ? luxnn_nan_max(v, shared[w]) : v + shared[w];
+    return v;
+}
+
+// Row `row` of a contiguous array reduced over an axis of length n followed by `inner`
+// elements: its element j is at base + j * inner.
+__device__ long long luxnn_row_base(long long row, long long n, long long inner) {
+    return (row / inner) * n * inner + row % inner;
+}
+
+// mode 0 (softmax): y = exp(x - max) / sum; 1 (log-softmax): y = (x - max) - log(sum);
+// 2 (masked): y = exp(scale * (x - max)) * (1 / sum) over the allowed keys (mask[row * n + j]
+// if has_mask, j <= row % causal if causal > 0), 0 elsewhere; with a mask or causal limit,
+// a max of +-inf counts as 0 and a sum of 0 as 1, so a row without keys is zeros.
+template <typename T>
+__device__ void luxnn_softmax_rows(const T* x, T* y, const bool* mask, long long rows, long long n,
+                                   long long inner, T scale, int has_mask, long long causal, int mode) {
+    __shared__ T shared[32];
+    const T inf = luxnn_infinity<T>();
+    const bool masked = has_mask || causal > 0;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long base = luxnn_row_base(row, n, inner);
+        const long long last = causal > 0 ? row % causal : n;
+        #define LUXNN_VALUE(j) ((has_mask && !mask[row * n + (j)]) || (j) > last ? -inf : x[base + (j) * inner])
+        T m = -inf;
+        for (long long j = threadIdx.x; j < n; j += blockDim.x) m = luxnn_nan_max(m, LUXNN_VALUE(j));
+        m = luxnn_block_reduce<T, true>(m, shared);
+        if (masked && (m == inf || m == -inf)) m = 0;
+        T s = 0;
+        for (long long j = threadIdx.x; j < n; j += blockDim.x)
+            s += mode == 2 ? exp((LUXNN_VALUE(j) - m) * scale) : exp(LUXNN_VALUE(j) - m);
+        s = luxnn_block_reduce<T, false>(s, shared);
+        if (masked && s == (T)0) s = 1;
+        const T log_s = mode == 1 ? log(s) : (T)0, inv_s = (T)1 / s;
+        for (long long j = threadIdx.x; j < n; j += blockDim.x) {
+            const T v = LUXNN_VALUE(j) - m;
+            y[base + j * inner] = mode == 0 ? exp(v) / s : mode == 1 ? v - log_s : exp(v * scale) * inv_s;
+        }
+        #undef LUXNN_VALUE
+    }
+}
+
+// mode 0 (softmax) and 2 (masked): gx = (g - sum(g * y)) * y * scale; 1 (log-softmax):
+// gx = g - exp(y) * sum(g).
+template <typename T>
+__device__ void luxnn_softmax_grad_rows(const T* g, const T* y, T* gx, long long rows, long long n,
+                                        long long inner, T scale, int mode) {
+    __shared__ T shared[32];
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long base = luxnn_row_base(row, n, inner);
+        T s = 0;
+        for (long long j = threadIdx.x; j < n; j += blockDim.x)
+            s += mode == 1 ? g[base + j * inner] : g[base + j * inner] * y[base + j * inner];
+        s = luxnn_block_reduce<T, false>(s, shared);
+        for (long long j = threadIdx.x; j < n; j += blockDim.x) {
+            const long long k = base + j * inner;
+            gx[k] = mode == 1 ? g[k] - exp(y[k]) * s : (g[k] - s) * y[k] * scale;
+        }
+    }
+}
+
+// out[row] = log(sum(exp(x - m))) + m, m the row's max where finite, else 0.
+template <typename T>
+__device__ void luxnn_logsumexp_rows(const T* x, T* out, long long rows, long long n, long long inner) {
+    __shared__ T shared[32];
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long base = luxnn_row_base(row, n, inner);
+        T m = -luxnn_infinity<T>();
+        for (long long j = threadIdx.x; j < n; j += blockDim.x) m = luxnn_nan_max(m, x[base + j * inner]);
+        m = luxnn_block_reduce<T, true>(m, shared);
+        if (!(m - m == (T)0)) m = 0;  // inf or NaN
+        T s = 0;
+        for (long long j = threadIdx.x; j < n; j += blockDim.x) s += exp(x[base + j * inner] - m);
+        s = luxnn_block_reduce<T, false>(s, shared);
+        if (threadIdx.x == 0) out[row] = log(s) + m;
+    }
+}
+
+#define LUXNN_ROW_KERNELS(T, SUFFIX)                                                                     \
+extern "C" __global__ void luxnn_softmax_##SUFFIX(const T* x, T* y, const bool* mask, long long rows,       \
+        long long n, long long inner, T scale, int has_mask, long long causal, int mode) {                 \
+    luxnn_softmax_rows<T>(x, y, mask, rows, n, inner, scale, has_mask, causal, mode);                       \
+}                                                                                                         \
+extern "C" __global__ void luxnn_softmax_grad_##SUFFIX(const T* g, const T* y, T* gx, long long rows,       \
+        long long n, long long inner, T scale, int mode) {                                                 \
+    luxnn_softmax_grad_rows<T>(g, y, gx, rows, n, inner, scale, mode);                                      \
+}                                                                                                         \
+extern "C" __global__ void luxnn_logsumexp_##SUFFIX(const T* x, T* out, long long rows, long long n,        \
+        long long inner) {                                                                                 \
+    luxnn_logsumexp_rows<T>(x, out, rows, n, inner);                                                        \
+}
+LUXNN_ROW_KERNELS(float, float32)
+LUXNN_ROW_KERNELS(double, float64)
+"""
+
+
+def _as_rows(a, n, inner, rows):
+    """`a` (contiguous) as ``(outer, n, inner)``: its rows along axis 1."""
+    return a.reshape(rows // inner if inner else 0, n, inner)
+
+
+def _softmax_twin(x, y, mask, rows, n, inner, scale, has_mask, causal, mode):
+    if mode == MASKED:
+        shape = (-1, int(causal) or 1, n)  # queries on axis 1 for the causal limit
+        allowed = cpu.allowed_keys(mask.reshape(shape) if has_mask else None, causal > 0, x.reshape(shape).shape)
+        cpu.softmax_rows(x.reshape(shape), y.reshape(shape), allowed, float(scale))
+        return
+    forward = cpu.softmax if mode == SOFTMAX else cpu.log_softmax
+    np.copyto(_as_rows(y, n, inner, rows), forward(_as_rows(x, n, inner, rows), 1))
+
+
+def _softmax_grad_twin(g, y, gx, rows, n, inner, scale, mode):
+    if mode == MASKED:
+        cpu.softmax_grad_rows(g.reshape(-1, n), y.reshape(-1, n), gx.reshape(-1, n), float(scale))
+        return
+    grad = cpu.softmax_grad if mode == SOFTMAX else cpu.log_softmax_grad
+    np.copyto(_as_rows(gx, n, inner, rows), grad(_as_rows(g, n, inner, rows), _as_rows(y, n, inner, rows), 1))
+
+
+def _logsumexp_twin(x, out, rows, n, inner):
+    np.copyto(out.reshape(-1, 1, inner), cpu.logsumexp(_as_rows(x, n, inner, rows), 1))
+
+
+def _per_dtype(name, twin):
+    return {np.dtype(t): Raw(f"{name}_{t}", ROWS_SOURCE, twin=twin) for t in ("float32", "float64")}
+
+
+SOFTMAX_KERNEL = _per_dtype("luxnn_softmax", _softmax_twin)
+SOFTMAX_GRAD_KERNEL = _per_dtype("luxnn_softmax_grad", _softmax_grad_twin)
+LOGSUMEXP_KERNEL = _per_dtype("luxnn_logsumexp", _logsumexp_twin)
+LOGSUMEXP_GRAD_KERNEL = Elementwise("luxnn_logsumexp_grad", "T g, T x, T y", "T gx", "gx = g * exp(x - y)",
+                                    twin=lambda g, x, y, gx: np.copyto(gx, cpu.logsumexp_grad(g, x, y)))
+
+
+def _launch(kernels, rows, n, *args):
+    """One block of up to 256 threads per row, rows beyond the grid looped over."""
+    if rows:
+        threads = min(256, 32 * max(1, -(-n // 32)))
+        kernels[args[0].dtype]((min(rows, 1 << 16),), (threads,), args)
+
+
+def _single_axis(x, axis):
+    """``(x contiguous and floating, rows, n, inner)`` for a reduction over the one `axis`,
+    or None for several axes (a tuple, None)."""
+    if not isinstance(axis, (int, np.integer)):
+        return None
+    axis = int(axis) % x.ndim  # NumPy's error for an axis out of range comes from np.max below
+    n = x.shape[axis]
+    if n == 0:
+        raise ValueError("zero-size array to reduction operation maximum which has no identity")
+    inner = math.prod(x.shape[axis + 1:])
+    x = module_of(x).ascontiguousarray(floating(x))
+    return x, x.size // n, n, inner
+
+
+def _row_forward(x, axis, mode):
+    found = _single_axis(x, axis) if x.ndim else None
+    if found is None:
+        return (cpu.softmax if mode == SOFTMAX else cpu.log_softmax)(x, axis)
+    x, rows, n, inner = found
+    xp = module_of(x)
+    y = xp.empty(x.shape, x.dtype)
+    _launch(SOFTMAX_KERNEL, rows, n, x, y, xp.empty(0, bool), np.int64(rows), np.int64(n), np.int64(inner),
+            x.dtype.type(1), np.int32(0), np.int64(0), np.int32(mode))
+    return y
+
+
+def _row_grad(g, y, axis, mode, scale=1.0):
+    found = _single_axis(y, axis) if y.ndim else None
+    if found is None:
+        return (cpu.softmax_grad if mode == SOFTMAX else cpu.log_softmax_grad)(g, y, axis)
+    y, rows, n, inner = found
+    xp = module_of(y)
+    dtype = np.result_type(g, y)  # a cotangent of another dtype: NumPy's promotion, as on the CPU
+    g, y = xp.ascontiguousarray(g.astype(dtype, copy=False)), y.astype(dtype, copy=False)
+    gx = xp.empty(y.shape, y.dtype)
+    _launch(SOFTMAX_GRAD_KERNEL, rows, n, g, y, gx, np.int64(rows), np.int64(n), np.int64(inner),
+            y.dtype.type(scale), np.int32(mode))
+    return gx
+
+
+def softmax(x, axis):
+    return _row_forward(x, axis, SOFTMAX)
+
+
+def softmax_grad(g, y, axis):
+    return _row_grad(g, y, axis, SOFTMAX)
+
+
+def log_softmax(x, axis):
+    return _row_forward(x, axis, LOG_SOFTMAX)
+
+
+def log_softmax_grad(g, y, axis):
+    return _row_grad(g, y, axis, LOG_SOFTMAX)
+
+
+def logsumexp(x, axis):
+    found = _single_axis(x, axis) if x.ndim else None
+    if found is None:
+        return cpu.logsumexp(x, axis)
+    x, rows, n, inner = found
+    out = module_of(x).empty(x.shape[:axis % x.ndim] + (1,) + x.shape[axis % x.ndim + 1:], x.dtype)
+    _launch(LOGSUMEXP_KERNEL, rows, n, x, out, np.int64(rows), np.int64(n), np.int64(inner))
+    return out
+
+
+def logsumexp_grad(g, x, y):
+    dtype = np.result_type(g, x, y)
+    g, x, y = (a.astype(dtype, copy=False) for a in (g, x, y))
+    return LOGSUMEXP_GRAD_KERNEL(g, x, y, module_of(x).empty(x.shape, dtype))
+
+
+def masked_softmax(scores, scale, mask, is_causal):
+    xp = module_of(scores)
+    found = _single_axis(scores, -1)
+    scores, rows, n, _ = found
+    if mask is not None:
+        mask = xp.ascontiguousarray(xp.broadcast_to(mask, scores.shape))
+    w = xp.empty(scores.shape, scores.dtype)
+    _launch(SOFTMAX_KERNEL, rows, n, scores, w, xp.empty(0, bool) if mask is None else mask, np.int64(rows),
+            np.int64(n), np.int64(1), scores.dtype.type(scale), np.int32(mask is not None),
+            np.int64(scores.shape[-2] if is_causal else 0), np.int32(MASKED))
+    return w
+
+
+def masked_softmax_grad(g, w, scale):
+    return _row_grad(g, w, -1, MASKED, scale)
