@@ -5,6 +5,8 @@ gradient one reduction."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 from ...backend import module_of
@@ -17,17 +19,19 @@ __all__ = ["bias_activation", "activation_grad", "bias_grad"]
 
 
 def _in_place_twin(name):
-    def twin(b, y):
+    def twin(b, *params_and_y):
+        *params, y = params_and_y
         y += b
-        np.copyto(y, getattr(cpu, name)(y)[0])
+        np.copyto(y, getattr(cpu, name)(y, *params)[0])
 
     return twin
 
 
 def _beside_twin(name):
-    def twin(b, z, y):
+    def twin(b, *params_and_outputs):
+        *params, z, y = params_and_outputs
         z += b
-        np.copyto(y, getattr(cpu, name)(z)[0])
+        np.copyto(y, getattr(cpu, name)(z, *params)[0])
 
     return twin
 
@@ -45,6 +49,12 @@ def _bias_kernel(name, a):
 BIAS_ACTIVATION = {name: _bias_kernel(name, a) for name, a in ACTIVATIONS.items()}
 
 
+def _defaults(name):
+    """The activation's parameters: its defaults (those of the activations that dense fuses)."""
+    parameters = inspect.signature(getattr(activations, name)).parameters.values()
+    return tuple(p.default for p in parameters if p.default is not p.empty)
+
+
 def bias_activation(y, b, activation):
     """``(activation(y + b), residual)`` of the GEMM's fresh output `y` ``(rows, m)``
     (updated in place) and `b` ``(m,)`` or None; `activation` a kernel name or None."""
@@ -52,15 +62,15 @@ def bias_activation(y, b, activation):
         if b is not None:
             y += b
         return y, y
-    y = floating(y)
+    y, params = floating(y), _defaults(activation)
     saves_output = ACTIVATIONS[activation].saves == "y"
     if b is None:
-        return activations.activation_forward(activation, y, out=y if saves_output else None)
+        return activations.activation_forward(activation, y, *params, out=y if saves_output else None)
     b = b.astype(y.dtype, copy=False)
     if saves_output:
-        BIAS_ACTIVATION[activation](b, y)
+        BIAS_ACTIVATION[activation](b, *params, y)
         return y, y
-    z, out = BIAS_ACTIVATION[activation](b, y, module_of(y).empty(y.shape, y.dtype))
+    z, out = BIAS_ACTIVATION[activation](b, *params, y, module_of(y).empty(y.shape, y.dtype))
     return out, z
 
 
