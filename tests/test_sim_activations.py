@@ -19,7 +19,7 @@ import luxnn as lx
 from luxnn import kernels, ops
 from luxnn.ad import primitives as P
 from luxnn.ad.tape import Tape
-from luxnn.ops import cpu
+from luxnn.ops.cpu import activations as cpu_activations
 from luxnn.ops.attention import attention_combine, attention_weights
 
 import sim_cupy
@@ -271,25 +271,10 @@ def test_attention_is_batched_gemms_and_the_row_kernel(heads, dtype, sim_gpu):
     assert (_launches(backward), backward["cublas"]) == (2 + 2 * copies, 2)  # g by head, two GEMMs, a merge
 
 
-# -- each kernel on a GPU against its twin -------------------------------------------------------
+# -- each kernel on a GPU against its twin (tests taking `gpu` skip without one) ---------------
 
 
-def _no_gpu_reason():
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install 'luxnn[cuda12]')"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device"
-    except Exception as err:  # CUDARuntimeError without a driver
-        return f"no usable CUDA GPU ({err})"
-    return None
-
-
-NO_GPU = _no_gpu_reason()
-needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
-TOLERANCE = {np.float64: 1e-10, np.float32: 1e-4}  # of the largest magnitude expected
+TOLERANCE = {np.float64: 1e-10, np.float32: 1e-4}  # of the largest magnitude expected (issue 26's)
 
 
 def _close(got, want, dtype):
@@ -301,44 +286,39 @@ def _close(got, want, dtype):
     assert np.max(np.abs(got[finite] - want[finite]), initial=0.0) <= TOLERANCE[dtype] * scale
 
 
-@needs_gpu
 @pytest.mark.parametrize("shape", [(257, 33), (2, 3, 1029), (0, 4)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
-def test_activation_kernels_on_the_gpu_match_their_twins(name, dtype, shape):
+def test_activation_kernels_on_the_gpu_match_their_twins(name, dtype, shape, gpu):
     import cupy
 
-    from luxnn.ops.cuda import activations as gpu
-    from luxnn.ops.cuda import dense as gpu_dense
+    from luxnn.ops.cuda import activations as on_gpu
+    from luxnn.ops.cuda import dense as dense_on_gpu
 
     x, g = _values(shape, dtype), _values(shape, dtype, seed=1)
     with np.errstate(all="ignore"):
-        y, saved = getattr(gpu, name)(cupy.asarray(x))
-        _close(y.get(), getattr(cpu.activations, name)(x)[0], dtype)
-        residual = gpu.cpu_residual(name, saved.get())
-        _close(getattr(gpu, f"{name}_grad")(cupy.asarray(g), saved).get(), getattr(cpu.activations, f"{name}_grad")(g, residual), dtype)
+        y, saved = getattr(on_gpu, name)(cupy.asarray(x))
+        _close(y.get(), getattr(cpu_activations, name)(x)[0], dtype)
+        residual = on_gpu.cpu_residual(name, saved.get())
+        _close(getattr(on_gpu, f"{name}_grad")(cupy.asarray(g), saved).get(), getattr(cpu_activations, f"{name}_grad")(g, residual), dtype)
         rows = x.reshape(-1, shape[-1])
         b = _values(shape[-1:], dtype, seed=2)
-        fused, _ = gpu_dense.bias_activation(cupy.asarray(rows), cupy.asarray(b), name)
-        _close(fused.get(), getattr(cpu.activations, name)(rows + b)[0], dtype)
+        fused, _ = dense_on_gpu.bias_activation(cupy.asarray(rows), cupy.asarray(b), name)
+        _close(fused.get(), getattr(cpu_activations, name)(rows + b)[0], dtype)
 
 
-@needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
 @pytest.mark.parametrize("case", list(SOFTMAX_CASES))
-def test_row_kernels_on_the_gpu_match_the_cpu(case, dtype):
-    import cupy
-
+def test_row_kernels_on_the_gpu_match_the_cpu(case, dtype, gpu):
     fn, shape = SOFTMAX_CASES[case]
     for size in (shape, shape[:-1] + (1500,)):  # rows longer than a block of threads
         if "mask" in case and size != shape:
             continue
         x = _rows_with_extremes(size, dtype)
-        device = lambda a: cupy.asarray(a) if isinstance(a, np.ndarray) else a  # noqa: E731
         with np.errstate(all="ignore"):
             g = np.random.default_rng(1).standard_normal(np.shape(fn(x))).astype(dtype)
             (y, (gx,), _, _) = _forward_and_grad(fn, [x], g, lx.cpu_device())
-            (y_gpu, (gx_gpu,), _, _) = _forward_and_grad(fn, [x], g, device)
+            (y_gpu, (gx_gpu,), _, _) = _forward_and_grad(fn, [x], g, gpu)
         _close(y_gpu, y, dtype)
         _close(gx_gpu, gx, dtype)
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..ad.primitives import tanh
 from ..ad.tape import primitive
 from ..backend import module_of
 from .traits import implementation
@@ -102,10 +103,14 @@ def fused_name(activation: Callable[[Any], Any] | None) -> str | None:
     >>> fused_name(gelu), fused_name(print)
     ('gelu_tanh', None)
     """
-    from ..ad.primitives import tanh
+    try:
+        return _FUSED.get(activation)
+    except TypeError:  # an unhashable callable is none of them
+        return None
 
-    return {relu: "relu", leaky_relu: "leaky_relu", elu: "elu", sigmoid: "sigmoid", silu: "silu", softplus: "softplus",
-            gelu: "gelu_tanh", tanh: "tanh"}.get(activation)
+
+_FUSED = {relu: "relu", leaky_relu: "leaky_relu", elu: "elu", sigmoid: "sigmoid", silu: "silu", softplus: "softplus",
+          gelu: "gelu_tanh", tanh: "tanh"}
 
 
 @primitive
