@@ -260,6 +260,8 @@ def test_attention_combine_rejects_shapes_that_do_not_fit():
             attention_combine(bad_w, bad_v, num_heads=heads)
 
 
-def test_masked_softmax_refuses_a_causal_limit_without_a_query_axis():
+def test_masked_softmax_refuses_scores_without_the_axes_it_needs():
     with pytest.raises(ValueError, match=r"masked_softmax: is_causal needs scores of shape \(\.\.\., q_len, kv_len\), got \(4,\)"):
         masked_softmax(np.zeros(4), is_causal=True)
+    with pytest.raises(ValueError, match=r"masked_softmax: expected scores of shape \(\.\.\., kv_len\), got a 0-d array"):
+        masked_softmax(np.zeros(()))

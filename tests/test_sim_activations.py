@@ -190,6 +190,8 @@ def test_several_axes_and_empty_inputs_compute_as_the_cpu(sim_gpu):
     for device in (lx.cpu_device(), sim_gpu):
         with pytest.raises(ValueError, match="zero-size array"):
             ops.softmax(device(np.zeros((3, 0))))
+        with pytest.raises(np.exceptions.AxisError, match="axis 2 is out of bounds for array of dimension 2"):
+            ops.log_softmax(device(np.zeros((3, 4))), axis=2)
 
 
 # -- dense ---------------------------------------------------------------------------------------

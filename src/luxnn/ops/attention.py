@@ -46,6 +46,8 @@ def masked_softmax(scores, *, scale=1.0, mask=None, is_causal=False):
     """
     if not scale > 0:
         raise ValueError(f"masked_softmax: scale must be positive, got {scale!r}")
+    if not scores.shape:
+        raise ValueError("masked_softmax: expected scores of shape (..., kv_len), got a 0-d array")
     _check_mask(mask, is_causal, scores.shape, "masked_softmax")
     impl = implementation("softmax", module_of(scores))
     w = impl.masked_softmax(scores, scale, mask, is_causal)

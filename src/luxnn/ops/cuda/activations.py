@@ -3,8 +3,9 @@
 Each activation's forward is one `Elementwise` kernel ``luxnn_<name>`` and its gradient one
 ``luxnn_<name>_grad``; the gradient recomputes what it needs from the saved input or
 output (`ACTIVATIONS` says which), so a forward keeps no temporaries. The twins are the
-CPU's functions (ops/cpu/activations.py). Floating arrays of other dtypes than float32 and
-float64 are computed in the one NumPy would promote them to with a float32.
+CPU's functions (ops/cpu/activations.py). The kernels' source is written for float and
+double: arrays of other dtypes (integers, float16) are computed in NumPy's promotion of
+their dtype with float32.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...backend import module_of
-from ...kernels import Elementwise, Raw
+from ...kernels import Elementwise
 from ..cpu import activations as cpu
 
 __all__ = [

@@ -194,7 +194,9 @@ def _single_axis(x, axis):
     or None for several axes (a tuple, None)."""
     if not isinstance(axis, (int, np.integer)):
         return None
-    axis = int(axis) % x.ndim  # NumPy's error for an axis out of range comes from np.max below
+    if not -x.ndim <= axis < x.ndim:
+        raise np.exceptions.AxisError(int(axis), x.ndim)  # NumPy's (and CuPy's) error
+    axis = int(axis) % x.ndim
     n = x.shape[axis]
     if n == 0:
         raise ValueError("zero-size array to reduction operation maximum which has no identity")
