@@ -126,22 +126,8 @@ __device__ void luxnn_logsumexp_rows(const T* x, T* out, long long rows, long lo
     }
 }
 
-#define LUXNN_ROW_KERNELS(T, SUFFIX)                                                                     \
-extern "C" __global__ void luxnn_softmax_##SUFFIX(const T* x, T* y, const bool* mask, long long rows,       \
-        long long n, long long inner, T scale, int has_mask, long long causal, int mode) {                 \
-    luxnn_softmax_rows<T>(x, y, mask, rows, n, inner, scale, has_mask, causal, mode);                       \
-}                                                                                                         \
-extern "C" __global__ void luxnn_softmax_grad_##SUFFIX(const T* g, const T* y, T* gx, long long rows,       \
-        long long n, long long inner, T scale, int mode) {                                                 \
-    luxnn_softmax_grad_rows<T>(g, y, gx, rows, n, inner, scale, mode);                                      \
-}                                                                                                         \
-extern "C" __global__ void luxnn_logsumexp_##SUFFIX(const T* x, T* out, long long rows, long long n,        \
-        long long inner) {                                                                                 \
-    luxnn_logsumexp_rows<T>(x, out, rows, n, inner);                                                        \
-}
-LUXNN_ROW_KERNELS(float, float32)
-LUXNN_ROW_KERNELS(double, float64)
 """
+
 
 
 def _as_rows(a, n, inner, rows):
@@ -171,13 +157,36 @@ def _logsumexp_twin(x, out, rows, n, inner):
     np.copyto(out.reshape(-1, 1, inner), cpu.logsumexp(_as_rows(x, n, inner, rows), 1))
 
 
-def _per_dtype(name, twin):
-    return {np.dtype(t): Raw(f"{name}_{t}", ROWS_SOURCE, twin=twin) for t in ("float32", "float64")}
+def _per_dtype(name, parameters, call, twin):
+    """The kernel `name` for float32 and float64 (``{name}_float32``...): the row templates
+    and one entry point of `parameters` running `call`, T the element type."""
+
+    def kernel(dtype, ctype):
+        entry = f'typedef {ctype} T;\nextern "C" __global__ void {name}_{dtype}({parameters}) {{ {call}; }}\n'
+        return Raw(f"{name}_{dtype}", ROWS_SOURCE + entry, twin=twin)
+
+    return {np.dtype(dtype): kernel(dtype, ctype) for dtype, ctype in (("float32", "float"), ("float64", "double"))}
 
 
-SOFTMAX_KERNEL = _per_dtype("luxnn_softmax", _softmax_twin)
-SOFTMAX_GRAD_KERNEL = _per_dtype("luxnn_softmax_grad", _softmax_grad_twin)
-LOGSUMEXP_KERNEL = _per_dtype("luxnn_logsumexp", _logsumexp_twin)
+SOFTMAX_KERNEL = _per_dtype(
+    "luxnn_softmax",
+    "const T* x, T* y, const bool* mask, long long rows, long long n, long long inner, T scale, int has_mask, "
+    "long long causal, int mode",
+    "luxnn_softmax_rows<T>(x, y, mask, rows, n, inner, scale, has_mask, causal, mode)",
+    _softmax_twin,
+)
+SOFTMAX_GRAD_KERNEL = _per_dtype(
+    "luxnn_softmax_grad",
+    "const T* g, const T* y, T* gx, long long rows, long long n, long long inner, T scale, int mode",
+    "luxnn_softmax_grad_rows<T>(g, y, gx, rows, n, inner, scale, mode)",
+    _softmax_grad_twin,
+)
+LOGSUMEXP_KERNEL = _per_dtype(
+    "luxnn_logsumexp",
+    "const T* x, T* out, long long rows, long long n, long long inner",
+    "luxnn_logsumexp_rows<T>(x, out, rows, n, inner)",
+    _logsumexp_twin,
+)
 LOGSUMEXP_GRAD_KERNEL = Elementwise("luxnn_logsumexp_grad", "T g, T x, T y", "T gx", "gx = g * exp(x - y)",
                                     twin=lambda g, x, y, gx: np.copyto(gx, cpu.logsumexp_grad(g, x, y)))
 
