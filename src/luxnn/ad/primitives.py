@@ -173,10 +173,15 @@ def abs(x):  # noqa: A001 - the array-API name
     return np.abs(x), lambda g, needs: (g * np.sign(x),)
 
 
-def _activations(x):
-    from ..ops.traits import implementation  # luxnn.ops imports this module: looked up at use
+_implementation = None  # luxnn.ops.traits.implementation, bound at first use (luxnn.ops imports this module)
 
-    return implementation("activations", module_of(x))
+
+def _activations(x):
+    """The device's module of the activations area for `x` (luxnn.ops.traits)."""
+    global _implementation
+    if _implementation is None:
+        from ..ops.traits import implementation as _implementation
+    return _implementation("activations", module_of(x))
 
 
 @primitive
