@@ -290,7 +290,7 @@ def _close(got, want, dtype):
 @pytest.mark.parametrize("shape", [(257, 33), (2, 3, 1029), (0, 4)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
-def test_activation_kernels_on_the_gpu_match_their_twins(name, dtype, shape, gpu):
+def test_activation_kernels_on_the_gpu_match_the_cpu(name, dtype, shape, gpu):
     import cupy
 
     from luxnn.ops.cuda import activations as on_gpu
