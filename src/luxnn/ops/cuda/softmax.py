@@ -59,19 +59,25 @@ __device__ long long luxnn_row_base(long long row, long long n, long long inner)
 }
 
 // mode 0 (softmax): y = exp(x - max) / sum; 1 (log-softmax): y = (x - max) - log(sum);
-// 2 (masked): y = exp(scale * (x - max)) * (1 / sum) over the allowed keys (mask[row * n + j]
-// if has_mask, j <= row % causal if causal > 0), 0 elsewhere; with a mask or causal limit,
-// a max of +-inf counts as 0 and a sum of 0 as 1, so a row without keys is zeros.
+// 2 (masked): y = exp(scale * (x - max)) * (1 / sum) over the allowed keys, 0 elsewhere;
+// with a mask or causal limit, a max of +-inf counts as 0 and a sum of 0 as 1, so a row
+// without keys is zeros. Key j of row `row` is allowed where j <= row % causal (if causal
+// > 0) and (if has_mask) where the mask is true at mask[i0 * s[0] + i1 * s[1] + i2 * s[2] +
+// j * s[3]], (i0, i1, i2) the row's index in rows = (rows / (d1 * d2), d1, d2): the mask as
+// broadcast to the scores, its leading axes merged into three.
 template <typename T>
 __device__ void luxnn_softmax_rows(const T* x, T* y, const bool* mask, long long rows, long long n,
-                                   long long inner, T scale, int has_mask, long long causal, int mode) {
+                                   long long inner, T scale, int has_mask, long long d1, long long d2,
+                                   long long s0, long long s1, long long s2, long long s3, long long causal,
+                                   int mode) {
     __shared__ T shared[32];
     const T inf = luxnn_infinity<T>();
     const bool masked = has_mask || causal > 0;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long base = luxnn_row_base(row, n, inner);
         const long long last = causal > 0 ? row % causal : n;
-        #define LUXNN_VALUE(j) ((has_mask && !mask[row * n + (j)]) || (j) > last ? -inf : x[base + (j) * inner])
+        const long long mask_row = (row / (d1 * d2)) * s0 + ((row / d2) % d1) * s1 + (row % d2) * s2;
+        #define LUXNN_VALUE(j) ((has_mask && !mask[mask_row + (j) * s3]) || (j) > last ? -inf : x[base + (j) * inner])
         T m = -inf;
         for (long long j = threadIdx.x; j < n; j += blockDim.x) m = luxnn_nan_max(m, LUXNN_VALUE(j));
         m = luxnn_block_reduce<T, true>(m, shared);
@@ -135,8 +141,11 @@ def _as_rows(a, n, inner, rows):
     return a.reshape(rows // inner if inner else 0, n, inner)
 
 
-def _softmax_twin(x, y, mask, rows, n, inner, scale, has_mask, causal, mode):
+def _softmax_twin(x, y, mask, rows, n, inner, scale, has_mask, d1, d2, s0, s1, s2, s3, causal, mode):
     if mode == MASKED:
+        if has_mask:
+            mask = np.lib.stride_tricks.as_strided(mask, (rows // (d1 * d2), d1, d2, n),
+                                                   tuple(int(s) * mask.itemsize for s in (s0, s1, s2, s3)))
         shape = (-1, int(causal) or 1, n)  # queries on axis 1 for the causal limit
         allowed = cpu.allowed_keys(mask.reshape(shape) if has_mask else None, causal > 0, x.reshape(shape).shape)
         cpu.softmax_rows(x.reshape(shape), y.reshape(shape), allowed, float(scale))
@@ -171,8 +180,8 @@ def _per_dtype(name, parameters, call, twin):
 SOFTMAX_KERNEL = _per_dtype(
     "luxnn_softmax",
     "const T* x, T* y, const bool* mask, long long rows, long long n, long long inner, T scale, int has_mask, "
-    "long long causal, int mode",
-    "luxnn_softmax_rows<T>(x, y, mask, rows, n, inner, scale, has_mask, causal, mode)",
+    "long long d1, long long d2, long long s0, long long s1, long long s2, long long s3, long long causal, int mode",
+    "luxnn_softmax_rows<T>(x, y, mask, rows, n, inner, scale, has_mask, d1, d2, s0, s1, s2, s3, causal, mode)",
     _softmax_twin,
 )
 SOFTMAX_GRAD_KERNEL = _per_dtype(
@@ -222,7 +231,7 @@ def _row_forward(x, axis, mode):
     xp = module_of(x)
     y = xp.empty(x.shape, x.dtype)
     _launch(SOFTMAX_KERNEL, rows, n, x, y, xp.empty(0, bool), np.int64(rows), np.int64(n), np.int64(inner),
-            x.dtype.type(1), np.int32(0), np.int64(0), np.int32(mode))
+            x.dtype.type(1), np.int32(0), *_NO_MASK, np.int64(0), np.int32(mode))
     return y
 
 
@@ -272,16 +281,40 @@ def logsumexp_grad(g, x, y):
     return LOGSUMEXP_GRAD_KERNEL(g, x, y, module_of(x).empty(x.shape, dtype))
 
 
+_NO_MASK = tuple(np.int64(v) for v in (1, 1, 0, 0, 0, 0))
+
+
+def _mask_layout(mask, shape):
+    """`mask` broadcast to `shape` (a view, copied only where its leading axes do not merge
+    into three) and the kernel's ``(d1, d2, s0, s1, s2, s3)`` for it: the sizes of the last
+    two of its three leading axes and the strides of all four (in bytes, which are elements
+    of a boolean array)."""
+    xp = module_of(mask)
+    view = xp.broadcast_to(mask, shape)
+    axes = []  # (size, stride) of the leading axes, adjacent ones merged where they can be
+    for size, stride in zip(shape[:-1], view.strides[:-1]):
+        if size == 1:
+            continue
+        if axes and axes[-1][1] == stride * size:
+            axes[-1] = (axes[-1][0] * size, stride)
+        else:
+            axes.append((size, stride))
+    if len(axes) > 3:
+        return _mask_layout(xp.ascontiguousarray(view), shape)
+    (_, s0), (d1, s1), (d2, s2) = [(1, 0)] * (3 - len(axes)) + axes
+    return view, tuple(np.int64(v) for v in (d1, d2, s0, s1, s2, view.strides[-1]))
+
+
 def masked_softmax(scores, scale, mask, is_causal):
     xp = module_of(scores)
     found = _single_axis(scores, -1)
     scores, rows, n, _ = found
-    if mask is not None:
-        mask = xp.ascontiguousarray(xp.broadcast_to(mask, scores.shape))
+    has_mask = mask is not None
+    mask, layout = _mask_layout(mask, scores.shape) if has_mask else (xp.empty(0, bool), _NO_MASK)
     w = xp.empty(scores.shape, scores.dtype)
-    _launch(SOFTMAX_KERNEL, rows, n, scores, w, xp.empty(0, bool) if mask is None else mask, np.int64(rows),
-            np.int64(n), np.int64(1), scores.dtype.type(scale), np.int32(mask is not None),
-            np.int64(scores.shape[-2] if is_causal else 0), np.int32(MASKED))
+    _launch(SOFTMAX_KERNEL, rows, n, scores, w, mask, np.int64(rows), np.int64(n), np.int64(1),
+            scores.dtype.type(scale), np.int32(has_mask), *layout, np.int64(scores.shape[-2] if is_causal else 0),
+            np.int32(MASKED))
     return w
 
 
