@@ -17,7 +17,8 @@ import math
 import numpy as np
 
 from ...backend import module_of
-from ...kernels import Elementwise, Raw
+from ...kernels import Elementwise
+from ..block_kernels import per_dtype
 from ..cpu import softmax as cpu
 from .activations import floating
 
@@ -36,21 +37,11 @@ template <> __device__ double luxnn_infinity<double>() { return __longlong_as_do
 
 // NumPy's maximum: a NaN wins.
 template <typename T> __device__ T luxnn_nan_max(T a, T b) { return (a > b || a != a) ? a : b; }
+struct NanMax { template <typename T> __device__ T operator()(T a, T b) const { return luxnn_nan_max(a, b); } };
 
-// The block's max (MAX) or sum of v, returned to every thread; blockDim.x is a multiple of
-// 32 and at most 1024, `shared` holds 32 values.
-template <typename T, bool MAX> __device__ T luxnn_block_reduce(T v, T* shared) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        T other = __shfl_xor_sync(0xffffffffu, v, offset);
-        v = MAX ? luxnn_nan_max(v, other) : v + other;
-    }
-    __syncthreads();  // every thread has read `shared` of the previous reduction
-    if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = shared[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) v = MAX ? luxnn_nan_max(v, shared[w]) : v + shared[w];
-    return v;
-}
+// The block's max (block_kernels' block_reduce with NaN winning) and sum of v, to every thread.
+template <typename T> __device__ T luxnn_block_max(T v) { T r[1] = {v}; block_reduce(r, NanMax(), -luxnn_infinity<T>()); return r[0]; }
+template <typename T> __device__ T luxnn_block_sum(T v) { T r[1] = {v}; block_sums(r); return r[0]; }
 
 // Row `row` of a contiguous array reduced over an axis of length n followed by `inner`
 // elements: its element j is at base + j * inner.
@@ -70,7 +61,6 @@ __device__ void luxnn_softmax_rows(const T* x, T* y, const bool* mask, long long
                                    long long inner, T scale, int has_mask, long long d1, long long d2,
                                    long long s0, long long s1, long long s2, long long s3, long long causal,
                                    int mode) {
-    __shared__ T shared[32];
     const T inf = luxnn_infinity<T>();
     const bool masked = has_mask || causal > 0;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -80,12 +70,12 @@ __device__ void luxnn_softmax_rows(const T* x, T* y, const bool* mask, long long
         #define LUXNN_VALUE(j) ((has_mask && !mask[mask_row + (j) * s3]) || (j) > last ? -inf : x[base + (j) * inner])
         T m = -inf;
         for (long long j = threadIdx.x; j < n; j += blockDim.x) m = luxnn_nan_max(m, LUXNN_VALUE(j));
-        m = luxnn_block_reduce<T, true>(m, shared);
+        m = luxnn_block_max(m);
         if (masked && (m == inf || m == -inf)) m = 0;
         T s = 0;
         for (long long j = threadIdx.x; j < n; j += blockDim.x)
             s += mode == 2 ? exp((LUXNN_VALUE(j) - m) * scale) : exp(LUXNN_VALUE(j) - m);
-        s = luxnn_block_reduce<T, false>(s, shared);
+        s = luxnn_block_sum(s);
         if (masked && s == (T)0) s = 1;
         const T log_s = mode == 1 ? log(s) : (T)0, inv_s = (T)1 / s;
         for (long long j = threadIdx.x; j < n; j += blockDim.x) {
@@ -101,13 +91,12 @@ __device__ void luxnn_softmax_rows(const T* x, T* y, const bool* mask, long long
 template <typename T>
 __device__ void luxnn_softmax_grad_rows(const T* g, const T* y, T* gx, long long rows, long long n,
                                         long long inner, T scale, int mode) {
-    __shared__ T shared[32];
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long base = luxnn_row_base(row, n, inner);
         T s = 0;
         for (long long j = threadIdx.x; j < n; j += blockDim.x)
             s += mode == 1 ? g[base + j * inner] : g[base + j * inner] * y[base + j * inner];
-        s = luxnn_block_reduce<T, false>(s, shared);
+        s = luxnn_block_sum(s);
         for (long long j = threadIdx.x; j < n; j += blockDim.x) {
             const long long k = base + j * inner;
             gx[k] = mode == 1 ? g[k] - exp(y[k]) * s : (g[k] - s) * y[k] * scale;
@@ -118,16 +107,15 @@ __device__ void luxnn_softmax_grad_rows(const T* g, const T* y, T* gx, long long
 // out[row] = log(sum(exp(x - m))) + m, m the row's max where finite, else 0.
 template <typename T>
 __device__ void luxnn_logsumexp_rows(const T* x, T* out, long long rows, long long n, long long inner) {
-    __shared__ T shared[32];
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long base = luxnn_row_base(row, n, inner);
         T m = -luxnn_infinity<T>();
         for (long long j = threadIdx.x; j < n; j += blockDim.x) m = luxnn_nan_max(m, x[base + j * inner]);
-        m = luxnn_block_reduce<T, true>(m, shared);
+        m = luxnn_block_max(m);
         if (!(m - m == (T)0)) m = 0;  // inf or NaN
         T s = 0;
         for (long long j = threadIdx.x; j < n; j += blockDim.x) s += exp(x[base + j * inner] - m);
-        s = luxnn_block_reduce<T, false>(s, shared);
+        s = luxnn_block_sum(s);
         if (threadIdx.x == 0) out[row] = log(s) + m;
     }
 }
@@ -166,34 +154,26 @@ def _logsumexp_twin(x, out, rows, n, inner):
     np.copyto(out.reshape(-1, 1, inner), cpu.logsumexp(_as_rows(x, n, inner, rows), 1))
 
 
-def _per_dtype(name, parameters, call, twin):
-    """The kernel `name` for float32 and float64 (``{name}_float32``...): the row templates
-    and one entry point of `parameters` running `call`, T the element type."""
-
-    def kernel(dtype, ctype):
-        entry = f'typedef {ctype} T;\nextern "C" __global__ void {name}_{dtype}({parameters}) {{ {call}; }}\n'
-        return Raw(f"{name}_{dtype}", ROWS_SOURCE + entry, twin=twin)
-
-    return {np.dtype(dtype): kernel(dtype, ctype) for dtype, ctype in (("float32", "float"), ("float64", "double"))}
-
-
-SOFTMAX_KERNEL = _per_dtype(
+SOFTMAX_KERNEL = per_dtype(
     "luxnn_softmax",
+    ROWS_SOURCE,
     "const T* x, T* y, const bool* mask, long long rows, long long n, long long inner, T scale, int has_mask, "
     "long long d1, long long d2, long long s0, long long s1, long long s2, long long s3, long long causal, int mode",
-    "luxnn_softmax_rows<T>(x, y, mask, rows, n, inner, scale, has_mask, d1, d2, s0, s1, s2, s3, causal, mode)",
+    "luxnn_softmax_rows(x, y, mask, rows, n, inner, scale, has_mask, d1, d2, s0, s1, s2, s3, causal, mode)",
     _softmax_twin,
 )
-SOFTMAX_GRAD_KERNEL = _per_dtype(
+SOFTMAX_GRAD_KERNEL = per_dtype(
     "luxnn_softmax_grad",
+    ROWS_SOURCE,
     "const T* g, const T* y, T* gx, long long rows, long long n, long long inner, T scale, int mode",
-    "luxnn_softmax_grad_rows<T>(g, y, gx, rows, n, inner, scale, mode)",
+    "luxnn_softmax_grad_rows(g, y, gx, rows, n, inner, scale, mode)",
     _softmax_grad_twin,
 )
-LOGSUMEXP_KERNEL = _per_dtype(
+LOGSUMEXP_KERNEL = per_dtype(
     "luxnn_logsumexp",
+    ROWS_SOURCE,
     "const T* x, T* out, long long rows, long long n, long long inner",
-    "luxnn_logsumexp_rows<T>(x, out, rows, n, inner)",
+    "luxnn_logsumexp_rows(x, out, rows, n, inner)",
     _logsumexp_twin,
 )
 LOGSUMEXP_GRAD_KERNEL = Elementwise("luxnn_logsumexp_grad", "T g, T x, T y", "T gx", "gx = g * exp(x - y)",
