@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-side of luxnn in one go, in at most 8.5 minutes, on a machine with an NVIDIA
+# Everything GPU-side of luxnn in one go, in at most 10 minutes, on a machine with an NVIDIA
 # GPU and CuPy already installed, without network:
 #
 #   bash scripts/gpu_check.sh            # PYTHON=/path/to/python to choose the interpreter
@@ -10,6 +10,8 @@
 #   tests     tests/test_gpu.py and tests/test_memory_cuda.py, without the GPU-vs-CPU cases
 #   match     GPU against CPU: outputs and gradients of an MLP, a CNN, an attention block
 #             (float64 to 1e-10, float32 to 1e-4 relative) and of the primitives
+#   kernels   the activations', softmax family's, dense and attention CUDA kernels against the
+#             CPU's code (tests/test_sim_activations.py; their first compile included)
 #   demo-mlp  luxnn demo --device gpu --model mlp
 #   demo-cnn  luxnn demo --device gpu --model cnn
 #   nccl      luxnn.distributed's NCCL backend on one GPU (mpiexec -n 1): collectives, start_allreduce,
@@ -68,6 +70,7 @@ stage() {
 stage install 45 "$PYTHON" -m pip install --no-build-isolation --no-deps -q -e .
 stage tests 90 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py tests/test_memory_cuda.py -k "not match_the_cpu"
 stage match 45 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -k "match_the_cpu"
+stage kernels 90 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_sim_activations.py -k "on_the_gpu"
 stage demo-mlp 30 "$PYTHON" -m luxnn.cli demo --device gpu --model mlp --epochs 5 --no-progress
 stage demo-cnn 30 "$PYTHON" -m luxnn.cli demo --device gpu --model cnn --epochs 2 --no-progress
 stage nccl 30 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_distributed.py -k nccl_on_one_gpu
@@ -75,7 +78,7 @@ stage alloc 60 "$PYTHON" benchmarks/allocator.py --gpu --rounds 3
 stage table 60 "$PYTHON" benchmarks/gpu_step.py
 stage bench 120 "$PYTHON" -m luxnn.cli bench --device gpu --quick --markdown --json "$LOGS/gpu-bench.json"
 
-for name in tests match nccl; do  # the pytest summaries: counts and skip reasons
+for name in tests match kernels nccl; do  # the pytest summaries: counts and skip reasons
     grep -E "passed|failed|SKIPPED|error" "$LOGS/$name.log" | tail -n 5 | sed "s/^/    [$name] /" || true
 done
 for name in demo-mlp demo-cnn; do

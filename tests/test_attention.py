@@ -258,3 +258,10 @@ def test_attention_combine_rejects_shapes_that_do_not_fit():
     for bad_w, bad_v, heads in [(w, v[:, :4], 2), (w, v, 4), (w[0], v, 2), (w, v[:1], 2)]:
         with pytest.raises(ValueError, match="attention_combine: expected weights"):
             attention_combine(bad_w, bad_v, num_heads=heads)
+
+
+def test_masked_softmax_refuses_scores_without_the_axes_it_needs():
+    with pytest.raises(ValueError, match=r"masked_softmax: is_causal needs scores of shape \(\.\.\., q_len, kv_len\), got \(4,\)"):
+        masked_softmax(np.zeros(4), is_causal=True)
+    with pytest.raises(ValueError, match=r"masked_softmax: expected scores of shape \(\.\.\., kv_len\), got a 0-d array"):
+        masked_softmax(np.zeros(()))

@@ -49,6 +49,22 @@ def test_dense_forward_with_each_activation(name):
     np.testing.assert_allclose(y, ACTIVATIONS[name](x @ ps["weight"] + ps["bias"]), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("name", [n for n in ACTIVATIONS if n != "identity"])
+def test_dense_fuses_each_activation_into_one_primitive_with_its_gradient(name, use_bias):
+    from luxnn.ad.tape import Tape
+
+    activation = lx.nn.activations.get_activation(name)
+    assert lx.ops.activations.fused_name(activation) is not None
+    rng = np.random.default_rng(1)
+    x, w, b = rng.normal(size=(2, 3, 5)) * 2, rng.normal(size=(5, 4)), rng.normal(size=4) if use_bias else None
+    tape = Tape()
+    lx.ops.dense(tape.leaf(x), tape.leaf(w), b, activation=activation)
+    assert len(tape.nodes) == 3  # the two leaves and the dense layer: no node for the bias or the activation
+    check_grad(lambda x, w, *b: lx.ops.dense(x, w, *(b or [None]), activation=activation), x, w, *([b] if use_bias else []),
+               ref=lambda x, w, *b: ACTIVATIONS[name](x @ w + (b[0] if b else 0)))
+
+
 def test_dense_callable_activation_no_bias_and_float32():
     rng = np.random.default_rng(0)
     layer = lx.Dense(3, 2, activation=lambda z: z * z, use_bias=False)

@@ -173,10 +173,22 @@ def abs(x):  # noqa: A001 - the array-API name
     return np.abs(x), lambda g, needs: (g * np.sign(x),)
 
 
+_implementation = None  # luxnn.ops.traits.implementation, bound at first use (luxnn.ops imports this module)
+
+
+def _activations(x):
+    """The device's module of the activations area for `x` (luxnn.ops.traits)."""
+    global _implementation
+    if _implementation is None:
+        from ..ops.traits import implementation as _implementation
+    return _implementation("activations", module_of(x))
+
+
 @primitive
 def tanh(x):
-    y = np.tanh(x)
-    return y, lambda g, needs: (g * (1 - y * y),)
+    impl = _activations(x)
+    y, _ = impl.tanh(x)
+    return y, lambda g, needs: (impl.tanh_grad(g, y),)
 
 
 @primitive
@@ -244,39 +256,22 @@ def matmul(a, b):
     return parallel.matmul(a, b), vjp
 
 
-def rows_times_matrix(x, w, b=None, relu=False):
-    """``(out, vjp)`` of ``x @ w (+ b)`` (then ``max(., 0)`` if `relu`) for x ``(..., k)``
-    and w ``(k, m)``: one GEMM over the flattened leading axes (NumPy would run one per
-    leading index), the bias and the relu applied in place on its output. The kernel of
-    `matmul` by a matrix and of `luxnn.ops.dense`; the VJP returns a bias cotangent only
-    when there is a bias."""
+def rows_times_matrix(x, w):
+    """``(out, vjp)`` of ``x @ w`` for x ``(..., k)`` and w ``(k, m)``: one GEMM over the
+    flattened leading axes (NumPy would run one per leading index), and one for each
+    cotangent. The kernel of `matmul` by a matrix and of `luxnn.ops.dense`, which works on
+    the fresh output in place; the VJP also takes the cotangent as ``(rows, m)``."""
     k, m = w.shape
     lead = x.shape[:-1]
     rows = x.reshape(-1, k)
-    y = parallel.matmul(rows, w)
-
-    def finish(lo, hi):
-        block = y[lo:hi]  # one view (``y[lo:hi] += b`` would also assign it back)
-        if b is not None:
-            block += b
-        if relu:
-            np.maximum(block, 0, out=block)
-
-    if b is not None or relu:
-        parallel.for_blocks(finish, y)
 
     def vjp(g, needs):
         g_rows = g.reshape(-1, m)
-        if relu:
-            masked = module_of(g).empty(g_rows.shape, g.dtype)
-            parallel.for_blocks(lambda lo, hi: np.multiply(g_rows[lo:hi], y[lo:hi] > 0, out=masked[lo:hi]), masked)
-            g_rows = masked
         gx = parallel.matmul(g_rows, w.T).reshape(*lead, k) if needs[0] else None
         gw = parallel.matmul(rows.T, g_rows) if needs[1] else None
-        gb = g_rows.sum(axis=0) if b is not None and needs[2] else None
-        return gx, gw, gb
+        return gx, gw
 
-    return y.reshape(*lead, m), vjp
+    return parallel.matmul(rows, w).reshape(*lead, m), vjp
 
 
 # -- reductions ---------------------------------------------------------------------------

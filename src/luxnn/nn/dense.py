@@ -65,11 +65,7 @@ class Dense(Layer):
             raise LayerError(f"{self}: expected input of shape (..., {self.in_features}), got {shape}")
         check_params(self, ps, self._shapes)
         x = match_eltype(self, x, ps["weight"])
-        fuse_relu = self.activation is ops.relu
-        y = ops.dense(x, ps["weight"], ps.get("bias"), relu=fuse_relu)
-        if self.activation is not None and not fuse_relu:
-            y = self.activation(y)
-        return y, st
+        return ops.dense(x, ps["weight"], ps.get("bias"), activation=self.activation), st
 
     def __repr__(self) -> str:
         act = "" if self.activation is None else f", {getattr(self.activation, '__name__', self.activation)}"

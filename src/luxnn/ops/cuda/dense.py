@@ -1,0 +1,84 @@
+"""The dense layer's passes after its GEMM on CuPy arrays: the bias and the activation in
+one kernel (``luxnn_bias_<activation>``, the activation's CUDA operation of
+ops/cuda/activations.py after the add), the activation's gradient in one, the bias's
+gradient one reduction."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from ...backend import module_of
+from ...kernels import Elementwise
+from ..cpu import activations as cpu
+from . import activations
+from .activations import ACTIVATIONS, PREAMBLE, floating
+
+__all__ = ["bias_activation", "activation_grad", "bias_grad"]
+
+
+def _in_place_twin(name):
+    def twin(b, *params_and_y):
+        *params, y = params_and_y
+        y += b
+        np.copyto(y, getattr(cpu, name)(y, *params)[0])
+
+    return twin
+
+
+def _beside_twin(name):
+    def twin(b, *params_and_outputs):
+        *params, z, y = params_and_outputs
+        z += b
+        np.copyto(y, getattr(cpu, name)(z, *params)[0])
+
+    return twin
+
+
+def _bias_kernel(name, a):
+    """An activation that saves its output runs in place on the GEMM's output ``y``; one
+    that saves its input adds the bias in place (``z``) and writes ``y`` beside it."""
+    if a.saves == "y":
+        return Elementwise(f"luxnn_bias_{name}", f"T b{a.params}", "T y", f"T x = y + b; {a.forward}",
+                           twin=_in_place_twin(name), preamble=PREAMBLE)
+    return Elementwise(f"luxnn_bias_{name}", f"T b{a.params}", "T z, T y", f"z = z + b; T x = z; {a.forward}",
+                       twin=_beside_twin(name), preamble=PREAMBLE)
+
+
+BIAS_ACTIVATION = {name: _bias_kernel(name, a) for name, a in ACTIVATIONS.items()}
+
+
+def _defaults(name):
+    """The activation's parameters: its defaults (those of the activations that dense fuses)."""
+    parameters = inspect.signature(getattr(activations, name)).parameters.values()
+    return tuple(p.default for p in parameters if p.default is not p.empty)
+
+
+def bias_activation(y, b, activation):
+    """``(activation(y + b), residual)`` of the GEMM's fresh output `y` ``(rows, m)``
+    (updated in place) and `b` ``(m,)`` or None; `activation` a kernel name or None."""
+    if activation is None:
+        if b is not None:
+            y += b
+        return y, y
+    y, params = floating(y), _defaults(activation)
+    saves_output = ACTIVATIONS[activation].saves == "y"
+    if b is None:
+        return activations.activation_forward(activation, y, *params, out=y if saves_output else None)
+    b = b.astype(y.dtype, copy=False)
+    if saves_output:
+        BIAS_ACTIVATION[activation](b, *params, y)
+        return y, y
+    z, out = BIAS_ACTIVATION[activation](b, *params, y, module_of(y).empty(y.shape, y.dtype))
+    return out, z
+
+
+def activation_grad(g, residual, activation):
+    """The cotangent of ``y + b`` from that of the activation's output `g` ``(rows, m)``."""
+    return getattr(activations, f"{activation}_grad")(g, residual)
+
+
+def bias_grad(g):
+    """The bias's cotangent: `g` ``(rows, m)`` summed over its rows."""
+    return g.sum(axis=0)
