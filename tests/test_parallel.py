@@ -270,17 +270,17 @@ def test_a_step_holds_the_blas_to_one_thread_from_its_first_threaded_kernel_to_i
 
 
 def test_attention_on_one_sequence_shares_its_heads_out(threads, monkeypatch):
-    from luxnn.ops import attention
+    from luxnn.ops.cpu import attention
 
     threads(2)
     names = set()
-    softmax_rows = attention._softmax_rows
+    softmax_rows = attention.softmax_rows
 
     def recording(*args):
         names.add(threading.current_thread().name)
         softmax_rows(*args)
 
-    monkeypatch.setattr(attention, "_softmax_rows", recording)
+    monkeypatch.setattr(attention, "softmax_rows", recording)
     x = np.random.default_rng(0).standard_normal((1, 512, 256)).astype(np.float32)  # 8 MiB of weights
     w = attention_weights(x, x, num_heads=8)
     assert len(names) == 2
