@@ -2,6 +2,7 @@
 
 import ctypes
 import functools
+import sys
 import threading
 import time
 import weakref
@@ -695,3 +696,13 @@ def test_an_interrupt_at_any_point_of_a_step_leaves_the_blas_threads_as_they_wer
             _blocks_and_products()  # and later holds restore what they found, not 1
             assert blas_threads() == before, f"after an interrupt at event {k}"
         assert interrupted == total
+
+
+def test_for_blocks_refuses_arrays_of_another_device(monkeypatch):
+    import sim_cupy
+
+    monkeypatch.setitem(sys.modules, "cupy", sim_cupy)
+    calls = []
+    with pytest.raises(TypeError, match="cuts NumPy arrays for the CPU's threads, got cupy.ndarray"):
+        parallel.for_blocks(lambda lo, hi: calls.append((lo, hi)), sim_cupy.zeros((4, 3)))
+    assert calls == []

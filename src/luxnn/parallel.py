@@ -139,19 +139,24 @@ def for_blocks(kernel: Kernel, like: Any, *, rows: int | None = None, blas: bool
     blocks must not write to the same elements.
 
     `rows`: the most rows of a block (default: about a megabyte of `like`, and one block
-    for a smaller or a CuPy array); the blocks are as many as that needs, of equal size.
+    for a smaller array); the blocks are as many as that needs, of equal size.
     ``blas=True``, for a kernel that calls the BLAS: the blocks share the threads only
     while the BLAS can be held to one thread in each, and run one after another otherwise.
+
+    NumPy arrays only: on a GPU, blocks would run one after another, each launching its
+    kernels (CUDA implementations run whole, `luxnn.ops.traits`).
     """
+    if not isinstance(like, np.ndarray):
+        raise TypeError(f"for_blocks cuts NumPy arrays for the CPU's threads, got {type(like).__module__}."
+                        f"{type(like).__qualname__}")
     n = like.shape[0]
-    on_numpy = type(like) is np.ndarray
     if rows is None:
-        if not on_numpy or like.nbytes <= _BLOCK_BYTES:
+        if like.nbytes <= _BLOCK_BYTES:
             kernel(0, n)
             return
         rows = max(1, _BLOCK_BYTES * n // like.nbytes)
     blocks = cut(n, rows)
-    if not on_numpy or len(blocks) == 1 or (blas and (_set_blas_threads is None or _threads == 1)):
+    if len(blocks) == 1 or (blas and (_set_blas_threads is None or _threads == 1)):
         _run_blocks(kernel, blocks)
     elif blas:
         with single_threaded_blas():
