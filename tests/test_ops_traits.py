@@ -39,3 +39,7 @@ def test_numpy_arrays_get_the_cpus_implementation_and_cupys_the_cuda_one(monkeyp
         assert traits.implementation(area, sim_cupy).__name__ == f"luxnn.ops.cuda.{area}"
     with pytest.raises(ModuleNotFoundError):
         traits.implementation("no_such_area", np)
+
+
+def test_every_cpu_implementation_loads_with_the_package():
+    assert sorted(cpu.__all__) == AREAS  # a new area is added to ops/cpu/__init__.py's imports

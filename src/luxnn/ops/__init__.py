@@ -1,5 +1,7 @@
 """Kernels outside the array API; each works on NumPy, CuPy and traced values."""
 
+from . import cpu  # noqa: F401  (the CPU's implementations load with the package)
+
 from .activations import (
     elu, gelu, leaky_relu, log_softmax, logsumexp, relu, sigmoid, silu, softmax, softplus, swish,
 )  # fmt: skip
