@@ -5,11 +5,12 @@ Each activation's forward is one `Elementwise` kernel ``luxnn_<name>`` and its g
 output (`ACTIVATIONS` says which), so a forward keeps no temporaries. The twins are the
 CPU's functions (ops/cpu/activations.py). The kernels' source is written for float and
 double: arrays of other dtypes (integers, float16) are computed in NumPy's promotion of
-their dtype with float32.
+their dtype with float32, and float16 results are returned in float16, as on the CPU.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -108,6 +109,28 @@ def floating(x):
     return x if x.dtype in (np.float32, np.float64) else x.astype(np.result_type(x.dtype, np.float32))
 
 
+def half_kept(compute):
+    """`compute` (arrays in; an array or a tuple of them out), its float32 results returned
+    in float16 where its arrays' dtypes promote to float16, as on the CPU: the kernels
+    compute float16 in float32 (`floating`)."""
+
+    @functools.wraps(compute)
+    def kept(*args, **kwargs):
+        results = compute(*args, **kwargs)
+        dtypes = [a.dtype for a in args if hasattr(a, "dtype") and hasattr(a, "shape")]
+        if not dtypes or np.result_type(*dtypes) != np.float16:
+            return results
+        if isinstance(results, tuple):
+            return tuple(_half(r) for r in results)
+        return _half(results)
+
+    return kept
+
+
+def _half(result):
+    return result.astype(np.float16) if getattr(result, "dtype", None) == np.float32 else result
+
+
 def _alike(g, saved):
     """The cotangent and the saved array in one dtype, NumPy's promotion of theirs."""
     if g.dtype == saved.dtype:
@@ -116,16 +139,21 @@ def _alike(g, saved):
     return g.astype(dtype, copy=False), saved.astype(dtype, copy=False)
 
 
+@half_kept
 def activation_forward(name: str, x, *params, out=None):
     """``(y, saved)`` of the activation `name` of `x`: one launch of its kernel, into
-    `out` if given (which may be `x`), else a new array."""
+    `out` if given (which may be `x`; not for float16, computed in float32), else a new
+    array."""
     x = floating(x)
-    y = FORWARD[name](x, *params, module_of(x).empty(x.shape, x.dtype) if out is None else out)
+    if out is None or out.dtype != x.dtype:
+        out = module_of(x).empty(x.shape, x.dtype)
+    y = FORWARD[name](x, *params, out)
     return y, (y if ACTIVATIONS[name].saves == "y" else x)
 
 
+@half_kept
 def _grad(name: str, g, saved, *params):
-    g, saved = _alike(g, saved)
+    g, saved = _alike(floating(g), floating(saved))
     return GRAD[name](g, saved, *params, module_of(g).empty(g.shape, g.dtype))
 
 

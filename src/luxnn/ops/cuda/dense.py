@@ -13,7 +13,7 @@ from ...backend import module_of
 from ...kernels import Elementwise
 from ..cpu import activations as cpu
 from . import activations
-from .activations import ACTIVATIONS, PREAMBLE, floating
+from .activations import ACTIVATIONS, PREAMBLE, floating, half_kept
 
 __all__ = ["bias_activation", "activation_grad", "bias_grad"]
 
@@ -55,6 +55,7 @@ def _defaults(name):
     return tuple(p.default for p in parameters if p.default is not p.empty)
 
 
+@half_kept
 def bias_activation(y, b, activation):
     """``(activation(y + b), residual)`` of the GEMM's fresh output `y` ``(rows, m)``
     (updated in place) and `b` ``(m,)`` or None; `activation` a kernel name or None."""

@@ -20,7 +20,7 @@ from ...backend import module_of
 from ...kernels import Elementwise
 from ..block_kernels import per_dtype
 from ..cpu import softmax as cpu
-from .activations import floating
+from .activations import floating, half_kept
 
 __all__ = [
     "logsumexp", "logsumexp_grad", "softmax", "softmax_grad", "log_softmax", "log_softmax_grad", "masked_softmax",
@@ -203,6 +203,7 @@ def _single_axis(x, axis):
     return x, x.size // n, n, inner
 
 
+@half_kept
 def _row_forward(x, axis, mode):
     found = _single_axis(x, axis) if x.ndim else None
     if found is None:
@@ -215,13 +216,14 @@ def _row_forward(x, axis, mode):
     return y
 
 
+@half_kept
 def _row_grad(g, y, axis, mode, scale=1.0):
     found = _single_axis(y, axis) if y.ndim else None
     if found is None:
         return (cpu.softmax_grad if mode == SOFTMAX else cpu.log_softmax_grad)(g, y, axis)
     y, rows, n, inner = found
     xp = module_of(y)
-    dtype = np.result_type(g, y)  # a cotangent of another dtype: NumPy's promotion, as on the CPU
+    dtype = np.result_type(floating(g), y)  # a cotangent of another dtype: NumPy's promotion, as on the CPU
     g, y = xp.ascontiguousarray(g.astype(dtype, copy=False)), y.astype(dtype, copy=False)
     gx = xp.empty(y.shape, y.dtype)
     _launch(SOFTMAX_GRAD_KERNEL, rows, n, g, y, gx, np.int64(rows), np.int64(n), np.int64(inner),
@@ -245,6 +247,7 @@ def log_softmax_grad(g, y, axis):
     return _row_grad(g, y, axis, LOG_SOFTMAX)
 
 
+@half_kept
 def logsumexp(x, axis):
     found = _single_axis(x, axis) if x.ndim else None
     if found is None:
@@ -255,8 +258,9 @@ def logsumexp(x, axis):
     return out
 
 
+@half_kept
 def logsumexp_grad(g, x, y):
-    dtype = np.result_type(g, x, y)
+    dtype = np.result_type(floating(g), floating(x), floating(y))
     g, x, y = (a.astype(dtype, copy=False) for a in (g, x, y))
     return LOGSUMEXP_GRAD_KERNEL(g, x, y, module_of(x).empty(x.shape, dtype))
 
@@ -285,6 +289,7 @@ def _mask_layout(mask, shape):
     return view, tuple(np.int64(v) for v in (d1, d2, s0, s1, s2, view.strides[-1]))
 
 
+@half_kept
 def masked_softmax(scores, scale, mask, is_causal):
     xp = module_of(scores)
     found = _single_axis(scores, -1)
