@@ -219,7 +219,7 @@ BY_GROUP = Elementwise(
     r"""
     const long long og = channels / groups;
     const long long src = ((i / og) % rows) * channels + (i / (og * rows)) * og + i % og;
-    gg = masked ? g[src] * (T)(keep[src] > (M)0) : g[src];
+    gg = masked ? (T)(g[src] * (T)(keep[src] > (M)0)) : g[src];  // one type on both sides (float16's product is a float)
     """,
     twin=_by_group_twin,
 )  # fmt: skip
@@ -308,7 +308,7 @@ def conv_forward(x, w, b, stride, padding, dilation, groups, relu, out):
         yb = y[n0:n1]
         if groups == 1:
             # The GEMM writes the output in place, which the epilogue then reads as `yb`
-            # itself: CuPy copies an input that overlaps an output unless it is the output.
+            # itself, each element by the thread that rewrites it.
             _gemm(_im2col(x[n0:n1], geometry), wg, out=yb.reshape(1, rows, o))
             yg = yb
         else:

@@ -61,9 +61,10 @@ __device__ inline void luxnn_pool_outputs(long long i, long long n, long long ou
     if (*last > out - 1) *last = out - 1;
 }
 
-// The count of inputs (not padding) in a window along an axis.
+// The count of inputs (not padding) in a window along an axis (0 for a window of padding only).
 __device__ inline long long luxnn_pool_inside(long long start, long long size, long long n) {
-    return (start + size < n ? start + size : n) - (start > 0 ? start : 0);
+    const long long inside = (start + size < n ? start + size : n) - (start > 0 ? start : 0);
+    return inside > 0 ? inside : 0;
 }
 """
 
@@ -290,7 +291,7 @@ AVG_POOL_GRAD = Elementwise(
                 luxnn_pool_window(ow, n2, o2, k2, s2, p2, adaptive, &sw, &zw);
                 const long long count = adaptive || include_pad ? zd * zh * zw
                     : luxnn_pool_inside(sd, zd, n0) * luxnn_pool_inside(sh, zh, n1) * luxnn_pool_inside(sw, zw, n2);
-                total += g[(((n * o0 + od) * o1 + oh) * o2 + ow) * channels + c] / (T)count;
+                total += (T)(g[(((n * o0 + od) * o1 + oh) * o2 + ow) * channels + c] / (T)count);  // the share rounded first, as the twin
             }
         }
     }
