@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..ad.primitives import rows_times_matrix
+from .. import parallel
+from ..ad.primitives import row_product_grads
 from ..ad.tape import primitive
 from ..backend import module_of
 from .activations import fused_name
 from .traits import implementation
 
-__all__ = ["dense"]
+__all__ = ["dense", "fused_dense"]
 
 
 def dense(x, w, b, *, activation: Callable[[Any], Any] | None = None):
@@ -33,24 +34,30 @@ def dense(x, w, b, *, activation: Callable[[Any], Any] | None = None):
     """
     name = fused_name(activation)
     if activation is not None and name is None:
-        return activation(_dense(x, w, b, activation=None))
-    return _dense(x, w, b, activation=name)
+        return activation(fused_dense(x, w, b, activation=None))
+    return fused_dense(x, w, b, activation=name)
 
 
 @primitive
-def _dense(x, w, b, *, activation=None):
-    """`dense` with `activation` the name of an activation's kernels, or None."""
-    y, gemm_vjp = rows_times_matrix(x, w)
-    m = w.shape[1]
-    impl = implementation("dense", module_of(y))
-    out, residual = impl.bias_activation(y.reshape(-1, m), b, activation)
+def fused_dense(x, w, b, *, activation: str | None = None):
+    """`dense` with `activation` the name of an activation's kernels (`fused_name`), or
+    None: what a layer that resolved its activation once calls.
+
+    >>> import numpy as np
+    >>> fused_dense(np.ones((2, 3)), np.ones((3, 4)), None, activation="relu").shape
+    (2, 4)
+    """
+    k, m = w.shape
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, k)
+    impl = implementation("dense", module_of(rows))
+    out, residual = impl.bias_activation(parallel.matmul(rows, w), b, activation)
 
     def vjp(g, needs):
         g_rows = g.reshape(-1, m)
         if activation is not None:
             g_rows = impl.activation_grad(g_rows, residual, activation)
-        gx, gw = gemm_vjp(g_rows, needs)
-        gb = impl.bias_grad(g_rows) if b is not None and needs[2] else None
-        return gx, gw, gb
+        gx, gw = row_product_grads(rows, w, g_rows, lead, needs)
+        return gx, gw, impl.bias_grad(g_rows) if b is not None and needs[2] else None
 
-    return out.reshape(y.shape), vjp
+    return out.reshape(*lead, m), vjp
