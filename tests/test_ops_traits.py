@@ -35,10 +35,14 @@ def test_numpy_arrays_get_the_cpus_implementation_and_cupys_the_cuda_one(monkeyp
 
     monkeypatch.setitem(sys.modules, "cupy", sim_cupy)
     for area in AREAS:
-        assert traits.implementation(area, np).__name__ == f"luxnn.ops.cpu.{area}"
-        assert traits.implementation(area, sim_cupy).__name__ == f"luxnn.ops.cuda.{area}"
+        assert traits.implementation(area, np.zeros(2)).__name__ == f"luxnn.ops.cpu.{area}"
+        assert traits.implementation(area, sim_cupy.zeros(2)).__name__ == f"luxnn.ops.cuda.{area}"
     with pytest.raises(ModuleNotFoundError):
-        traits.implementation("no_such_area", np)
+        traits.implementation("no_such_area", np.zeros(2))
+    with pytest.raises(TypeError, match="NumPy and CuPy arrays, got builtins.object"):
+        traits.implementation("conv", object())
+    with pytest.raises(TypeError, match="NumPy and CuPy arrays, got numpy.matrix"):
+        traits.Area("conv")[np.matrix]  # an ndarray subclass with arithmetic of its own
 
 
 def test_every_cpu_implementation_loads_with_the_package():

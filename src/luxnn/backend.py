@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["module_of", "is_array", "row_sums", "take_rows"]
+__all__ = ["module_of", "array_module_of_type", "is_array", "row_sums", "take_rows"]
 
 
 def module_of(x: Any) -> ModuleType:
@@ -27,7 +27,27 @@ def module_of(x: Any) -> ModuleType:
         return cupy
     if isinstance(x, np.ndarray) and _plain_subclass(kind):
         return np
-    raise TypeError(
+    raise _refused(kind)
+
+
+def array_module_of_type(kind: type) -> ModuleType:
+    """`module_of` for the arrays of type `kind`: NumPy's ndarray (and its plain
+    subclasses) or CuPy's; a `TypeError` for any other type.
+
+    >>> array_module_of_type(np.ndarray).__name__
+    'numpy'
+    """
+    if kind is np.ndarray or (issubclass(kind, np.ndarray) and _plain_subclass(kind)):
+        return np
+    if kind.__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    raise _refused(kind)
+
+
+def _refused(kind: type) -> TypeError:
+    return TypeError(
         f"luxnn computes on NumPy and CuPy arrays, got {kind.__module__}.{kind.__qualname__}: "
         "convert it first (np.asarray(x), or cupy.asarray(x) for GPU data)"
     )

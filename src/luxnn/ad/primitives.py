@@ -173,15 +173,17 @@ def abs(x):  # noqa: A001 - the array-API name
     return np.abs(x), lambda g, needs: (g * np.sign(x),)
 
 
-_implementation = None  # luxnn.ops.traits.implementation, bound at first use (luxnn.ops imports this module)
+_ACTIVATIONS = None  # luxnn.ops.traits.Area("activations"), made at first use (luxnn.ops imports this module)
 
 
 def _activations(x):
     """The device's module of the activations area for `x` (luxnn.ops.traits)."""
-    global _implementation
-    if _implementation is None:
-        from ..ops.traits import implementation as _implementation
-    return _implementation("activations", module_of(x))
+    global _ACTIVATIONS
+    if _ACTIVATIONS is None:
+        from ..ops.traits import Area
+
+        _ACTIVATIONS = Area("activations")
+    return _ACTIVATIONS[type(x)]
 
 
 @primitive
@@ -259,19 +261,18 @@ def matmul(a, b):
 def rows_times_matrix(x, w):
     """``(out, vjp)`` of ``x @ w`` for x ``(..., k)`` and w ``(k, m)``: one GEMM over the
     flattened leading axes (NumPy would run one per leading index), and one for each
-    cotangent (`row_product_grads`). The kernel of `matmul` by a matrix."""
+    cotangent. The kernel of `matmul` by a matrix."""
     k, m = w.shape
     lead = x.shape[:-1]
     rows = x.reshape(-1, k)
-    return parallel.matmul(rows, w).reshape(*lead, m), lambda g, needs: row_product_grads(rows, w, g.reshape(-1, m), lead, needs)
 
+    def vjp(g, needs):
+        g_rows = g.reshape(-1, m)
+        gx = parallel.matmul(g_rows, w.T).reshape(*lead, k) if needs[0] else None
+        gw = parallel.matmul(rows.T, g_rows) if needs[1] else None
+        return gx, gw
 
-def row_product_grads(rows, w, g_rows, lead, needs):
-    """The cotangents ``(gx, gw)`` of ``rows @ w`` from `g_rows` ``(n, m)``, for rows
-    ``(n, k)`` the flattened ``x (*lead, k)``; None where `needs` says so."""
-    gx = parallel.matmul(g_rows, w.T).reshape(*lead, w.shape[0]) if needs[0] else None
-    gw = parallel.matmul(rows.T, g_rows) if needs[1] else None
-    return gx, gw
+    return parallel.matmul(rows, w).reshape(*lead, m), vjp
 
 
 # -- reductions ---------------------------------------------------------------------------

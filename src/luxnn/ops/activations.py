@@ -14,21 +14,23 @@ import numpy as np
 
 from ..ad.primitives import tanh
 from ..ad.tape import primitive
-from ..backend import module_of
-from .traits import implementation
+from .traits import Area
 
 __all__ = [
     "relu", "leaky_relu", "elu", "sigmoid", "silu", "swish", "softplus", "gelu",
     "logsumexp", "softmax", "log_softmax", "fused_name",
 ]  # fmt: skip
 
+_ACTIVATIONS = Area("activations")
+_SOFTMAX = Area("softmax")
+
 
 def _kernels(x):
-    return implementation("activations", module_of(x))
+    return _ACTIVATIONS[type(x)]
 
 
 def _softmax_kernels(x):
-    return implementation("softmax", module_of(x))
+    return _SOFTMAX[type(x)]
 
 
 def _activation(kernel: str, x, *params):

@@ -7,10 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..ad.tape import primitive
-from ..backend import module_of
-from .traits import implementation
+from .traits import Area
 
 __all__ = ["masked_softmax", "attention_weights", "attention_combine"]
+
+_ATTENTION = Area("attention")
+_SOFTMAX = Area("softmax")
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -49,7 +51,7 @@ def masked_softmax(scores, *, scale=1.0, mask=None, is_causal=False):
     if not scores.shape:
         raise ValueError("masked_softmax: expected scores of shape (..., kv_len), got a 0-d array")
     _check_mask(mask, is_causal, scores.shape, "masked_softmax")
-    impl = implementation("softmax", module_of(scores))
+    impl = _SOFTMAX[type(scores)]
     w = impl.masked_softmax(scores, scale, mask, is_causal)
     return w, lambda g, needs: (impl.masked_softmax_grad(g, w, scale),)
 
@@ -77,7 +79,7 @@ def attention_weights(q, k, *, num_heads, scale=1.0, mask=None, is_causal=False)
         raise ValueError(f"attention_weights: scale must be positive, got {scale!r}")
     _check_heads("attention_weights", q, k, num_heads)
     _check_mask(mask, is_causal, (q.shape[0], num_heads, q.shape[1], k.shape[1]), "attention_weights")
-    impl = implementation("attention", module_of(q))
+    impl = _ATTENTION[type(q)]
     w, residual = impl.attention_weights(q, k, num_heads, scale, mask, is_causal)
     return w, lambda g, needs: impl.attention_weights_grad(g, residual, needs)
 
@@ -97,6 +99,6 @@ def attention_combine(weights, v, *, num_heads):
             f"attention_combine: expected weights (batch, {num_heads}, q_len, kv_len) and v (batch, kv_len, {num_heads} * d), "
             f"got shapes {w_shape} and {v_shape}"
         )
-    impl = implementation("attention", module_of(v))
+    impl = _ATTENTION[type(v)]
     out, residual = impl.attention_combine(weights, v, num_heads)
     return out, lambda g, needs: impl.attention_combine_grad(g, residual, needs)

@@ -33,12 +33,14 @@ import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from .traits import implementation
+from .traits import Area
 
 __all__ = [
     "conv", "conv_transpose", "conv_output_size", "window_slices", "pad_spatial", "crop_spatial", "per_axis",
     "per_side", "grouped_kernel", "by_group",
 ]  # fmt: skip
+
+_CONV = Area("conv")
 
 Pairs = tuple[tuple[int, int], ...]
 
@@ -151,7 +153,7 @@ def conv_transpose(
 def _conv(x, w, b, *, stride, padding, dilation, groups, relu):
     kernel = w.shape[: x.ndim - 2]
     out = tuple(conv_output_size(*args) for args in zip(x.shape[1:-1], kernel, stride, dilation, padding))
-    device = implementation("conv", module_of(x))
+    device = _CONV[type(x)]
     y, residual = device.conv_forward(x, w, b, stride, padding, dilation, groups, relu, out)
 
     def vjp(g, needs):
@@ -167,7 +169,7 @@ def _conv_transpose(x, w, b, *, stride, padding, dilation, groups, output_paddin
         (i - 1) * s + d * (k - 1) + 1 - lo - hi + e
         for i, k, s, d, (lo, hi), e in zip(x.shape[1:-1], kernel, stride, dilation, padding, output_padding)
     )  # fmt: skip
-    device = implementation("conv", module_of(x))
+    device = _CONV[type(x)]
     y, residual = device.conv_transpose_forward(x, w, b, stride, padding, dilation, groups, relu, out)
 
     def vjp(g, needs):

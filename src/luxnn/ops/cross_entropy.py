@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..ad.tape import primitive
-from ..backend import module_of
-from .traits import implementation
+from .traits import Area
 
 __all__ = ["softmax_cross_entropy", "nll_loss"]
+
+_CROSS_ENTROPY = Area("cross_entropy")
 
 REDUCTIONS = ("none", "mean", "sum")
 NO_COUNT = ("{owner}: no target counts towards the mean (every label ignored or of weight 0); use reduction='sum' "
@@ -38,7 +39,7 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0, reduction="none",
     [1.3863, 1.3863]
     """
     _check(logits, labels, reduction, owner)
-    return implementation("cross_entropy", module_of(logits)).softmax_cross_entropy(
+    return _CROSS_ENTROPY[type(logits)].softmax_cross_entropy(
         logits, labels, label_smoothing, reduction, weight, ignore_index, owner)
 
 
@@ -55,7 +56,7 @@ def nll_loss(log_probs, labels, reduction="none", weight=None, ignore_index=None
     2.9957
     """
     _check(log_probs, labels, reduction, owner)
-    return implementation("cross_entropy", module_of(log_probs)).nll_loss(
+    return _CROSS_ENTROPY[type(log_probs)].nll_loss(
         log_probs, labels, reduction, weight, ignore_index, owner)
 
 

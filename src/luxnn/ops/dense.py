@@ -3,22 +3,21 @@
 One GEMM over the flattened leading axes, then the bias and the activation in one pass
 over its output (in place where the activation allows), and a VJP that needs no separate
 nodes for the add and the activation: the activation's gradient in one pass, the bias's
-one reduction, then one GEMM per cotangent. The passes are the device's (`luxnn.ops.traits`:
-the area "dense").
+one reduction, then one GEMM per cotangent. Both passes are the device's
+(`luxnn.ops.traits`: the area "dense", ``forward`` and ``backward``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from .. import parallel
-from ..ad.primitives import row_product_grads
 from ..ad.tape import primitive
-from ..backend import module_of
 from .activations import fused_name
-from .traits import implementation
+from .traits import Area
 
 __all__ = ["dense", "fused_dense"]
+
+_DENSE = Area("dense")
 
 
 def dense(x, w, b, *, activation: Callable[[Any], Any] | None = None):
@@ -50,14 +49,12 @@ def fused_dense(x, w, b, *, activation: str | None = None):
     k, m = w.shape
     lead = x.shape[:-1]
     rows = x.reshape(-1, k)
-    impl = implementation("dense", module_of(rows))
-    out, residual = impl.bias_activation(parallel.matmul(rows, w), b, activation)
+    impl = _DENSE[type(rows)]
+    out, residual = impl.forward(rows, w, b, activation)
 
     def vjp(g, needs):
-        g_rows = g.reshape(-1, m)
-        if activation is not None:
-            g_rows = impl.activation_grad(g_rows, residual, activation)
-        gx, gw = row_product_grads(rows, w, g_rows, lead, needs)
-        return gx, gw, impl.bias_grad(g_rows) if b is not None and needs[2] else None
+        gx, gw, gb = impl.backward(g.reshape(-1, m), rows, w, residual, activation, needs[0], needs[1],
+                                   b is not None and needs[2])
+        return None if gx is None else gx.reshape(*lead, k), gw, gb
 
     return out.reshape(*lead, m), vjp

@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 
 from ..ad.tape import primitive
-from ..backend import module_of
-from .traits import implementation
+from .traits import Area
 
 __all__ = ["lookup_rows", "scatter_add_rows"]
+
+_EMBEDDING = Area("embedding")
 
 
 def scatter_add_rows(g: Any, indices: Any, num_rows: int) -> Any:
@@ -21,7 +22,7 @@ def scatter_add_rows(g: Any, indices: Any, num_rows: int) -> Any:
     >>> scatter_add_rows(np.ones((3, 2)), np.array([1, 1, 0]), 3).tolist()
     [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0]]
     """
-    return implementation("embedding", module_of(g)).scatter_add_rows(g, indices, num_rows)
+    return _EMBEDDING[type(g)].scatter_add_rows(g, indices, num_rows)
 
 
 @primitive
@@ -35,4 +36,4 @@ def lookup_rows(table, indices, owner="lookup_rows", error=IndexError):
     >>> lookup_rows(np.arange(6.0).reshape(3, 2), np.array([[2, 0]])).tolist()
     [[[4.0, 5.0], [0.0, 1.0]]]
     """
-    return implementation("embedding", module_of(table)).lookup_rows(table, indices, owner, error)
+    return _EMBEDDING[type(table)].lookup_rows(table, indices, owner, error)

@@ -17,16 +17,17 @@ import numpy as np
 from numpy.lib.array_utils import normalize_axis_tuple
 
 from ..ad.tape import primitive
-from ..backend import module_of
-from .traits import implementation
+from .traits import Area
 
 __all__ = [
     "moments", "normalize", "rms_normalize", "scale_shift", "normalize_affine", "frozen_normalize", "update_running",
 ]
 
+_NORM = Area("norm")
+
 
 def _kernels(x: Any) -> Any:
-    return implementation("norm", module_of(x))
+    return _NORM[type(x)]
 
 
 def _axes(axis: int | tuple[int, ...], ndim: int) -> tuple[int, ...]:

@@ -24,11 +24,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..ad.tape import primitive
-from ..backend import module_of
 from .conv import per_axis, per_side
-from .traits import implementation
+from .traits import Area
 
 __all__ = ["max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool", "adaptive_bins"]
+
+_POOL = Area("pool")
 
 
 def _config(x: Any, window: Any, stride: Any, padding: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
@@ -55,7 +56,7 @@ def avg_pool(x: Any, window: Any, stride: Any = None, padding: Any = 0, *, count
 def _pool(x, *, kind, config):
     """The pool `kind` (``"max_pool"``, ``"avg_pool"``, ...) of the arrays' device, with the
     static `config` its forward and backward take after their arrays."""
-    device = implementation("pool", module_of(x))
+    device = _POOL[type(x)]
     y, residual = getattr(device, f"{kind}_forward")(x, *config)
     shape = x.shape
 

@@ -26,9 +26,11 @@ import numpy as np
 
 from ..ad.tape import primitive
 from ..backend import module_of
-from .traits import device_of_module, implementation
+from .traits import Area, device_of_module
 
 __all__ = ["rnn_sequence", "lstm_sequence", "gru_sequence", "reverse_padded"]
+
+_RECURRENT = Area("recurrent")
 
 
 def _check(who, xw, w_hh, gates, carries):
@@ -50,7 +52,7 @@ def _cells(who, *arrays):
     if len(modules) > 1:
         devices = " and ".join(sorted(device_of_module(m).upper() for m in modules))
         raise TypeError(f"{who}: expected the arrays on one device, got {devices} arrays")
-    return implementation("recurrent", modules.pop())
+    return _RECURRENT[type(next(a for a in arrays if a is not None))]
 
 
 def _result(outputs, last_only, reverse):

@@ -10,35 +10,52 @@ and one implementation of those kernels per device, with the same functions (the
 - ``ops/cuda/<area>.py`` for CuPy arrays: whole-batch kernels, luxnn's CUDA kernels
   (`luxnn.kernels`), few launches, nothing cut by the host's cores.
 
-``implementation("conv", xp)`` is the module for arrays of the module `xp`, chosen once
-per call of the primitive (the CUDA modules import CuPy only when a CuPy array comes).
+A primitive's module holds one `Area` per area it uses (``CONV = Area("conv")``) and picks
+the implementation once per call as ``CONV[type(x)]``: a dictionary lookup (the CUDA
+modules import CuPy only when a CuPy array comes).
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
-__all__ = ["implementation", "device_of_module"]
+from ..backend import array_module_of_type
 
-_CHOSEN: dict[tuple[str, ModuleType], ModuleType] = {}
-
+__all__ = ["Area", "implementation", "device_of_module"]
 
 def device_of_module(xp: ModuleType) -> str:
     """``"cpu"`` for NumPy, ``"cuda"`` for CuPy: the implementations' package."""
     return "cpu" if xp is np else "cuda"
 
 
-def implementation(area: str, xp: ModuleType) -> ModuleType:
-    """The module implementing `area`'s kernels for arrays of the module `xp`.
+class Area(dict):
+    """One area's implementations by array type: ``area[type(x)]`` is the module for arrays
+    like `x`, imported the first time an array of that type comes; after that a dictionary
+    lookup, with no Python call on a primitive's path.
 
-    >>> implementation("recurrent", np).__name__
+    >>> Area("recurrent")[np.ndarray].__name__
     'luxnn.ops.cpu.recurrent'
     """
-    key = (area, xp)
-    found = _CHOSEN.get(key)
-    if found is None:
-        found = _CHOSEN[key] = importlib.import_module(f"luxnn.ops.{device_of_module(xp)}.{area}")
-    return found
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def __missing__(self, kind: type) -> ModuleType:
+        found = self[kind] = importlib.import_module(
+            f"luxnn.ops.{device_of_module(array_module_of_type(kind))}.{self.name}"
+        )
+        return found
+
+
+def implementation(area: str, like: Any) -> ModuleType:
+    """The module implementing `area`'s kernels for arrays like `like`.
+
+    >>> implementation("recurrent", np.zeros(2)).__name__
+    'luxnn.ops.cpu.recurrent'
+    """
+    return Area(area)[type(like)]

@@ -1,20 +1,21 @@
-"""The dense layer's passes after its GEMM on NumPy arrays: the bias (and a relu) added in
-place block by block on all cores, any other activation by the CPU's own
+"""The dense layer on NumPy arrays: luxnn's GEMM (`luxnn.parallel.matmul`), the bias (and
+a relu) added in place block by block on all cores, any other activation by the CPU's own
 (ops/cpu/activations.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...parallel import for_blocks
+from ...parallel import for_blocks, matmul
 from . import activations
 
-__all__ = ["bias_activation", "activation_grad", "bias_grad"]
+__all__ = ["forward", "backward"]
 
 
-def bias_activation(y, b, activation):
-    """``(activation(y + b), residual)`` of the GEMM's fresh output `y` ``(rows, m)``
-    (updated in place) and `b` ``(m,)`` or None; `activation` a kernel name or None."""
+def forward(rows, w, b, activation):
+    """``(activation(rows @ w + b), residual)`` for rows ``(n, k)``, w ``(k, m)``, b
+    ``(m,)`` or None; `activation` a kernel name or None."""
+    y = matmul(rows, w)
     relu = activation == "relu"
 
     def finish(lo, hi):
@@ -31,15 +32,15 @@ def bias_activation(y, b, activation):
     return getattr(activations, activation)(y)
 
 
-def activation_grad(g, residual, activation):
-    """The cotangent of ``y + b`` from that of the activation's output `g` ``(rows, m)``."""
+def backward(g, rows, w, residual, activation, need_x, need_w, need_b):
+    """``(gx_rows, gw, gb)`` from the output's cotangent `g` ``(n, m)`` (None where not
+    needed)."""
     if activation == "relu":
         masked = np.empty(g.shape, g.dtype)
         for_blocks(lambda lo, hi: np.multiply(g[lo:hi], residual[lo:hi] > 0, out=masked[lo:hi]), masked)
-        return masked
-    return getattr(activations, f"{activation}_grad")(g, residual)
-
-
-def bias_grad(g):
-    """The bias's cotangent: `g` ``(rows, m)`` summed over its rows."""
-    return g.sum(axis=0)
+        g = masked
+    elif activation is not None:
+        g = getattr(activations, f"{activation}_grad")(g, residual)
+    gx = matmul(g, w.T) if need_x else None
+    gw = matmul(rows.T, g) if need_w else None
+    return gx, gw, g.sum(axis=0) if need_b else None

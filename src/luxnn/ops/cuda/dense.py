@@ -1,7 +1,7 @@
-"""The dense layer's passes after its GEMM on CuPy arrays: the bias and the activation in
-one kernel (``luxnn_bias_<activation>``, the activation's CUDA operation of
-ops/cuda/activations.py after the add), the activation's gradient in one, the bias's
-gradient one reduction."""
+"""The dense layer on CuPy arrays: one GEMM, then the bias and the activation in one kernel
+(``luxnn_bias_<activation>``, the activation's CUDA operation of ops/cuda/activations.py
+after the add); backward, the activation's gradient in one kernel, one GEMM per
+cotangent and the bias's gradient one reduction."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ..cpu import activations as cpu
 from . import activations
 from .activations import ACTIVATIONS, PREAMBLE, floating, half_kept
 
-__all__ = ["bias_activation", "activation_grad", "bias_grad"]
+__all__ = ["forward", "backward"]
 
 
 def _in_place_twin(name):
@@ -75,11 +75,15 @@ def bias_activation(y, b, activation):
     return out, z
 
 
-def activation_grad(g, residual, activation):
-    """The cotangent of ``y + b`` from that of the activation's output `g` ``(rows, m)``."""
-    return getattr(activations, f"{activation}_grad")(g, residual)
+def forward(rows, w, b, activation):
+    """``(activation(rows @ w + b), residual)`` for rows ``(n, k)``, w ``(k, m)``, b
+    ``(m,)`` or None: one GEMM, then `bias_activation`."""
+    return bias_activation(rows @ w, b, activation)
 
 
-def bias_grad(g):
-    """The bias's cotangent: `g` ``(rows, m)`` summed over its rows."""
-    return g.sum(axis=0)
+def backward(g, rows, w, residual, activation, need_x, need_w, need_b):
+    """``(gx_rows, gw, gb)`` from the output's cotangent `g` ``(n, m)``: the activation's
+    gradient one kernel, one GEMM per cotangent, the bias's one row sum."""
+    if activation is not None:
+        g = getattr(activations, f"{activation}_grad")(g, residual)
+    return g @ w.T if need_x else None, rows.T @ g if need_w else None, g.sum(axis=0) if need_b else None
