@@ -10,8 +10,9 @@
 #   tests     tests/test_gpu.py and tests/test_memory_cuda.py, without the GPU-vs-CPU cases
 #   match     GPU against CPU: outputs and gradients of an MLP, a CNN, an attention block
 #             (float64 to 1e-10, float32 to 1e-4 relative) and of the primitives
-#   kernels   the activations', softmax family's, dense and attention CUDA kernels against the
-#             CPU's code (tests/test_sim_activations.py; their first compile included)
+#   kernels   every CUDA kernel of ops/cuda and the fused optimiser against its NumPy twin and
+#             the CPU's code (activations, softmax, dense, attention, conv, pooling, norms,
+#             cross-entropy, embedding, recurrent cells, optimisers; their first compile included)
 #   demo-mlp  luxnn demo --device gpu --model mlp
 #   demo-cnn  luxnn demo --device gpu --model cnn
 #   nccl      luxnn.distributed's NCCL backend on one GPU (mpiexec -n 1): collectives, start_allreduce,
@@ -70,7 +71,8 @@ stage() {
 stage install 45 "$PYTHON" -m pip install --no-build-isolation --no-deps -q -e .
 stage tests 90 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py tests/test_memory_cuda.py -k "not match_the_cpu"
 stage match 45 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -k "match_the_cpu"
-stage kernels 90 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_sim_activations.py -k "on_the_gpu"
+stage kernels 150 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_sim_activations.py tests/test_conv.py \
+    tests/test_gpu_norm.py tests/test_sim_recurrent.py tests/test_optim_fused.py -k "gpu or cuda_kernel"
 stage demo-mlp 30 "$PYTHON" -m luxnn.cli demo --device gpu --model mlp --epochs 5 --no-progress
 stage demo-cnn 30 "$PYTHON" -m luxnn.cli demo --device gpu --model cnn --epochs 2 --no-progress
 stage nccl 30 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_distributed.py -k nccl_on_one_gpu
