@@ -382,3 +382,39 @@ def test_a_cache_on_device_0_never_hands_a_block_to_device_1():
             on_1 = cupy.ones(1 << 16)
     assert on_1.device.id == 1 and float(on_1.sum()) == 1 << 16
     assert cache.stats().hits == 0 and cache.stats().bytes_live == 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "attention", "lstm"])
+@needs_gpu
+def test_each_bench_models_ten_adam_steps_on_the_gpu_follow_the_cpus(name):
+    """The GPU rows' models (`luxnn bench --device gpu`, a batch of 8), in float64: the
+    losses of 10 `single_train_step_` Adam steps to 1e-8, and after them each parameter
+    whose gradient is not rounding noise to 1e-6 of the largest parameter (Adam moves a
+    leaf whose gradient is zero in exact arithmetic, such as an attention key's bias, by
+    the learning rate in the direction of its noise, on each device its own)."""
+    from luxnn.bench import gpu_models
+
+    row = gpu_models.TRAINING[name]
+    x, y = row.data(batch=8)
+    model = row.model()
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    ps = lx.tree.map(lambda p: p.astype(np.float64), ps)
+    ad, loss_fn = lx.AutoTape(), lx.losses.CrossEntropyLoss()
+
+    def train(dev):
+        ts = lx.TrainState(model, dev(lx.tree.map(np.copy, ps)), dev(st), lx.optim.adam(1e-3))  # trained in place
+        data, losses = dev((x.astype(np.float64), y)), []
+        grads, _, _, ts = lx.compute_gradients(ad, loss_fn, data, ts)
+        for _ in range(10):
+            _, loss, _, ts = lx.single_train_step_(ad, loss_fn, data, ts)
+            losses.append(float(loss))
+        return losses, _host(ts.parameters), _host(grads)
+
+    cpu_losses, cpu_ps, cpu_grads = train(lx.cpu_device())
+    gpu_losses, gpu_ps, _ = train(lx.CUDADevice(0))
+    np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-8)
+    scale = max(float(np.max(np.abs(p))) for p in lx.tree.leaves(cpu_ps))
+    grad_scale = max(float(np.max(np.abs(g))) for g in lx.tree.leaves(cpu_grads))
+    for (path, got), (_, want), (_, g) in zip(lx.tree.paths(gpu_ps), lx.tree.paths(cpu_ps), lx.tree.paths(cpu_grads)):
+        if np.max(np.abs(g)) > 1e-8 * grad_scale:
+            assert _relative_error(got, want, scale) < 1e-6, path
