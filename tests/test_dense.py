@@ -221,3 +221,10 @@ def test_bad_configuration_is_refused():
         lx.Dense(0, 2)
     with pytest.raises(TypeError, match="layer_2 must be a luxnn Layer"):
         lx.Chain(lx.Dense(2, 2), lambda x: x)
+
+
+def test_an_input_that_is_not_an_array_is_named_in_the_error():
+    model = lx.Chain(lx.LSTM(3, 4), lx.Dense(4, 2))  # the LSTM passes a Padded batch on
+    ps, st = lx.setup(np.random.default_rng(0), model)
+    with pytest.raises(lx.LayerError, match=r"layer_2: Dense\(4 => 2\): expected input of shape \(\.\.\., 4\), got a Padded of 2"):
+        model(lx.Padded(np.ones((2, 5, 3), np.float32), [5, 3]), ps, st)

@@ -198,9 +198,19 @@ def describe(out: Any) -> str:
     'a tuple of 2 (float, dict)'
     """
     if isinstance(out, tuple):
-        return f"a tuple of {len(out)} ({', '.join(type(v).__name__ for v in out)})"
+        return f"a {type(out).__name__} of {len(out)} ({', '.join(type(v).__name__ for v in out)})"
     shape = getattr(out, "shape", None)
     return f"a {type(out).__name__}" + ("" if shape is None else f" of shape {shape}")
+
+
+def input_shape(x: Any) -> str:
+    """`x`'s shape for a message about a layer's input, or what `x` is when it has none.
+
+    >>> input_shape(np.zeros((2, 3))), input_shape([1.0])
+    ('(2, 3)', 'a list')
+    """
+    shape = getattr(x, "shape", None)
+    return describe(x) if shape is None else str(shape)
 
 
 def _keys(d: Any) -> Any:

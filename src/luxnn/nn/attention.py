@@ -11,7 +11,7 @@ from .. import init as initializers
 from ..ad.namespace import array_namespace
 from ..ad.tape import Traced
 from ..backend import module_of
-from ..core import Layer, LayerError
+from ..core import input_shape, Layer, LayerError
 from ..dtypes import match_eltype
 from ..ops.attention import attention_combine, attention_weights
 from .dense import Dense
@@ -155,7 +155,7 @@ class MultiHeadAttention(Layer):
         for name, t, features in (("q", q, self.dim), ("k", k, self.kv_dim), ("v", v, self.kv_dim)):
             shape = getattr(t, "shape", None)
             if shape is None or len(shape) != 3 or shape[2] != features:
-                raise LayerError(f"{self}: expected {name} of shape (batch, seq, {features}), got {shape}")
+                raise LayerError(f"{self}: expected {name} of shape (batch, seq, {features}), got {input_shape(t)}")
         if k.shape[:2] != v.shape[:2] or k.shape[0] != q.shape[0]:
             raise LayerError(
                 f"{self}: expected q, k, v with one batch size and k, v of one length, got "

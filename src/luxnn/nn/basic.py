@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import init as initializers
 from ..ad import array_namespace
-from ..core import Layer, LayerError, check_params
+from ..core import check_params, input_shape, Layer, LayerError
 from ..dtypes import match_eltype
 from ..ops.norm import scale_shift
 from .activations import get_activation
@@ -98,7 +98,7 @@ class Scale(Layer):
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         shape, k = getattr(x, "shape", None), len(self.dims)
         if shape is None or len(shape) < k or tuple(shape[len(shape) - k :]) != self.dims:
-            raise LayerError(f"{self}: expected input of shape (..., {', '.join(map(str, self.dims))}), got {shape}")
+            raise LayerError(f"{self}: expected input of shape (..., {', '.join(map(str, self.dims))}), got {input_shape(x)}")
         check_params(self, ps, {name: self.dims for name in (("weight", "bias") if self.use_bias else ("weight",))})
         x = match_eltype(self, x, ps["weight"])
         y = scale_shift(x, ps["weight"], ps["bias"]) if self.use_bias else x * ps["weight"]

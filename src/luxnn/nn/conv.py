@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import init as initializers
-from ..core import Layer, LayerError, check_params
+from ..core import check_params, input_shape, Layer, LayerError
 from ..dtypes import match_eltype
 from ..ops.activations import relu
 from ..ops.conv import Pairs, conv, conv_output_size, conv_transpose
@@ -81,7 +81,7 @@ def check_input(layer: Layer, x: Any, rank: int, channels: int | None) -> tuple[
     if shape is None or len(shape) != rank + 2 or (channels is not None and shape[-1] != channels):
         axes = ("H", "W") if rank == 2 else ("L",) if rank == 1 else tuple(f"D{i}" for i in range(1, rank + 1))
         expected = ", ".join(("N", *axes, str(channels) if channels is not None else "C"))
-        raise LayerError(f"{layer}: expected input of shape ({expected}), got {shape}")
+        raise LayerError(f"{layer}: expected input of shape ({expected}), got {input_shape(x)}")
     return tuple(shape[1:-1])
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import init as initializers
 from .. import ops
-from ..core import Layer, LayerError, check_params
+from ..core import check_params, input_shape, Layer, LayerError
 from ..dtypes import match_eltype
 from .activations import get_activation
 
@@ -63,7 +63,7 @@ class Dense(Layer):
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         shape = getattr(x, "shape", None)
         if not shape or shape[-1] != self.in_features:
-            raise LayerError(f"{self}: expected input of shape (..., {self.in_features}), got {shape}")
+            raise LayerError(f"{self}: expected input of shape (..., {self.in_features}), got {input_shape(x)}")
         check_params(self, ps, self._shapes)
         x = match_eltype(self, x, ps["weight"])
         y = ops.fused_dense(x, ps["weight"], ps.get("bias"), activation=self._fused)

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..ad import stop_gradient
-from ..core import Layer, LayerError, check_params
+from ..core import check_params, input_shape, Layer, LayerError
 from ..dtypes import match_eltype
 from ..ops.norm import frozen_normalize, moments, normalize, normalize_affine, rms_normalize, scale_shift, update_running
 from .activations import get_activation
@@ -109,7 +109,7 @@ class _Norm(Layer):
 def _check_channels_last(layer: Layer, x: Any, channels: int) -> tuple[int, ...]:
     shape = getattr(x, "shape", None)
     if shape is None or len(shape) < 2 or shape[-1] != channels:
-        raise LayerError(f"{layer}: expected input of shape (N, ..., {channels}) (channels last), got {shape}")
+        raise LayerError(f"{layer}: expected input of shape (N, ..., {channels}) (channels last), got {input_shape(x)}")
     return shape
 
 

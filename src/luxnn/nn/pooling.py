@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..ad import array_namespace
-from ..core import Layer, LayerError
+from ..core import input_shape, Layer, LayerError
 from ..ops.conv import conv_output_size
 from ..ops.pool import adaptive_avg_pool, adaptive_max_pool, avg_pool, max_pool
 from .conv import PaddingSpec, check_input, format_padding, padding_spec, same_padding, spatial_tuple, window_tuple
@@ -151,7 +151,7 @@ class _GlobalPool(Layer):
     def _axes(self, x: Any) -> tuple[int, ...]:
         shape = getattr(x, "shape", None)
         if shape is None or len(shape) < 3:
-            raise LayerError(f"{self}: expected input of shape (N, *spatial, C) with at least one spatial axis, got {shape}")
+            raise LayerError(f"{self}: expected input of shape (N, *spatial, C) with at least one spatial axis, got {input_shape(x)}")
         return tuple(range(1, len(shape) - 1))
 
     def __call__(self, x: Any, ps: dict[str, Any], st: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

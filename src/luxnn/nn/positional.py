@@ -8,7 +8,7 @@ import numpy as np
 
 from ..ad.tape import stop_gradient
 from ..backend import module_of
-from ..core import Layer, LayerError
+from ..core import input_shape, Layer, LayerError
 from ..dtypes import match_eltype
 from ..ops.positional import rotary, rotary_tables, sinusoidal_table
 
@@ -70,7 +70,7 @@ class SinusoidalPositionalEmbedding(Layer):
         ids = self.mode == "return" and shape is not None and len(shape) == 2
         if shape is None or not (ids or (len(shape) == 3 and shape[2] == self.dim)) or shape[1] > self.max_len:
             also = " or token ids (batch, seq)" if self.mode == "return" else ""
-            raise LayerError(f"{self}: expected input of shape (batch, seq <= {self.max_len}, {self.dim}){also}, got {shape}")
+            raise LayerError(f"{self}: expected input of shape (batch, seq <= {self.max_len}, {self.dim}){also}, got {input_shape(x)}")
         x = match_eltype(self, x, None)
         table = _on_device_of(sinusoidal_table(shape[1], self.dim, self.base, _floating_dtype(x)), x)
         if self.mode == "return":
@@ -114,7 +114,7 @@ class RotaryPositionalEmbedding(Layer):
         shape = getattr(x, "shape", None)
         if shape is None or len(shape) not in (3, 4) or shape[-1] != self.head_dim or shape[1] > self.max_len:
             raise LayerError(
-                f"{self}: expected input of shape (batch, seq <= {self.max_len}, [heads,] {self.head_dim}), got {shape}"
+                f"{self}: expected input of shape (batch, seq <= {self.max_len}, [heads,] {self.head_dim}), got {input_shape(x)}"
             )
         return rope(match_eltype(self, x, None), base=self.base, interleaved=self.interleaved), st
 

@@ -15,7 +15,7 @@ from .. import tree
 from ..ad.namespace import array_namespace
 from ..ad.tape import stop_gradient
 from ..backend import module_of
-from ..core import Layer, LayerError, call_child
+from ..core import call_child, input_shape, Layer, LayerError
 from ..ops.recurrent import reverse_padded
 from .recurrent import RecurrentCell, Steps
 
@@ -126,7 +126,7 @@ class Recurrence(Layer):
         shape = getattr(xs, "shape", None)
         in_dims = getattr(self.cell, "in_dims", "in_dims")
         if shape is None or len(shape) != 3 or shape[1] < 1 or (isinstance(self.cell, RecurrentCell) and shape[2] != in_dims):
-            raise LayerError(f"{self}: expected input of shape (batch, seq >= 1, {in_dims}), got {shape}")
+            raise LayerError(f"{self}: expected input of shape (batch, seq >= 1, {in_dims}), got {input_shape(xs)}")
         if lengths is not None:
             lengths = _checked_lengths(self, lengths, xs)
             xs = reverse_padded(xs, lengths) if self.reverse else xs
