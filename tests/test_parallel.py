@@ -74,17 +74,6 @@ def test_small_arrays_and_a_single_thread_run_on_the_caller(threads):
         assert names == caller
 
 
-def test_non_numpy_arrays_get_one_call_over_the_whole_leading_axis(threads):
-    threads(4)
-
-    class DeviceArray:  # stands for a CuPy array, which the GPU runs in parallel already
-        shape = (10_000_000, 4)
-
-    calls = []
-    parallel.for_blocks(lambda lo, hi: calls.append((lo, hi)), DeviceArray())
-    assert calls == [(0, 10_000_000)]
-
-
 def test_an_exception_in_any_block_is_raised_after_every_block_finished(threads):
     threads(2)
     like = np.empty((8, MiB // 4), np.float32)  # 8 blocks of 1 MiB
