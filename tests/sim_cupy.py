@@ -352,8 +352,19 @@ class RawKernel:
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
         if self._params is not None:
             _check_raw_args(self.name, self._params, args)
-        self.twin(*_unwrap(args))
+        self.twin(*(_as_pointed_to(a) if isinstance(a, ndarray) else a for a in args))
         _launch("kernel", self.name)
+
+
+def _as_pointed_to(a: "ndarray") -> np.ndarray:
+    """An array as a raw kernel gets it: a pointer to its first element. A strided view is
+    then its memory from there to the end of its allocation, flat: the kernel reads it by
+    strides only where it is given them."""
+    if a.flags.c_contiguous:
+        return a._values
+    memory = (a if a.base is None else a.base)._values.reshape(-1).view(np.uint8)
+    start = a._values.__array_interface__["data"][0] - memory.__array_interface__["data"][0]
+    return memory[start : start + (memory.size - start) // a.itemsize * a.itemsize].view(a.dtype)
 
 
 _C_TYPES = {
@@ -379,9 +390,9 @@ def _c_params(code: str, name: str) -> list[tuple[str, bool, str]] | None:
 
 def _check_raw_args(kernel: str, params: list, args: tuple) -> None:
     """Each argument as the parameter it lands in takes it: a device array (of the pointee's
-    dtype), None or an 8-byte integer (an address) for a pointer, a NumPy scalar of the
-    value's dtype else. CuPy passes a
-    Python int as an int64, a float as a float64 (cupy/cuda/function.pyx, ``_pointer``)."""
+    dtype), None or an 8-byte integer (an address) for a pointer, a NumPy scalar
+    of the value's dtype else. CuPy passes a Python int as an int64, a float as a float64
+    (cupy/cuda/function.pyx, ``_pointer``)."""
     if len(args) != len(params):
         raise TypeError(f"sim_cupy: {kernel} takes {len(params)} arguments, got {len(args)}")
     for (declaration, pointer, dtype), a in zip(params, args):
