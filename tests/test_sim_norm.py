@@ -239,3 +239,14 @@ def test_embedding_indices_out_of_range_on_the_device_give_nan_then_raise_the_la
 def test_these_kernels_cuda_sources_compile_as_cupy_would_compile_them():
     mine = kernels_here()
     assert len(mine) == 19 and cupy_source.compile_errors(mine, cupy_source.nvcc()) == {}
+
+
+def test_a_strided_class_weight_on_the_device_weighs_each_class_as_on_the_cpu(sim_gpu):
+    rng = np.random.default_rng(5)
+    logits, labels, every_other = rng.standard_normal((6, 4)), np.array([0, 1, 2, 3, 1, 2]), np.linspace(0.5, 4, 8)
+
+    def run(device):
+        z, y, w = device((logits, labels, every_other))
+        return lx.cpu_device()(lx.ops.softmax_cross_entropy(z, y, reduction="none", weight=w[::2]))
+
+    _assert_close(run(sim_gpu), run(lx.cpu_device()), "strided weight")

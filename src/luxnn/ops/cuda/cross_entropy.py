@@ -94,7 +94,8 @@ __device__ void cross_entropy_forward(const T* z, const long long* labels, const
     T* out = rows + r * 5;
     if ((flags & HAS_IGNORE) && y == ignore) {
         loss[r] = 0;
-        out[0] = lse + mx[0]; out[1] = 0; out[2] = 0; out[3] = 0; out[4] = 0;
+        out[0] = (flags & LOG_PROBS) ? (T)0 : lse + mx[0];  // as an NLL row's, never log(0)
+        out[1] = 0; out[2] = 0; out[3] = 0; out[4] = 0;
     } else if (y < 0 || y >= K) {
         atomicAdd((unsigned long long*)flag, 1ull);
         if (y < 0) atomicMin(flag + 1, y); else atomicMax(flag + 2, y);
@@ -201,7 +202,7 @@ def _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, own
     z = xp.ascontiguousarray(logits).astype(dtype, copy=False).reshape(-1, k)
     y = xp.ascontiguousarray(labels).reshape(-1).astype(np.int64, copy=False)
     n = y.size
-    w = z if weight is None else xp.asarray(weight, dtype=dtype).reshape(-1)
+    w = z if weight is None else xp.ascontiguousarray(xp.asarray(weight, dtype=dtype)).reshape(-1)  # read flat
     flags |= (HAS_WEIGHT if weight is not None else 0) | (HAS_IGNORE if ignore_index is not None else 0)
     flags |= SMOOTHING if label_smoothing else 0
     loss, rows, flag = xp.empty(n, dtype), xp.empty(n * ROW, dtype), xp.zeros(4, np.int64)
