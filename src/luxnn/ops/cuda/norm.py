@@ -418,11 +418,12 @@ def _frozen_grad_twin(g, scale, inv, affine, gx):
     gx[...] = g * (scale.astype(gx.dtype) * inv if affine else inv)
 
 
+# Both sides of the ?: are cast to O, one type: for float16 a product may come out a float.
 FROZEN_BACKWARD = Elementwise(
     "luxnn_frozen_normalize_grad",
     "G g, P scale, S inv, int32 affine",
     "O gx",
-    "gx = (O)g * (affine ? (O)scale * (O)inv : (O)inv);",
+    "gx = (O)g * (affine ? (O)((O)scale * (O)inv) : (O)inv);",
     twin=_frozen_grad_twin,
 )
 
