@@ -250,3 +250,13 @@ def test_a_strided_class_weight_on_the_device_weighs_each_class_as_on_the_cpu(si
         return lx.cpu_device()(lx.ops.softmax_cross_entropy(z, y, reduction="none", weight=w[::2]))
 
     _assert_close(run(sim_gpu), run(lx.cpu_device()), "strided weight")
+
+
+def test_the_embedding_gradient_on_the_device_skips_indices_out_of_range_as_its_kernel(sim_gpu):
+    table, indices = np.arange(12.0).reshape(4, 3), np.array([1, -1, 4, 1, 3])
+    t, i = sim_gpu((table, indices))
+    _, vjp = lx.ops.lookup_rows.raw(t, i)
+    g = vjp(sim_gpu(np.ones((5, 3))), (True, False))[0].get()
+    np.testing.assert_array_equal(g, [[0, 0, 0], [2, 2, 2], [0, 0, 0], [1, 1, 1]])  # -1 and 4 add nowhere
+    with pytest.raises(IndexError, match="got 2 outside it"):
+        cuda_embedding.CHECKS.raise_found(sim_cupy)

@@ -55,7 +55,8 @@ EMBEDDING_LOOKUP = Elementwise(
 
 def _scatter_twin(g, indices, out, n, rows, dim):
     out[...] = 0
-    np.add.at(out.reshape(rows, dim), indices, g.reshape(n, dim))  # in the indices' order, as the kernel
+    kept = (indices >= 0) & (indices < rows)  # the kernel skips an index out of range
+    np.add.at(out.reshape(rows, dim), indices[kept], g.reshape(n, dim)[kept])  # in the indices' order
 
 
 # out[r] = sum of g[i] over i with indices[i] == r, in increasing i: block b zeroes and
