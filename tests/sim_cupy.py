@@ -391,14 +391,14 @@ def _c_params(code: str, name: str) -> list[tuple[str, bool, str]] | None:
 def _check_raw_args(kernel: str, params: list, args: tuple) -> None:
     """Each argument as the parameter it lands in takes it: a device array (of the pointee's
     dtype), None or an 8-byte integer (an address) for a pointer, a NumPy scalar
-    of the value's dtype else. CuPy passes a Python int as an int64, a float as a float64
-    (cupy/cuda/function.pyx, ``_pointer``)."""
+    of the value's dtype else. CuPy passes a Python bool as a bool, an int as an int64, a
+    float as a float64 (cupy/cuda/function.pyx ``_pointer``, cupy/_core/_scalar.pyx)."""
     if len(args) != len(params):
         raise TypeError(f"sim_cupy: {kernel} takes {len(params)} arguments, got {len(args)}")
     for (declaration, pointer, dtype), a in zip(params, args):
         what = f"sim_cupy: {kernel}'s parameter `{declaration}`"
-        got = np.dtype(np.int64 if isinstance(a, int) else np.float64 if isinstance(a, float) else
-                       a.dtype if isinstance(a, (np.generic, ndarray)) else object)
+        got = np.dtype(np.bool_ if isinstance(a, bool) else np.int64 if isinstance(a, int) else
+                       np.float64 if isinstance(a, float) else a.dtype if isinstance(a, (np.generic, ndarray)) else object)
         if pointer:
             if isinstance(a, ndarray):
                 if dtype and got != dtype:
