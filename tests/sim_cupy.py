@@ -17,7 +17,9 @@ luxnn kernel run through its NumPy twin, from `luxnn.kernels.KERNELS`), ``fill``
 a NumPy array is refused as an operand and an implicit conversion to NumPy raises; NumPy's
 functions on these arrays go to this module's (``__array_ufunc__``, ``__array_function__``).
 Anything of CuPy's not here is absent: code that needs more fails rather than passing on a
-guess.
+guess. A kernel takes its arguments as CuPy and CUDA take them: an ElementwiseKernel's type
+letters are bound as CuPy binds them, a RawKernel's arguments must fit its C parameters
+and it reads a strided array flat from its first element.
 
 >>> import numpy as np, sim_cupy as cp
 >>> with cp.counting() as counts:
@@ -390,9 +392,9 @@ def _c_params(code: str, name: str) -> list[tuple[str, bool, str]] | None:
 
 def _check_raw_args(kernel: str, params: list, args: tuple) -> None:
     """Each argument as the parameter it lands in takes it: a device array (of the pointee's
-    dtype), None or an 8-byte integer (an address) for a pointer, a NumPy scalar
-    of the value's dtype else. CuPy passes a Python bool as a bool, an int as an int64, a
-    float as a float64 (cupy/cuda/function.pyx ``_pointer``, cupy/_core/_scalar.pyx)."""
+    dtype), None or an 8-byte integer (an address) for a pointer, a NumPy scalar of the
+    value's dtype else. CuPy passes a Python bool as a bool, an int as an int64, a float as
+    a float64 (cupy/cuda/function.pyx ``_pointer``, cupy/_core/_scalar.pyx)."""
     if len(args) != len(params):
         raise TypeError(f"sim_cupy: {kernel} takes {len(params)} arguments, got {len(args)}")
     for (declaration, pointer, dtype), a in zip(params, args):
