@@ -17,7 +17,9 @@ luxnn kernel run through its NumPy twin, from `luxnn.kernels.KERNELS`), ``fill``
 a NumPy array is refused as an operand and an implicit conversion to NumPy raises; NumPy's
 functions on these arrays go to this module's (``__array_ufunc__``, ``__array_function__``).
 Anything of CuPy's not here is absent: code that needs more fails rather than passing on a
-guess.
+guess. A kernel takes its arguments as CuPy and CUDA take them: an ElementwiseKernel's type
+letters are bound as CuPy binds them, a RawKernel's arguments must fit its C parameters
+and it reads a strided array flat from its first element.
 
 >>> import numpy as np, sim_cupy as cp
 >>> with cp.counting() as counts:
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import types
 from typing import Any, Callable, Iterator
 
@@ -281,21 +284,50 @@ lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=_as_s
 class ElementwiseKernel:
     """``ElementwiseKernel(in_params, out_params, operation, name)``, run by the NumPy twin
     of luxnn's kernel `name` (`luxnn.kernels.KERNELS`), one launch per call; luxnn passes
-    every output."""
+    every output. The arguments' types are bound to the parameters as CuPy binds them."""
 
     def __init__(self, in_params: str, out_params: str, operation: str, name: str = "kernel", **_: Any) -> None:
         self.twin, self.name = _twin(name), name
-        self._inputs, self._outputs = (len([p for p in params.split(",") if p.strip()]) for params in (in_params, out_params))
+        self._in, self._out = _elementwise_params(in_params), _elementwise_params(out_params)
 
     def __call__(self, *args: Any) -> Any:
-        inputs, outputs = args[: self._inputs], args[self._inputs :]
-        if len(outputs) != self._outputs:
-            raise TypeError(f"sim_cupy: {self.name} takes its {self._outputs} outputs as arguments, got {len(outputs)}")
+        inputs, outputs = args[: len(self._in)], args[len(self._in) :]
+        if len(outputs) != len(self._out):
+            raise TypeError(f"sim_cupy: {self.name} takes its {len(self._out)} outputs as arguments, got {len(outputs)}")
+        types = _bind_types(self._in, self._out, inputs, outputs)
+        scalars = [a if isinstance(a, ndarray) else np.dtype(types[t] if len(t) == 1 else t).type(a)
+                   for (t, _), a in zip(self._in, inputs)]  # CuPy casts a scalar to its parameter's type
         # Unlike a ufunc, CuPy's ElementwiseKernel copies no input that overlaps an output:
         # each thread reads what it reads where it lies.
-        self.twin(*_unwrap(inputs), *_unwrap(outputs))
+        self.twin(*_unwrap(scalars), *_unwrap(outputs))
         _launch("kernel", self.name)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def _elementwise_params(params: str) -> list[tuple[str, str]]:
+    """(type, name) of each parameter of an ElementwiseKernel's list (``"raw T x, int64 n"``):
+    a type of one letter is a placeholder, any other a dtype's name."""
+    return [tuple(p.split()[-2:]) for p in params.split(",") if p.strip()]
+
+
+def _bind_types(in_params: list, out_params: list, inputs: tuple, outputs: tuple) -> dict[str, np.dtype]:
+    """The dtype of each placeholder, as CuPy decides them (cupy/_core/_kernel.pyx,
+    ``_decide_params_type_core``): the outputs first, then the input arrays, each array of
+    a placeholder already bound, or of a named dtype, of exactly that dtype; scalars bind
+    nothing (they are cast)."""
+    if not all(isinstance(a, ndarray) for a in outputs):
+        raise TypeError("Output arguments must be cupy.ndarray")
+    types: dict[str, np.dtype] = {}
+    for (ctype, name), a in [*zip(out_params, outputs), *zip(in_params, inputs)]:
+        if not isinstance(a, ndarray):
+            continue
+        want = types.setdefault(ctype, a.dtype) if len(ctype) == 1 else np.dtype(ctype)
+        if a.dtype != want:
+            raise TypeError(f"Type is mismatched. {name} {a.dtype.type} {want.type} {ctype}")
+    unbound = {t for t, _ in in_params if len(t) == 1 and t not in types}
+    if unbound:  # CuPy fails here too (a KeyError), naming no parameter
+        raise TypeError(f"sim_cupy: no array argument decides the type of {', '.join(sorted(unbound))}")
+    return types
 
 
 class ReductionKernel:
@@ -312,14 +344,74 @@ class ReductionKernel:
 
 class RawKernel:
     """``RawKernel(code, name)``, run by the NumPy twin of luxnn's kernel `name`, one launch
-    per call whatever the grid."""
+    per call whatever the grid. Each argument is checked against the C parameter it lands
+    in, which CUDA reads with the parameter's size whatever was passed."""
 
     def __init__(self, code: str, name: str, **_: Any) -> None:
         self.twin, self.name = _twin(name), name
+        self._params = _c_params(code, name)
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
-        self.twin(*_unwrap(args))
+        if self._params is not None:
+            _check_raw_args(self.name, self._params, args)
+        self.twin(*(_as_pointed_to(a) if isinstance(a, ndarray) else a for a in args))
         _launch("kernel", self.name)
+
+
+def _as_pointed_to(a: "ndarray") -> np.ndarray:
+    """An array as a raw kernel gets it: a pointer to its first element. A strided view is
+    then its memory from there to the end of its allocation, flat: the kernel reads it by
+    strides only where it is given them."""
+    if a.flags.c_contiguous:
+        return a._values
+    memory = (a if a.base is None else a.base)._values.reshape(-1).view(np.uint8)
+    start = a._values.__array_interface__["data"][0] - memory.__array_interface__["data"][0]
+    return memory[start : start + (memory.size - start) // a.itemsize * a.itemsize].view(a.dtype)
+
+
+_C_TYPES = {
+    "double": "float64", "float": "float32", "long long": "int64", "int": "int32", "short": "int16",
+    "signed char": "int8", "unsigned long long": "uint64", "unsigned int": "uint32", "unsigned short": "uint16",
+    "unsigned char": "uint8", "bool": "bool",
+}  # fmt: skip
+
+
+def _c_params(code: str, name: str) -> list[tuple[str, bool, str]] | None:
+    """(declaration, is a pointer, the dtype of the value or pointee, or "" if unknown) of each
+    parameter of the ``extern "C"`` function `name` in `code`; None where it is not found."""
+    found = re.search(rf'extern\s+"C"\s+__global__\s+void\s+{name}\s*\(([^)]*)\)', code)
+    if found is None:
+        return None
+    params = []
+    for declaration in (p.strip() for p in found.group(1).split(",") if p.strip()):
+        words = declaration.replace("*", " * ").split()[:-1]  # without the name
+        ctype = " ".join(w for w in words if w not in ("const", "*", "__restrict__"))
+        params.append((declaration, "*" in words, _C_TYPES.get(ctype, "")))
+    return params
+
+
+def _check_raw_args(kernel: str, params: list, args: tuple) -> None:
+    """Each argument as the parameter it lands in takes it: a device array (of the pointee's
+    dtype), None or an 8-byte integer (an address) for a pointer, a NumPy scalar of the
+    value's dtype else. CuPy passes a Python bool as a bool, an int as an int64, a float as
+    a float64 (cupy/cuda/function.pyx ``_pointer``, cupy/_core/_scalar.pyx)."""
+    if len(args) != len(params):
+        raise TypeError(f"sim_cupy: {kernel} takes {len(params)} arguments, got {len(args)}")
+    for (declaration, pointer, dtype), a in zip(params, args):
+        what = f"sim_cupy: {kernel}'s parameter `{declaration}`"
+        got = np.dtype(np.bool_ if isinstance(a, bool) else np.int64 if isinstance(a, int) else
+                       np.float64 if isinstance(a, float) else a.dtype if isinstance(a, (np.generic, ndarray)) else object)
+        if pointer:
+            if isinstance(a, ndarray):
+                if dtype and got != dtype:
+                    raise TypeError(f"{what} takes a {dtype} array, got {got}")
+            elif not (a is None or (got.kind in "iu" and got.itemsize == 8)):  # None or an address: a pointer
+                raise TypeError(f"{what} takes a device array, got {type(a).__name__}")
+            continue
+        if isinstance(a, ndarray):
+            raise TypeError(f"{what} takes a value, got a device array")
+        if dtype and got != dtype:
+            raise TypeError(f"{what} takes a {dtype}, got {type(a).__name__} ({got}), which CUDA would misread")
 
 
 def _twin(name: str) -> Callable:

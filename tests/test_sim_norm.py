@@ -16,8 +16,9 @@ import pytest
 
 import luxnn as lx
 from luxnn.kernels import KERNELS
-from luxnn.ops.cuda import cross_entropy as cuda_cross_entropy
-from luxnn.ops.cuda import embedding as cuda_embedding
+from luxnn.ops import device_checks
+from luxnn.ops.cuda import cross_entropy as cuda_cross_entropy  # noqa: F401 - declares its kernels
+from luxnn.ops.cuda import embedding as cuda_embedding  # noqa: F401 - declares its kernels
 from luxnn.ops.cuda import norm as cuda_norm  # noqa: F401 - declares its kernels
 
 import cupy_source
@@ -173,7 +174,7 @@ def test_each_cross_entropy_computes_on_the_device_what_it_computes_on_the_cpu(n
 def test_the_cross_entropy_takes_three_launches_forward_one_backward_and_no_host_copy(sim_gpu):
     logits = sim_gpu(np.random.default_rng(0).standard_normal((32, 10)))
     labels = sim_gpu(np.arange(32) % 10)
-    cuda_cross_entropy.CHECKS.raise_found(sim_cupy)  # earlier calls' flags read
+    device_checks.check_now()  # earlier calls' flags read
     with sim_cupy.counting() as forward:
         loss, vjp = lx.ops.softmax_cross_entropy.raw(logits, labels, 0.1, "mean")
     with sim_cupy.counting() as backward:
@@ -232,10 +233,31 @@ def test_embedding_indices_out_of_range_on_the_device_give_nan_then_raise_the_la
     assert np.isnan(y.get()[0, 1]).all() and not np.isnan(y.get()[1]).any()
     with pytest.raises(lx.LayerError, match=r"^Embedding\(10 => 4\): expected indices in \[0, 10\), got 1 outside it \(as high as 12\)"):
         layer(sim_gpu(np.array([1, 2])), ps, st)
-    cuda_embedding.CHECKS.raise_found(sim_cupy)  # nothing left
+    device_checks.check_now()  # nothing left
 
 
 @pytest.mark.skipif(cupy_source.nvcc() is None, reason="needs nvcc (the CUDA toolkit) to compile the kernels' CUDA sources")
 def test_these_kernels_cuda_sources_compile_as_cupy_would_compile_them():
     mine = kernels_here()
     assert len(mine) == 19 and cupy_source.compile_errors(mine, cupy_source.nvcc()) == {}
+
+
+def test_a_strided_class_weight_on_the_device_weighs_each_class_as_on_the_cpu(sim_gpu):
+    rng = np.random.default_rng(5)
+    logits, labels, every_other = rng.standard_normal((6, 4)), np.array([0, 1, 2, 3, 1, 2]), np.linspace(0.5, 4, 8)
+
+    def run(device):
+        z, y, w = device((logits, labels, every_other))
+        return lx.cpu_device()(lx.ops.softmax_cross_entropy(z, y, reduction="none", weight=w[::2]))
+
+    _assert_close(run(sim_gpu), run(lx.cpu_device()), "strided weight")
+
+
+def test_the_embedding_gradient_on_the_device_skips_indices_out_of_range_as_its_kernel(sim_gpu):
+    table, indices = np.arange(12.0).reshape(4, 3), np.array([1, -1, 4, 1, 3])
+    t, i = sim_gpu((table, indices))
+    _, vjp = lx.ops.lookup_rows.raw(t, i)
+    g = vjp(sim_gpu(np.ones((5, 3))), (True, False))[0].get()
+    np.testing.assert_array_equal(g, [[0, 0, 0], [2, 2, 2], [0, 0, 0], [1, 1, 1]])  # -1 and 4 add nowhere
+    with pytest.raises(IndexError, match="got 2 outside it"):
+        device_checks.check_now()

@@ -7,55 +7,134 @@ it: a host synchronisation per call. Instead each flag is registered with a CUDA
 recorded after its kernels, and `DeferredChecks.raise_found` reads only the flags whose
 event has completed (``event.done`` does not wait), on a stream of their own that does
 not wait for the device's other work, and raises the first problem found. The callers
-call it at their next call: a bad input raises there, one call late.
+call it at their next call: a bad input raises there, one or more calls late, and the
+error says which call it was found in. That call was computed all the same: its output
+NaN, and a training step's in-place update applied with it.
+
+`check_now` reads every flag still pending, waiting for their kernels: call it where the
+host waits for the device anyway (at the end of an epoch, before saving a checkpoint) to
+raise there rather than at a later call.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
+import os
 import threading
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, NamedTuple
 
-__all__ = ["DeferredChecks", "outside"]
+__all__ = ["DeferredChecks", "check_now", "outside"]
+
+# A report: ``report(values, when)`` raises if the flag's values say so; `when` names the
+# call that set it ("in the previous call").
+Report = Callable[[list[int], str], None]
+
+
+class _Flag(NamedTuple):
+    event: Any  # recorded after the kernels that write the flag
+    flag: Any  # the device array
+    report: Report
+    owner: str
+    number: int  # the owner's calls on the device, this one included
 
 
 class DeferredChecks:
-    """Flags written by kernels, each with the function that raises for its values.
+    """Flags written by kernels, each with the function that raises for its values, and
+    the count of each owner's calls.
 
     >>> checks = DeferredChecks()
     >>> checks.raise_found(xp)  # doctest: +SKIP
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[Any, Any, Callable[[list[int]], None]]] = []  # (event, flag, report)
-        self._streams: dict[int, Any] = {}  # device id -> a stream that does not wait for the others
-        self._lock = threading.Lock()  # calls from several threads take each flag once
-        # The last flags, unread, are dropped while the allocator that served them lives.
-        atexit.register(self._pending.clear)
+        self._reset()
+        _EVERY.add(self)
 
-    def add(self, xp: Any, flag: Any, report: Callable[[list[int]], None]) -> None:
-        """Registers `flag` (a device array written by the kernels just launched);
-        ``report(values)`` raises if its values say so."""
+    def _reset(self) -> None:
+        self._pending: list[_Flag] = []
+        self._streams: dict[int, Any] = {}  # device id -> a stream that does not wait for the others
+        self._calls: collections.Counter = collections.Counter()  # owner -> calls registered
+        self._lock = threading.Lock()  # calls from several threads take each flag once
+
+    def add(self, xp: Any, flag: Any, report: Report, owner: str) -> None:
+        """Registers `flag` (a device array written by the kernels just launched for a call
+        of `owner`); ``report(values, when)`` raises if its values say so."""
         event = xp.cuda.Event(disable_timing=True)
         event.record()
         with self._lock:
-            self._pending.append((event, flag, report))
+            self._calls[owner] += 1
+            self._pending.append(_Flag(event, flag, report, owner, self._calls[owner]))
 
-    def raise_found(self, xp: Any) -> None:
+    def raise_found(self, xp: Any, caller: str) -> None:
         """Reads the flags of the current device whose kernels have run and raises the
-        first problem found among them."""
+        first problem found among them. Called at the start of a call of `caller` (an
+        owner)."""
         device = xp.cuda.runtime.getDevice()
         with self._lock:
-            ready, waiting = [], []
-            for entry in self._pending:
-                (ready if entry[0].done and entry[1].device.id == device else waiting).append(entry)
-            self._pending[:] = waiting
+            ready = self._take(lambda entry: entry.event.done and entry.flag.device.id == device)
             stream = self._streams.get(device)
             if stream is None:
                 stream = self._streams[device] = xp.cuda.Stream(non_blocking=True)
-        found = [([int(v) for v in flag.get(stream=stream)], report) for _, flag, report in ready]
-        for values, report in found:
-            report(values)
+        self._report([(entry, entry.flag.get(stream=stream)) for entry in ready], caller)
+
+    def wait_and_raise(self) -> None:
+        """Waits for the kernels of every pending flag, reads them and raises the first
+        problem found (`check_now` does it for every DeferredChecks)."""
+        with self._lock:
+            pending = self._take(lambda entry: True)
+        for entry in pending:
+            entry.event.synchronize()
+        self._report([(entry, entry.flag.get()) for entry in pending], None)
+
+    def _take(self, taken: Callable[[_Flag], bool]) -> list[_Flag]:
+        kept, left = [], []
+        for entry in self._pending:
+            (kept if taken(entry) else left).append(entry)
+        self._pending[:] = left
+        return kept
+
+    def _report(self, read: list, caller: str | None) -> None:
+        for entry, values in read:
+            later = self._calls[entry.owner] - entry.number  # the owner's calls since
+            if entry.owner == caller:  # the call being made is one more
+                when = "in the previous call" if later == 0 else f"in the call {later + 1} calls before this one"
+            else:
+                when = "in its last call" if later == 0 else f"in its call {later} calls before its last"
+            entry.report([int(v) for v in values], when)
+
+
+_EVERY: "weakref.WeakSet[DeferredChecks]" = weakref.WeakSet()
+
+
+def check_now() -> None:
+    """Waits for the device's kernels that checked inputs (labels, indices) and raises
+    the first problem they found; the flags read are then done with. A host
+    synchronisation: call it where the host waits anyway, e.g. once per epoch.
+
+    >>> import luxnn.ops.device_checks as device_checks
+    >>> device_checks.check_now()  # nothing pending: returns
+    """
+    for checks in list(_EVERY):
+        checks.wait_and_raise()
+
+
+def _drop_pending() -> None:
+    # The last flags, unread, are dropped while the allocator that served them lives.
+    for checks in list(_EVERY):
+        checks._pending.clear()
+
+
+def _forget_in_child() -> None:
+    # A forked child has no CUDA context of its parent's: its events, flags and streams are
+    # not its own, and another thread may have held a lock at the fork.
+    for checks in list(_EVERY):
+        checks._reset()
+
+
+atexit.register(_drop_pending)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def outside(count: int, lowest: int, highest: int, end: int) -> str:

@@ -4,8 +4,8 @@ row's loss (and what its gradient needs) and one for the reduction; backward, on
 The labels are checked in the forward kernel, not on the host, so that a step costs no
 host synchronisation: a label outside ``[0, K)`` (and not `ignore_index`) makes its row's
 loss and gradient NaN, so a reduced loss is NaN too, never a finite wrong value, and sets
-a flag that the next call reads (`luxnn.ops.device_checks`): a bad label raises the host
-check's ValueError there, one call late.
+a flag that a later call reads (`luxnn.ops.device_checks`): a bad label raises the host
+check's ValueError there, naming the call it was found in.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ __device__ void cross_entropy_forward(const T* z, const long long* labels, const
     T* out = rows + r * 5;
     if ((flags & HAS_IGNORE) && y == ignore) {
         loss[r] = 0;
-        out[0] = lse + mx[0]; out[1] = 0; out[2] = 0; out[3] = 0; out[4] = 0;
+        out[0] = (flags & LOG_PROBS) ? (T)0 : lse + mx[0];  // as an NLL row's, never log(0)
+        out[1] = 0; out[2] = 0; out[3] = 0; out[4] = 0;
     } else if (y < 0 || y >= K) {
         atomicAdd((unsigned long long*)flag, 1ull);
         if (y < 0) atomicMin(flag + 1, y); else atomicMax(flag + 2, y);
@@ -195,13 +196,13 @@ def nll_loss(log_probs, labels, reduction, weight, ignore_index, owner):
 
 def _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, owner, flags):
     xp = module_of(logits)
-    CHECKS.raise_found(xp)
+    CHECKS.raise_found(xp, owner)
     k = logits.shape[-1]
     dtype = np.dtype(np.float64) if logits.dtype == np.float64 else np.dtype(np.float32)
     z = xp.ascontiguousarray(logits).astype(dtype, copy=False).reshape(-1, k)
     y = xp.ascontiguousarray(labels).reshape(-1).astype(np.int64, copy=False)
     n = y.size
-    w = z if weight is None else xp.asarray(weight, dtype=dtype).reshape(-1)
+    w = z if weight is None else xp.ascontiguousarray(xp.asarray(weight, dtype=dtype)).reshape(-1)  # read flat
     flags |= (HAS_WEIGHT if weight is not None else 0) | (HAS_IGNORE if ignore_index is not None else 0)
     flags |= SMOOTHING if label_smoothing else 0
     loss, rows, flag = xp.empty(n, dtype), xp.empty(n * ROW, dtype), xp.zeros(4, np.int64)
@@ -215,7 +216,7 @@ def _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, own
         out, count = xp.empty((), dtype), xp.empty(1, dtype)
         CROSS_ENTROPY_REDUCE[dtype]((1,), (THREADS,), (loss, rows, out, count, flag, np.int64(n),
                                                         np.int32(reduction == "mean")))
-    CHECKS.add(xp, flag, lambda found: _report(found, k, owner))
+    CHECKS.add(xp, flag, lambda found, when: _report(found, when, k, owner), owner)
     grad_flags = flags | (PER_ROW if reduction == "none" else 0) | (MEAN if reduction == "mean" else 0)
 
     def vjp(g, needs):
@@ -227,10 +228,11 @@ def _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, own
     return out.astype(logits.dtype, copy=False), vjp
 
 
-def _report(found: list[int], k: int, owner: str) -> None:
+def _report(found: list[int], when: str, k: int, owner: str) -> None:
     bad, lowest, highest, no_count = found
+    computed = (f"; found {when} on the device, which was computed all the same: its loss NaN, and a training "
+                "step's in-place update applied with it (parameters may be NaN)")
     if bad:
-        raise ValueError(f"{owner}: labels must lie in [0, {k}), {outside(bad, lowest, highest, k)}; the loss of that "
-                         "call was NaN")
+        raise ValueError(f"{owner}: labels must lie in [0, {k}), {outside(bad, lowest, highest, k)}{computed}")
     if no_count:
-        raise ValueError(NO_COUNT.format(owner=owner))
+        raise ValueError(NO_COUNT.format(owner=owner) + computed)

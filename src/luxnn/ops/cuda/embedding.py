@@ -2,8 +2,9 @@
 a fixed order (no atomics: the same bits on every run).
 
 The lookup checks the indices on the device: an index out of range gives a row of NaN and
-sets a flag that the next lookup reads (`luxnn.ops.device_checks`), raising the host
-check's error there, one call late, without a host synchronisation per call.
+sets a flag that a later lookup reads (`luxnn.ops.device_checks`), raising the host
+check's error there, naming the call it was found in, without a host synchronisation per
+call.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ EMBEDDING_LOOKUP = Elementwise(
 
 def _scatter_twin(g, indices, out, n, rows, dim):
     out[...] = 0
-    np.add.at(out.reshape(rows, dim), indices, g.reshape(n, dim))  # in the indices' order, as the kernel
+    kept = (indices >= 0) & (indices < rows)  # the kernel skips an index out of range
+    np.add.at(out.reshape(rows, dim), indices[kept], g.reshape(n, dim)[kept])  # in the indices' order
 
 
 # out[r] = sum of g[i] over i with indices[i] == r, in increasing i: block b zeroes and
@@ -96,13 +98,13 @@ def lookup_rows(table, indices, owner, error):
     """``table[indices]`` in one launch, the indices checked by the kernel (`error`, one
     call late, if out of range); gradient: `scatter_add_rows`, one launch."""
     xp = module_of(table)
-    CHECKS.raise_found(xp)
+    CHECKS.raise_found(xp, owner)
     rows, dim = table.shape
     flat = xp.ascontiguousarray(indices).reshape(-1).astype(np.int64, copy=False)
     flag = xp.zeros(3, np.int64)
     out, _ = EMBEDDING_LOOKUP(flat, xp.ascontiguousarray(table), np.int64(rows), np.int64(dim),
                               xp.empty((*indices.shape, dim), table.dtype), flag)
-    CHECKS.add(xp, flag, lambda found: _report(found, rows, owner, error))
+    CHECKS.add(xp, flag, lambda found, when: _report(found, when, rows, owner, error), owner)
 
     def vjp(g, needs):
         if not needs[0]:
@@ -112,6 +114,8 @@ def lookup_rows(table, indices, owner, error):
     return out, vjp
 
 
-def _report(found, rows, owner, error):
+def _report(found, when, rows, owner, error):
     if found[0]:
-        raise error(f"{owner}: expected indices in [0, {rows}), {outside(*found, rows)}; the rows of that call were NaN")
+        raise error(f"{owner}: expected indices in [0, {rows}), {outside(*found, rows)}; found {when} on the device, "
+                    "which was computed all the same: its rows NaN, and a training step's in-place update applied with "
+                    "them (parameters may be NaN)")

@@ -418,11 +418,12 @@ def _frozen_grad_twin(g, scale, inv, affine, gx):
     gx[...] = g * (scale.astype(gx.dtype) * inv if affine else inv)
 
 
+# Both sides of the ?: are cast to O, one type: for float16 a product may come out a float.
 FROZEN_BACKWARD = Elementwise(
     "luxnn_frozen_normalize_grad",
     "G g, P scale, S inv, int32 affine",
     "O gx",
-    "gx = (O)g * (affine ? (O)scale * (O)inv : (O)inv);",
+    "gx = (O)g * (affine ? (O)((O)scale * (O)inv) : (O)inv);",
     twin=_frozen_grad_twin,
 )
 
@@ -461,19 +462,21 @@ def _running_twin(mean, var, rows, channels, momentum, unbias, running_mean, run
 
 
 # The running statistics' update of each channel: the batch's (per-sample, for
-# InstanceNorm) statistics averaged over their rows, then the moving averages.
+# InstanceNorm) statistics averaged over their rows, then the moving averages. The new
+# statistics (N) may be of a wider dtype than the running ones (R): CuPy binds a letter
+# to one dtype, the outputs' first.
 RUNNING_UPDATE = Elementwise(
     "luxnn_running_update",
     "raw T mean, raw T var, int64 rows, int64 channels, float64 momentum, float64 unbias, R running_mean, "
     "R running_var",
-    "R new_mean, R new_var",
+    "N new_mean, N new_var",
     """
     T m = 0, v = 0;
     for (long long r = 0; r < rows; ++r) { m += mean[r * channels + i]; v += var[r * channels + i]; }
     m = m / (T)rows;
     v = v / (T)rows;
-    new_mean = (R)((1 - momentum) * (double)running_mean + momentum * (double)m);
-    new_var = (R)((1 - momentum) * (double)running_var + unbias * (double)v);
+    new_mean = (N)((1 - momentum) * (double)running_mean + momentum * (double)m);
+    new_var = (N)((1 - momentum) * (double)running_var + unbias * (double)v);
     """,
     twin=_running_twin,
 )
