@@ -98,3 +98,12 @@ def test_a_forked_child_starts_with_no_flags_and_a_free_lock(sim_gpu):
     assert os.waitstatus_to_exitcode(ended[1]) == 0
     with pytest.raises(ValueError, match="labels must lie in"):  # the parent still has its flag
         device_checks.check_now()
+
+
+def test_a_checkpoint_is_not_written_while_a_bad_label_waits_to_be_reported(sim_gpu, tmp_path):
+    loss = lx.losses.CrossEntropyLoss()
+    loss(sim_gpu(np.zeros((2, 3))), sim_gpu(np.array([0, 7])))  # NaN; its flag not read yet
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
+        lx.save(tmp_path / "ts.safetensors", {"w": np.ones(2)})
+    assert list(tmp_path.iterdir()) == []
+    lx.save(tmp_path / "ts.safetensors", {"w": np.ones(2)})  # reported once: the next save writes

@@ -48,6 +48,7 @@ import numpy as np
 
 from . import tree
 from .backend import is_array
+from .ops import device_checks
 from .training import TrainState
 
 __all__ = ["save", "load", "CheckpointError"]
@@ -190,7 +191,10 @@ def save(path: str | os.PathLike, obj: Any) -> None:
     concurrent saves to one path never mix, and with the umask's mode. Leftovers of saves
     to `path` that were killed are removed (see the module docstring). A `TrainState`
     consumed by an in-place verb is refused (`ValueError`): its arrays hold the next
-    step's parameters, its step and optimizer count the last's."""
+    step's parameters, its step and optimizer count the last's. A bad input that a GPU's
+    kernels found and no call has reported yet (`luxnn.ops.device_checks`) raises here,
+    before anything is written."""
+    device_checks.check_now()
     if isinstance(obj, TrainState) and obj.consumed:
         raise ValueError("save: this TrainState was consumed by an in-place verb (its arrays were updated since); "
                          "save the TrainState that verb returned")

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 import luxnn as lx
+from luxnn.ops import device_checks
 
 MODELS = ("mlp", "cnn")
 WARM_UP_STEPS = 3
@@ -114,6 +115,7 @@ def run(model_name: str = "mlp", *, epochs: int = 30, batch_size: int = 64, lear
             upstream_steady += upstream if len(step_times) > WARM_UP_STEPS else 0
             bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
             bar.update()
+        device_checks.check_now()  # labels a GPU's kernels found out of range, once per epoch
     bar.close()
 
     figures = {
