@@ -95,6 +95,9 @@ OPTIMISERS = {
     ),
     "scale_by_lion": (lambda: optim.scale_by_lion(), "lion"),
     "clip_adamw": (lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)), "clip_adam_decay_scale"),
+    # the norm of the selected leaves only, as `masked`'s inner transformation sees them
+    "clip_masked_sgd": (lambda: optim.chain(optim.masked(optim.clip_by_global_norm(1.0), _matrices), optim.sgd(0.1)),
+                        "clip_scale"),
 }
 
 

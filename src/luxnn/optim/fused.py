@@ -54,7 +54,7 @@ class Fragment(NamedTuple):
     does the epilogue's writes and returns the step's constants; `leaf_twin(constants, u,
     p, *moments)` returns the new update of a slice of a leaf, writing the moments in
     place, as `body` does. `sums_squares`: the launch first reduces the squares of the
-    gradients into per-block partial sums, passed before the fragment's own arguments
+    gradients of the leaves the step applies to into per-block partial sums, passed before the fragment's own arguments
     (``const double* $partials, int $blocks``); such a fragment comes first in its chain."""
 
     name: str
@@ -307,7 +307,10 @@ def _composed_twin(fragments: tuple[Fragment, ...], dtype: Any) -> Callable[...,
 
 
 # The squares of the gradients summed per block, in double, each block's threads striding
-# over its chunk and then halving (the twin sums in the same order: bit for bit).
+# over its chunk and then halving (the twin sums in the same order: bit for bit). The sum
+# is the first step's (a `sums_squares` fragment comes first): a leaf whose flag bit 0 is
+# clear (a `masked` clip that does not select it) adds nothing, as the CPU's inner
+# transformation does not see it.
 def _sum_of_squares_source(dtype: np.dtype) -> str:
     return _header(dtype) + f"""
 extern "C" __global__ void luxnn_sum_of_squares_{dtype.name}(const long long* table, const int n_leaves,
@@ -315,7 +318,7 @@ extern "C" __global__ void luxnn_sum_of_squares_{dtype.name}(const long long* ta
     __shared__ double sums[{BLOCK}];
     const long long* chunk_of = table + (long long)n_leaves * width + 2LL * blockIdx.x;
     const long long* leaf = table + chunk_of[0] * width;
-    const long long start = chunk_of[1], end = min(leaf[0], start + chunk);
+    const long long start = chunk_of[1], end = (leaf[1] & 1) ? min(leaf[0], start + chunk) : start;
     const P* const g = (const P*)leaf[2];
     double s = 0.0;
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {{
@@ -337,8 +340,9 @@ def _sum_of_squares_twin(dtype: np.dtype) -> Callable[..., None]:
     def twin(table: np.ndarray, n_leaves: int, width: int, chunk: int, partials: np.ndarray) -> None:
         rows, chunks = _rows_and_chunks(table, n_leaves, width)
         for block, (leaf, start) in enumerate(chunks):
-            n, g = int(rows[leaf][0]), int(rows[leaf][2])
-            x = _at(g, n, dtype)[start : min(n, start + chunk)].astype(compute_dtype(dtype)).astype(np.float64)
+            n, flags, g = (int(x) for x in rows[leaf][:3])
+            end = min(n, start + chunk) if flags & 1 else start
+            x = _at(g, n, dtype)[start:end].astype(compute_dtype(dtype)).astype(np.float64)
             threads = np.zeros(-(-x.size // BLOCK) * BLOCK)
             threads[: x.size] = x * x
             sums = np.add.reduce(threads.reshape(-1, BLOCK), axis=0) if x.size else np.zeros(BLOCK)
