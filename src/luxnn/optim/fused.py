@@ -54,8 +54,9 @@ class Fragment(NamedTuple):
     does the epilogue's writes and returns the step's constants; `leaf_twin(constants, u,
     p, *moments)` returns the new update of a slice of a leaf, writing the moments in
     place, as `body` does. `sums_squares`: the launch first reduces the squares of the
-    gradients of the leaves the step applies to into per-block partial sums, passed before the fragment's own arguments
-    (``const double* $partials, int $blocks``); such a fragment comes first in its chain."""
+    gradients of the leaves the step applies to into per-block partial sums, passed
+    before the fragment's own arguments (``const double* $partials, int $blocks``); such
+    a fragment comes first in its chain."""
 
     name: str
     params: str
