@@ -510,6 +510,19 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
         _launch("memcpy", "device_to_host")
         return self._meta.copy()
 
+    def set(self, arr: np.ndarray, stream: Any = None) -> None:
+        """CuPy's: host array `arr`, of this array's dtype and shape, copied into it."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"Only numpy.ndarray can be set to cupy.ndarray, got {type(arr)}")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if arr.shape != self.shape:
+            raise ValueError("Shape mismatch")
+        if not self.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array")
+        self._meta[...] = arr
+        _launch("memcpy", "host_to_device")
+
     def item(self) -> Any:
         return self.get().item()
 

@@ -15,6 +15,7 @@ import luxnn as lx
 from luxnn import optim
 
 import sim_cupy
+from test_distributed import needs_mpi, run_workers
 from test_optim_fused import _assert_close, _run_updates, _tree
 
 LAUNCHES = ("kernel", "fill", "cublas")
@@ -193,3 +194,26 @@ def test_parameters_that_are_views_of_one_flat_buffer_are_updated_through_their_
     (cpu, _), (gpu, counts) = run(lx.cpu_device()), run(sim_gpu)
     assert counts["kernel", "luxnn_fused_adam_decay_scale_float64"] == 3
     _assert_close(gpu, cpu, np.float64)
+
+
+@needs_mpi
+def test_a_count_overwritten_by_a_collective_is_not_taken_at_its_old_value_by_a_schedule():
+    """Rank 1's state replaced by rank 0's (`bcast_`, `synchronize`) on the simulated
+    device: its schedule runs at rank 0's count (the worker compares the ranks' steps)."""
+    done = run_workers("count_mirror.py", timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:]
+    for case in ("sgd after bcast_", "sgd after synchronize", "adamw after bcast_", "adamw after synchronize"):
+        assert all(f"rank {r}: PASS {case}" in done.stdout for r in (0, 1)), done.stdout[-4000:]
+
+
+def test_a_count_said_to_be_overwritten_is_read_again_for_the_schedule(sim_gpu):
+    rng = np.random.default_rng(8)
+    params, grads = sim_gpu(_tree(rng, np.float32)), sim_gpu(_tree(rng, np.float32))
+    opt = optim.sgd(_halving_schedule())
+    state = opt.init(params)
+    optim.arrays.overwritten(state)
+    lx.tree.leaves(state)[0][...] = 3  # the count of `scale_by_schedule`, written in place
+    before = lx.cpu_device()(params)
+    optim.update_and_apply_(opt, grads, state, params)
+    for key, p in lx.cpu_device()(params).items():  # the learning rate of step 3: 0.1 / 8
+        _assert_close(p, before[key] - np.float32(0.1 / 8) * lx.cpu_device()(grads)[key], np.float32)

@@ -89,8 +89,9 @@ def host_count(count: Any) -> Any:
     """A step count to evaluate a schedule at on the host: a NumPy count itself; for a
     device count, its value as a Python int, known without reading the device when the
     optimisers made it (`zero_count`, `next_count`, `counted`), else read once (a state
-    made elsewhere, e.g. loaded from a checkpoint). A device count written in place
-    afterwards by other code is not seen: the optimisers never write a count in place."""
+    made elsewhere, e.g. loaded from a checkpoint). The optimisers never write a count in
+    place; code that does (luxnn's collectives) calls `overwritten` first, a user writing
+    into a count array too."""
     if module_of(count) is np:
         return count
     value = _known(count)
@@ -98,6 +99,18 @@ def host_count(count: Any) -> Any:
         value = int(count)
         _remember(count, value)
     return value
+
+
+def overwritten(arrays: Any) -> None:
+    """Note that the arrays of tree `arrays` are about to be written in place by code other
+    than the optimisers (e.g. ``luxnn.distributed.bcast_`` of an optimizer state): a step
+    count among them is then read from the device at its next `host_count`, once.
+
+    >>> overwritten(state)  # doctest: +SKIP
+    >>> state.count[...] = 100
+    """
+    for a in tree.leaves(arrays):
+        _HOST_COUNTS.pop(id(a), None)
 
 
 # id of a device count -> (a weak reference to it, its value): the entry of a count that
