@@ -217,3 +217,42 @@ def test_a_count_said_to_be_overwritten_is_read_again_for_the_schedule(sim_gpu):
     optim.update_and_apply_(opt, grads, state, params)
     for key, p in lx.cpu_device()(params).items():  # the learning rate of step 3: 0.1 / 8
         _assert_close(p, before[key] - np.float32(0.1 / 8) * lx.cpu_device()(grads)[key], np.float32)
+
+
+def test_leaves_of_a_dtype_the_kernels_do_not_take_fall_back_for_every_leaf(sim_gpu):
+    """A complex leaf beside a float32 one: the per-operation path updates both, as on the CPU."""
+    def run(device):
+        rng = np.random.default_rng(9)
+        def tree():
+            return device({"w": rng.standard_normal((3, 2)).astype(np.float32),
+                           "z": (rng.standard_normal(2) + 1j * rng.standard_normal(2)).astype(np.complex64)})
+
+        params, opt = tree(), optim.sgd(0.1, momentum=0.9)
+        state = opt.init(params)
+        for _ in range(3):
+            state = optim.update_and_apply_(opt, tree(), state, params)
+        return lx.cpu_device()((params, state))
+
+    _assert_close(run(sim_gpu), run(lx.cpu_device()), np.float32)
+
+
+def test_a_kernel_that_does_not_compile_leaves_every_leaf_and_the_count_as_they_were(sim_gpu, monkeypatch):
+    """The float64 leaves' kernel fails to compile: the float32 leaves, launched first
+    otherwise, are not updated either."""
+    def compile_float64_fails(kernel, log_stream=None):
+        if "float64" in kernel.name:
+            raise RuntimeError(f"simulated compile error in {kernel.name}")
+
+    monkeypatch.setattr(sim_cupy.RawKernel, "compile", compile_float64_fails)
+    monkeypatch.setattr(optim.fused, "_COMPILED", set(), raising=False)  # compiled again
+    rng = np.random.default_rng(10)
+    def tree():
+        return sim_gpu({"a": rng.standard_normal(3).astype(np.float32), "b": rng.standard_normal(3)})
+
+    params, opt = tree(), optim.adamw(optim.exponential_decay(1e-2, 1, 0.5))
+    state = opt.init(params)
+    before = lx.cpu_device()((params, state))
+    with pytest.raises(RuntimeError, match="simulated compile error"):
+        optim.update_and_apply_(opt, tree(), state, params)
+    for (path, want), (_, got) in zip(lx.tree.paths(before), lx.tree.paths(lx.cpu_device()((params, state)))):
+        np.testing.assert_array_equal(got, want, err_msg=path)

@@ -126,9 +126,14 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
     arrays), one kernel launch per dtype of the leaves (plus one reduction for a
     `sums_squares` fragment). Returns False, launching nothing, when the leaves are not
     what the kernel takes: a gradient of another dtype than its parameter, moments of
-    another than its compute dtype, an array that is not C-contiguous, no element at all,
-    several dtypes with a `sums_squares` fragment (its norm spans every leaf), or such a
-    fragment not first."""
+    another than its compute dtype, a dtype the kernels are not made for (not float16,
+    float32 or float64), an array that is not C-contiguous, no element at all, several
+    dtypes with a `sums_squares` fragment (its norm spans every leaf), or such a fragment
+    not first.
+
+    Every group's table is uploaded and its kernels compiled before the first launch: a
+    failure there (a fragment's CUDA source that does not compile) leaves every leaf and
+    the state as they were, not the dtypes launched before it updated."""
     if not steps or any(s.fragment.sums_squares for s in steps[1:]):
         return False
     leaves = tree.leaves(grads)
@@ -142,10 +147,11 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
             return False
         if p.size:
             groups.setdefault(p.dtype, []).append(i)
-    if not groups or (steps[0].fragment.sums_squares and len(groups) > 1):
+    if not groups or any(d not in _TYPES for d in groups) or (steps[0].fragment.sums_squares and len(groups) > 1):
         return False
     xp = module_of(into[0])
     fragments = tuple(s.fragment for s in steps)
+    launches = []
     for dtype, members in groups.items():
         rows = []
         for i in members:
@@ -157,12 +163,27 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
         for s in steps:
             if s.fragment.sums_squares:
                 partials = xp.empty(blocks, np.float64)
-                SUM_OF_SQUARES[dtype]((blocks,), (BLOCK,), (table, np.int32(len(rows)), np.int32(len(rows[0])),
-                                                            np.int32(CHUNK), partials))
+                launches.append((SUM_OF_SQUARES[dtype], blocks, (table, np.int32(len(rows)), np.int32(len(rows[0])),
+                                                                 np.int32(CHUNK), partials)))
                 arguments += [partials, np.int32(blocks)]
             arguments += [_argument(a) for a in s.arguments]
-        composed(fragments, dtype)((blocks,), (BLOCK,), (table, np.int32(len(rows)), np.int32(CHUNK), *arguments))
+        launches.append((composed(fragments, dtype), blocks, (table, np.int32(len(rows)), np.int32(CHUNK), *arguments)))
+    for kernel, _, _ in launches:
+        _compile(kernel, xp)
+    for kernel, blocks, arguments in launches:
+        kernel((blocks,), (BLOCK,), arguments)
     return True
+
+
+_COMPILED: set = set()  # (kernel name, array module, device): CuPy's `compile` compiles again at each call
+
+
+def _compile(kernel: Raw, xp: Any) -> None:
+    """Compile `kernel` for the current device now (once), as CuPy does at its first launch."""
+    key = (kernel.name, xp, xp.cuda.runtime.getDevice())
+    if key not in _COMPILED:
+        kernel.compiled(xp).compile()
+        _COMPILED.add(key)
 
 
 def _argument(value: Any) -> Any:
