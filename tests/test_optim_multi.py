@@ -16,7 +16,7 @@ from luxnn import optim
 
 import sim_cupy
 from test_distributed import needs_mpi, run_workers
-from test_optim_fused import _assert_close, _run_updates, _tree
+from test_optim_fused import _assert_close, _run_updates, _tree, fused_launches
 
 LAUNCHES = ("kernel", "fill", "cublas")
 SCHEDULE = optim.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=50)
@@ -84,7 +84,7 @@ def test_the_step_launches_one_kernel_per_dtype_of_the_leaves(sim_gpu):
 
     (cpu, _), (gpu, counts) = run(lx.cpu_device()), run(sim_gpu)
     for dtype in ("float16", "float32", "float64"):
-        assert counts["kernel", f"luxnn_fused_adam_decay_scale_{dtype}"] == 3
+        assert fused_launches(counts, "adam_decay_scale", dtype) == 3
     _assert_close(gpu, cpu, np.float16)  # each leaf to its own dtype's rounding at worst
     for (path, want), (_, got) in zip(lx.tree.paths(cpu), lx.tree.paths(gpu)):
         if want.dtype == np.float64:
@@ -105,7 +105,7 @@ def test_a_non_contiguous_gradient_takes_the_unfused_path_with_the_same_numbers(
         return lx.cpu_device()((params, state)), counts
 
     (cpu, _), (gpu, counts) = run(lx.cpu_device()), run(sim_gpu)
-    assert counts["kernel", "luxnn_fused_adam_decay_scale_float64"] == 0
+    assert fused_launches(counts, "adam_decay_scale", np.float64) == 0
     _assert_close(gpu, cpu, np.float64)
 
 
@@ -122,7 +122,7 @@ def test_set_hyperparams_changes_the_learning_rate_of_the_fused_step(sim_gpu):
         return lx.cpu_device()((params, state)), counts
 
     (cpu, _), (gpu, counts) = run(lx.cpu_device()), run(sim_gpu)
-    assert counts["kernel", "luxnn_fused_adam_decay_scale_float32"] == 3
+    assert fused_launches(counts, "adam_decay_scale", np.float32) == 3
     _assert_close(gpu, cpu, np.float32)
 
 
@@ -131,7 +131,7 @@ def test_multi_steps_runs_the_fused_step_every_k_gradients(sim_gpu):
     cpu = _run_updates(make(), lx.cpu_device(), np.float32, steps=7)
     with sim_cupy.counting() as counts:
         gpu = _run_updates(make(), sim_gpu, np.float32, steps=7)
-    assert counts["kernel", "luxnn_fused_trace_scale_float32"] == 2  # after gradients 3 and 6
+    assert fused_launches(counts, "trace_scale", np.float32) == 2  # after gradients 3 and 6
     _assert_close(gpu, cpu, np.float32)
 
 
@@ -192,7 +192,7 @@ def test_parameters_that_are_views_of_one_flat_buffer_are_updated_through_their_
         return lx.cpu_device()((flat, state)), counts
 
     (cpu, _), (gpu, counts) = run(lx.cpu_device()), run(sim_gpu)
-    assert counts["kernel", "luxnn_fused_adam_decay_scale_float64"] == 3
+    assert fused_launches(counts, "adam_decay_scale", np.float64) == 3
     _assert_close(gpu, cpu, np.float64)
 
 

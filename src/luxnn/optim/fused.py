@@ -27,6 +27,8 @@ one thread of the launch.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 from typing import Any, Callable, NamedTuple
 
@@ -34,7 +36,7 @@ import numpy as np
 
 from luxnn import memory, tree
 from luxnn.backend import module_of
-from luxnn.kernels import KERNELS, Raw
+from luxnn.kernels import Raw
 
 from .arithmetic import MUL_PREAMBLE, times
 from .arrays import compute_dtype
@@ -166,7 +168,10 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
                 launches.append((SUM_OF_SQUARES[dtype], blocks, (table, np.int32(len(rows)), np.int32(len(rows[0])),
                                                                  np.int32(CHUNK), partials)))
                 arguments += [partials, np.int32(blocks)]
-            arguments += [_argument(a) for a in s.arguments]
+            converted = _arguments(s, xp)
+            if converted is None:
+                return False
+            arguments += converted
         launches.append((composed(fragments, dtype), blocks, (table, np.int32(len(rows)), np.int32(CHUNK), *arguments)))
     for kernel, _, _ in launches:
         _compile(kernel, xp)
@@ -186,13 +191,56 @@ def _compile(kernel: Raw, xp: Any) -> None:
         _COMPILED.add(key)
 
 
-def _argument(value: Any) -> Any:
-    """A kernel argument as CuPy passes it: floats as double, bools as int."""
-    if isinstance(value, (bool, np.bool_)):
-        return np.int32(value)
-    if isinstance(value, (int, float)):
-        return np.float64(value)
-    return value
+# The C types a fragment's parameter may have, and the NumPy type CuPy passes each as (a
+# scalar) or that the array of a pointer to it must hold.
+_C_TYPES = {"double": np.float64, "float": np.float32, "int": np.int32, "long long": np.int64}
+_PARAMETER = re.compile(r"(const\s+)?(double|float|int|long long)\s*(\*)?\s*\$\w+")
+
+
+@functools.lru_cache(maxsize=None)
+def _declared(fragment: Fragment) -> list[tuple[Any, bool, bool]]:
+    """Per parameter of `fragment`: (its NumPy type, whether a pointer, whether const)."""
+    declared = []
+    for param in filter(None, (p.strip() for p in fragment.params.split(","))):
+        match = _PARAMETER.fullmatch(param)
+        if match is None:
+            raise ValueError(f"fused fragment {fragment.name!r}: expected parameters of the types "
+                             f"{', '.join(_C_TYPES)} (or pointers to them) named $name, got {param!r}")
+        declared.append((_C_TYPES[match[2]], bool(match[3]), bool(match[1])))
+    return declared
+
+
+def _arguments(step: FusedStep, xp: Any) -> list | None:
+    """`step`'s arguments as CuPy passes them to the fragment's parameters: a scalar in
+    its declared type; a pointer as a C-contiguous array of `xp` of its declared dtype (one
+    read only, another array converted; `NULL` as it is). None where an array written
+    through is not such an array (the launch falls back)."""
+    declared = _declared(step.fragment)
+    if len(declared) != len(step.arguments):
+        raise ValueError(f"fused fragment {step.fragment.name!r}: {len(declared)} parameters, "
+                         f"its step gave {len(step.arguments)} arguments")
+    out = []
+    for (kind, pointer, const), value in zip(declared, step.arguments):
+        if not pointer:
+            out.append(_scalar(step.fragment, kind, value))
+        elif isinstance(value, np.uint64) and value == NULL:
+            out.append(value)
+        elif module_of(value) is xp and value.dtype == kind and value.flags.c_contiguous:
+            out.append(value)
+        elif const:
+            converted = xp.asarray(value, dtype=kind)
+            out.append(converted if converted.flags.c_contiguous else converted.copy())
+        else:
+            return None
+    return out
+
+
+def _scalar(fragment: Fragment, kind: Any, value: Any) -> Any:
+    """`value` (a number, or a 0-d array) as a scalar argument of type `kind`."""
+    number = value.item() if hasattr(value, "item") else value
+    if not isinstance(number, (bool, int) if np.issubdtype(kind, np.integer) else (bool, int, float)):
+        raise TypeError(f"fused fragment {fragment.name!r}: expected a {np.dtype(kind).name} argument, got {value!r}")
+    return kind(number)
 
 
 _TABLES: dict = {}  # host table bytes -> (device table, blocks): a warm step's addresses are the same
@@ -227,14 +275,22 @@ def _header(dtype: np.dtype) -> str:
     return "#include <cuda_fp16.h>\n" + types + MUL_PREAMBLE
 
 
+_COMPOSED: dict = {}  # (fragments, dtype) -> kernel
+
+
 def composed(fragments: tuple[Fragment, ...], dtype: Any) -> Raw:
     """The kernel of `fragments` one after the other, for leaves of `dtype`: declared
-    (`luxnn.kernels.Raw`) on first use, under a name that says what it composes."""
+    (`luxnn.kernels.Raw`) on first use, under a name that says what it composes and ends
+    in a hash of its source, so that fragments of the same names and other code (a user's
+    fragment named as a built-in one) never run each other's kernel."""
     dtype = np.dtype(dtype)
-    name = f"luxnn_fused_{'_'.join(f.name for f in fragments)}_{dtype.name}"
-    kernel = KERNELS.get(name)
+    kernel = _COMPOSED.get((fragments, dtype))
     if kernel is None:
+        stem = f"luxnn_fused_{'_'.join(f.name for f in fragments)}_{dtype.name}"
+        digest = hashlib.sha256(composed_source(stem, fragments, dtype).encode()).hexdigest()[:12]
+        name = f"{stem}_{digest}"
         kernel = Raw(name, composed_source(name, fragments, dtype), twin=_composed_twin(fragments, dtype))
+        _COMPOSED[fragments, dtype] = kernel
     return kernel
 
 
@@ -305,7 +361,7 @@ def _composed_twin(fragments: tuple[Fragment, ...], dtype: Any) -> Callable[...,
     """`composed`'s kernel in NumPy, block by block through the table's pointers."""
     p_dtype, t_dtype = np.dtype(dtype), compute_dtype(dtype)
     width = 4 + sum(f.moments for f in fragments)
-    counts = [len(f.params.split(",")) * bool(f.params) + 2 * f.sums_squares for f in fragments]
+    counts = [len(_declared(f)) + 2 * f.sums_squares for f in fragments]
 
     def twin(table: np.ndarray, n_leaves: int, chunk: int, *arguments: Any) -> None:
         rows, chunks = _rows_and_chunks(table, n_leaves, width)
