@@ -256,3 +256,34 @@ def test_a_kernel_that_does_not_compile_leaves_every_leaf_and_the_count_as_they_
         optim.update_and_apply_(opt, tree(), state, params)
     for (path, want), (_, got) in zip(lx.tree.paths(before), lx.tree.paths(lx.cpu_device()((params, state)))):
         np.testing.assert_array_equal(got, want, err_msg=path)
+
+
+@pytest.mark.parametrize("make", [optim.scale_by_adam, optim.scale_by_lion])
+@pytest.mark.parametrize("count", ["numpy", "int32"])
+def test_a_count_of_another_module_or_dtype_gives_the_cpus_numbers(make, count, sim_gpu):
+    """A state whose count is a NumPy array, or an int32 one (made by hand, loaded)."""
+    def run(device):
+        rng = np.random.default_rng(11)
+        params = device(_tree(rng, np.float32))
+        opt = make()
+        state = opt.init(params)
+        state = state._replace(count=np.zeros((), np.int64) if count == "numpy" else device(np.zeros((), np.int32)))
+        for _ in range(3):
+            state = optim.update_and_apply_(opt, device(_tree(rng, np.float32)), state, params)
+        return lx.cpu_device()((params, state.mu, int(state.count)))
+
+    gpu, cpu = run(sim_gpu), run(lx.cpu_device())
+    _assert_close(gpu[:2], cpu[:2], np.float32)
+    assert gpu[2] == cpu[2] == 3
+
+
+@pytest.mark.parametrize("case", ["one more", "shapes swapped"])
+def test_into_of_another_length_or_shapes_than_the_gradients_raises_as_on_the_cpu(case, sim_gpu):
+    for device in (lx.cpu_device(), sim_gpu):
+        rng = np.random.default_rng(12)
+        params, grads = device(_tree(rng, np.float32, [(3,), (2, 2)])), device(_tree(rng, np.float32, [(3,), (2, 2)]))
+        opt = optim.sgd(0.1, momentum=0.9)
+        into = lx.tree.leaves(params)
+        into, error = (into + into[:1], "one array per leaf of grads") if case == "one more" else (into[::-1], "broadcast")
+        with pytest.raises(ValueError, match=error):
+            optim.update_into(opt, grads, opt.init(params), params, into)

@@ -127,11 +127,13 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
     """Add the updates of the fused `steps` of `grads` into `into` (the parameters' CuPy
     arrays), one kernel launch per dtype of the leaves (plus one reduction for a
     `sums_squares` fragment). Returns False, launching nothing, when the leaves are not
-    what the kernel takes: a gradient of another dtype than its parameter, moments of
-    another than its compute dtype, a dtype the kernels are not made for (not float16,
+    what the kernel takes: not one array of `into` per leaf, a gradient of another dtype
+    or shape than its parameter, moments of another than its compute dtype or of another
+    shape, a dtype the kernels are not made for (not float16,
     float32 or float64), an array that is not C-contiguous, no element at all, several
     dtypes with a `sums_squares` fragment (its norm spans every leaf), or such a fragment
-    not first.
+    not first, an array a fragment writes through that is not an array of the device of
+    its declared dtype (e.g. the new step count of a NumPy count).
 
     Every group's table is uploaded and its kernels compiled before the first launch: a
     failure there (a fragment's CUDA source that does not compile) leaves every leaf and
@@ -139,11 +141,13 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
     if not steps or any(s.fragment.sums_squares for s in steps[1:]):
         return False
     leaves = tree.leaves(grads)
+    if len(leaves) != len(into):
+        return False
     moments = [[tree.leaves(m) for m in s.moments] for s in steps]
     groups: dict = {}
     for i, (g, p) in enumerate(zip(leaves, into)):
         arrays = [g, p, *(m[i] for ms in moments for m in ms)]
-        if g.dtype != p.dtype or not all(a.flags.c_contiguous for a in arrays):
+        if g.dtype != p.dtype or any(a.shape != p.shape or not a.flags.c_contiguous for a in arrays):
             return False
         if any(m[i].dtype != compute_dtype(p.dtype) for ms in moments for m in ms):
             return False
@@ -357,6 +361,15 @@ def _rows_and_chunks(table: np.ndarray, n_leaves: int, width: int) -> tuple[np.n
     return table[: n_leaves * width].reshape(n_leaves, width), table[n_leaves * width :].reshape(-1, 2)
 
 
+def _check_pointers(fragment: Fragment, values: tuple) -> None:
+    """A TypeError where the kernel would read an array through a pointer of another type
+    than its dtype (e.g. an int32 count as ``long long*``)."""
+    for (kind, pointer, _), value in zip(_declared(fragment), values):
+        if pointer and isinstance(value, np.ndarray) and value.dtype != kind:
+            raise TypeError(f"fused fragment {fragment.name!r} reads {np.dtype(kind).name} through an array of "
+                            f"{value.dtype}")
+
+
 def _composed_twin(fragments: tuple[Fragment, ...], dtype: Any) -> Callable[..., None]:
     """`composed`'s kernel in NumPy, block by block through the table's pointers."""
     p_dtype, t_dtype = np.dtype(dtype), compute_dtype(dtype)
@@ -367,6 +380,7 @@ def _composed_twin(fragments: tuple[Fragment, ...], dtype: Any) -> Callable[...,
         rows, chunks = _rows_and_chunks(table, n_leaves, width)
         constants, at = [], 0
         for f, n in zip(fragments, counts):
+            _check_pointers(f, arguments[at + 2 * f.sums_squares : at + n])
             constants.append(f.step_twin(*arguments[at : at + n], dtype=t_dtype))
             at += n
         for leaf, start in chunks:
