@@ -287,3 +287,37 @@ def test_into_of_another_length_or_shapes_than_the_gradients_raises_as_on_the_cp
         into, error = (into + into[:1], "one array per leaf of grads") if case == "one more" else (into[::-1], "broadcast")
         with pytest.raises(ValueError, match=error):
             optim.update_into(opt, grads, opt.init(params), params, into)
+
+
+def test_a_schedule_gets_the_count_as_on_the_cpu(sim_gpu):
+    """A 0-d int64 NumPy array on both devices: ``1 / count`` at step 0 is inf (then
+    refused as a learning rate) on both, not a ZeroDivisionError on one."""
+    seen = []
+
+    def inverse(count):
+        seen.append((type(count), count.dtype, count.shape))
+        with np.errstate(divide="ignore"):
+            return 1.0 / count
+
+    errors = []
+    for device in (lx.cpu_device(), sim_gpu):
+        params = device({"w": np.ones(3)})
+        opt = optim.sgd(inverse)
+        with pytest.raises(Exception) as raised:
+            optim.update_and_apply_(opt, device({"w": np.ones(3)}), opt.init(params), params)
+        errors.append((type(raised.value), str(raised.value)))
+    assert errors[0] == errors[1] and errors[0][0] is ValueError, errors
+    assert seen and all(s == (np.ndarray, np.dtype(np.int64), ()) for s in seen), seen
+
+
+@pytest.mark.parametrize("make", [lambda f: optim.MultiSteps(optim.sgd(0.1), every_k_schedule=lambda c: f(c) or 2),
+                                  lambda f: optim.inject_hyperparams(optim.sgd)(learning_rate=lambda c: f(c) or 0.1)])
+def test_the_schedules_of_the_wrappers_get_the_count_as_on_the_cpu(make, sim_gpu):
+    seen = {}
+    for device in (lx.cpu_device(), sim_gpu):
+        params = device({"w": np.ones(3)})
+        opt = make(lambda count: seen.setdefault(device, []).append((type(count), count.dtype, count.shape)))
+        state = opt.init(params)
+        for _ in range(2):
+            state = optim.update_and_apply_(opt, device({"w": np.ones(3)}), state, params)
+    assert seen[sim_gpu] == seen[lx.cpu_device()] and seen[sim_gpu][0] == (np.ndarray, np.dtype(np.int64), ()), seen

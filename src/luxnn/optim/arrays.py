@@ -87,9 +87,10 @@ def counted(count: Any, new: Any) -> None:
 
 def host_count(count: Any) -> Any:
     """A step count to evaluate a schedule at on the host: a NumPy count itself; for a
-    device count, its value as a Python int, known without reading the device when the
-    optimisers made it (`zero_count`, `next_count`, `counted`), else read once (a state
-    made elsewhere, e.g. loaded from a checkpoint). The optimisers never write a count in
+    device count, a 0-d NumPy array of its value and dtype (as a schedule gets on the CPU,
+    so that it computes alike on both devices), the value known without reading the
+    device when the optimisers made the count (`zero_count`, `next_count`, `counted`),
+    else read once (a state made elsewhere, e.g. loaded from a checkpoint). The optimisers never write a count in
     place; code that does (luxnn's collectives) calls `overwritten` first, a user writing
     into a count array too."""
     if module_of(count) is np:
@@ -98,7 +99,7 @@ def host_count(count: Any) -> Any:
     if value is None:
         value = int(count)
         _remember(count, value)
-    return value
+    return np.asarray(value, dtype=count.dtype)
 
 
 def overwritten(arrays: Any) -> None:
