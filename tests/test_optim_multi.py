@@ -321,3 +321,16 @@ def test_the_schedules_of_the_wrappers_get_the_count_as_on_the_cpu(make, sim_gpu
         for _ in range(2):
             state = optim.update_and_apply_(opt, device({"w": np.ones(3)}), state, params)
     assert seen[sim_gpu] == seen[lx.cpu_device()] and seen[sim_gpu][0] == (np.ndarray, np.dtype(np.int64), ()), seen
+
+
+def test_the_pointer_table_is_uploaded_again_on_another_stream(sim_gpu):
+    """A table uploaded on one stream is not ready on another before that stream's copy."""
+    rng = np.random.default_rng(13)
+    params, grads = sim_gpu(_tree(rng, np.float32)), sim_gpu(_tree(rng, np.float32))
+    opt = optim.sgd(0.1, momentum=0.9)
+    state = optim.update_and_apply_(opt, grads, opt.init(params), params)
+    with sim_cupy.counting() as same_stream:
+        state = optim.update_and_apply_(opt, grads, state, params)
+    with sim_cupy.cuda.Stream(), sim_cupy.counting() as other_stream:
+        optim.update_and_apply_(opt, grads, state, params)
+    assert same_stream["memcpy"] == 0 and other_stream["memcpy", "host_to_device"] == 1, (same_stream, other_stream)

@@ -156,6 +156,7 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
     if not groups or any(d not in _TYPES for d in groups) or (steps[0].fragment.sums_squares and len(groups) > 1):
         return False
     xp = module_of(into[0])
+    place = (xp, xp.cuda.runtime.getDevice(), xp.cuda.get_current_stream().ptr)
     fragments = tuple(s.fragment for s in steps)
     launches = []
     for dtype, members in groups.items():
@@ -164,7 +165,7 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
             flags = sum(1 << k for k, s in enumerate(steps) if s.active is None or s.active[i])
             pointers = [a.data.ptr for a in (leaves[i], into[i], *(m[i] for ms in moments for m in ms))]
             rows.append([into[i].size, flags, *pointers])
-        table, blocks = _table(xp, rows)
+        table, blocks = _table(place, rows)
         arguments = []
         for s in steps:
             if s.fragment.sums_squares:
@@ -178,7 +179,7 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
             arguments += converted
         launches.append((composed(fragments, dtype), blocks, (table, np.int32(len(rows)), np.int32(CHUNK), *arguments)))
     for kernel, _, _ in launches:
-        _compile(kernel, xp)
+        _compile(kernel, place)
     for kernel, blocks, arguments in launches:
         kernel((blocks,), (BLOCK,), arguments)
     return True
@@ -187,11 +188,12 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
 _COMPILED: set = set()  # (kernel name, array module, device): CuPy's `compile` compiles again at each call
 
 
-def _compile(kernel: Raw, xp: Any) -> None:
-    """Compile `kernel` for the current device now (once), as CuPy does at its first launch."""
-    key = (kernel.name, xp, xp.cuda.runtime.getDevice())
+def _compile(kernel: Raw, place: tuple) -> None:
+    """Compile `kernel` for the device of `place` (array module, device, stream) now,
+    once, as CuPy does at its first launch."""
+    key = (kernel.name, *place[:2])
     if key not in _COMPILED:
-        kernel.compiled(xp).compile()
+        kernel.compiled(place[0]).compile()
         _COMPILED.add(key)
 
 
@@ -247,16 +249,19 @@ def _scalar(fragment: Fragment, kind: Any, value: Any) -> Any:
     return kind(number)
 
 
-_TABLES: dict = {}  # host table bytes -> (device table, blocks): a warm step's addresses are the same
+_TABLES: dict = {}  # (place, host table bytes) -> (device table, blocks): a warm step's addresses are the same
 _KEPT_TABLES = 16
 
 
-def _table(xp: Any, rows: list) -> tuple[Any, int]:
+def _table(place: tuple, rows: list) -> tuple[Any, int]:
     """The device table of `rows` (per leaf: size, flags, pointers) followed by the
-    (leaf, start) of each block, and the number of blocks; uploaded once per content."""
+    (leaf, start) of each block, and the number of blocks; uploaded once per content and
+    `place` (array module, device, stream: a table lives on one device, and is ready
+    when its stream's upload is)."""
     chunks = [(leaf, start) for leaf, row in enumerate(rows) for start in range(0, row[0], CHUNK)]
     host = np.array([x for row in rows for x in row] + [x for c in chunks for x in c], dtype=np.int64)
-    key = (xp, host.tobytes())
+    key = (place, host.tobytes())
+    xp = place[0]
     found = _TABLES.get(key)
     if found is None:
         if len(_TABLES) >= _KEPT_TABLES:
