@@ -356,9 +356,6 @@ class RawKernel:
         runs: nothing to compile; a test may replace this to fail as a compiler would)."""
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
-        for a in args:  # CuPy passes device arrays and scalars, nothing else
-            if isinstance(a, np.ndarray):
-                raise TypeError(f"Unsupported type {type(a)}")
         self.compile()  # CuPy compiles the source at the first launch
         if self._params is not None:
             _check_raw_args(self.name, self._params, args)

@@ -366,15 +366,6 @@ def _rows_and_chunks(table: np.ndarray, n_leaves: int, width: int) -> tuple[np.n
     return table[: n_leaves * width].reshape(n_leaves, width), table[n_leaves * width :].reshape(-1, 2)
 
 
-def _check_pointers(fragment: Fragment, values: tuple) -> None:
-    """A TypeError where the kernel would read an array through a pointer of another type
-    than its dtype (e.g. an int32 count as ``long long*``)."""
-    for (kind, pointer, _), value in zip(_declared(fragment), values):
-        if pointer and isinstance(value, np.ndarray) and value.dtype != kind:
-            raise TypeError(f"fused fragment {fragment.name!r} reads {np.dtype(kind).name} through an array of "
-                            f"{value.dtype}")
-
-
 def _composed_twin(fragments: tuple[Fragment, ...], dtype: Any) -> Callable[..., None]:
     """`composed`'s kernel in NumPy, block by block through the table's pointers."""
     p_dtype, t_dtype = np.dtype(dtype), compute_dtype(dtype)
@@ -385,7 +376,6 @@ def _composed_twin(fragments: tuple[Fragment, ...], dtype: Any) -> Callable[...,
         rows, chunks = _rows_and_chunks(table, n_leaves, width)
         constants, at = [], 0
         for f, n in zip(fragments, counts):
-            _check_pointers(f, arguments[at + 2 * f.sums_squares : at + n])
             constants.append(f.step_twin(*arguments[at : at + n], dtype=t_dtype))
             at += n
         for leaf, start in chunks:
