@@ -129,11 +129,11 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
     `sums_squares` fragment). Returns False, launching nothing, when the leaves are not
     what the kernel takes: not one array of `into` per leaf, a gradient of another dtype
     or shape than its parameter, moments of another than its compute dtype or of another
-    shape, a dtype the kernels are not made for (not float16,
-    float32 or float64), an array that is not C-contiguous, no element at all, several
-    dtypes with a `sums_squares` fragment (its norm spans every leaf), or such a fragment
-    not first, an array a fragment writes through that is not an array of the device of
-    its declared dtype (e.g. the new step count of a NumPy count).
+    shape, a dtype the kernels are not made for (not float16, float32 or float64), an
+    array that is not C-contiguous, no element at all, several dtypes with a
+    `sums_squares` fragment (its norm spans every leaf) or such a fragment not first, an
+    array a fragment writes through that is not an array of the device of its declared
+    dtype (the new step count of a NumPy count).
 
     Every group's table is uploaded and its kernels compiled before the first launch: a
     failure there (a fragment's CUDA source that does not compile) leaves every leaf and
@@ -204,7 +204,7 @@ _PARAMETER = re.compile(r"(const\s+)?(double|float|int|long long)\s*(\*)?\s*\$\w
 
 
 @functools.lru_cache(maxsize=None)
-def _declared(fragment: Fragment) -> list[tuple[Any, bool, bool]]:
+def _declared(fragment: Fragment) -> tuple[tuple[Any, bool, bool], ...]:
     """Per parameter of `fragment`: (its NumPy type, whether a pointer, whether const)."""
     declared = []
     for param in filter(None, (p.strip() for p in fragment.params.split(","))):
@@ -213,7 +213,7 @@ def _declared(fragment: Fragment) -> list[tuple[Any, bool, bool]]:
             raise ValueError(f"fused fragment {fragment.name!r}: expected parameters of the types "
                              f"{', '.join(_C_TYPES)} (or pointers to them) named $name, got {param!r}")
         declared.append((_C_TYPES[match[2]], bool(match[3]), bool(match[1])))
-    return declared
+    return tuple(declared)
 
 
 def _arguments(step: FusedStep, xp: Any) -> list | None:
