@@ -108,7 +108,7 @@ def overwritten(arrays: Any) -> None:
     count among them is then read from the device at its next `host_count`, once.
 
     >>> overwritten(state)  # doctest: +SKIP
-    >>> state.count[...] = 100
+    >>> state.count[...] = 100  # doctest: +SKIP
     """
     for a in tree.leaves(arrays):
         _HOST_COUNTS.pop(id(a), None)
