@@ -351,7 +351,12 @@ class RawKernel:
         self.twin, self.name = _twin(name), name
         self._params = _c_params(code, name)
 
+    def compile(self, log_stream: Any = None) -> None:
+        """CuPy's: compiles the source now instead of at the first launch (here the twin
+        runs: nothing to compile; a test may replace this to fail as a compiler would)."""
+
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        self.compile()  # CuPy compiles the source at the first launch
         if self._params is not None:
             _check_raw_args(self.name, self._params, args)
         self.twin(*(_as_pointed_to(a) if isinstance(a, ndarray) else a for a in args))
@@ -509,6 +514,19 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
     def get(self, stream: Any = None) -> np.ndarray:
         _launch("memcpy", "device_to_host")
         return self._meta.copy()
+
+    def set(self, arr: np.ndarray, stream: Any = None) -> None:
+        """CuPy's: host array `arr`, of this array's dtype and shape, copied into it."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"Only numpy.ndarray can be set to cupy.ndarray, got {type(arr)}")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if arr.shape != self.shape:
+            raise ValueError("Shape mismatch")
+        if not self.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array")
+        self._meta[...] = arr
+        _launch("memcpy", "host_to_device")
 
     def item(self) -> Any:
         return self.get().item()

@@ -22,6 +22,7 @@ import luxnn as lx
 from luxnn import memory, optim
 from luxnn.optim import fused
 from luxnn.optim.adam import ADAM_FRAGMENT
+from luxnn.optim.arithmetic import times
 from luxnn.optim.clipping import CLIP_FRAGMENT
 from luxnn.optim.decay_noise import DECAY_FRAGMENT
 from luxnn.optim.lion import LION_FRAGMENT
@@ -64,6 +65,14 @@ def _assert_close(got, want, dtype, rtol=None):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * 1e-3, err_msg=path)
 
 
+def fused_launches(counts, fragments, dtype):
+    """The launches in `counts` (`sim_cupy.counting`) of the fused kernels of `fragments`
+    (their names joined by "_") for leaves of `dtype`, whatever the hash of their source."""
+    stem = f"luxnn_fused_{fragments}_{np.dtype(dtype).name}_"
+    return sum(n for key, n in counts.items() if isinstance(key, tuple) and key[0] == "kernel"
+               and key[1].startswith(stem) and len(key[1]) == len(stem) + 12)
+
+
 def _halving(value):
     return optim.exponential_decay(value, 2, 0.5)
 
@@ -95,6 +104,9 @@ OPTIMISERS = {
     ),
     "scale_by_lion": (lambda: optim.scale_by_lion(), "lion"),
     "clip_adamw": (lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2)), "clip_adam_decay_scale"),
+    # the norm of the selected leaves only, as `masked`'s inner transformation sees them
+    "clip_masked_sgd": (lambda: optim.chain(optim.masked(optim.clip_by_global_norm(1.0), _matrices), optim.sgd(0.1)),
+                        "clip_scale"),
 }
 
 
@@ -105,7 +117,7 @@ def test_the_fused_update_gives_the_cpus_parameters_and_moments(name, dtype, sim
     cpu = _run_updates(make(), lx.cpu_device(), dtype)
     with sim_cupy.counting() as counts:
         gpu = _run_updates(make(), sim_gpu, dtype)
-    assert counts["kernel", f"luxnn_fused_{fragments}_{np.dtype(dtype).name}"] == 5  # one launch a step, every leaf
+    assert fused_launches(counts, fragments, dtype) == 5  # one launch a step, every leaf
     # the global norm summed in double on the device, in float32 by BLAS on the CPU
     _assert_close(gpu, cpu, dtype, rtol=4e-6 if name.startswith("clip") and dtype == np.float32 else None)
     moment_dtypes = {m.dtype for m in lx.tree.leaves(gpu[1]) if m.dtype.kind == "f"}
@@ -212,8 +224,61 @@ def test_a_users_stage_that_declares_a_fragment_fuses_with_the_built_in_ones(sim
     cpu = _run_updates(make(), lx.cpu_device(), np.float32)
     with sim_cupy.counting() as counts:
         gpu = _run_updates(make(), sim_gpu, np.float32)
-    assert counts["kernel", "luxnn_fused_test_negate_adam_float32"] == 5
+    assert fused_launches(counts, "test_negate_adam", np.float32) == 5
     _assert_close(gpu, cpu, np.float32)
+
+
+# A user's fragment of the name of a built-in one (`fused.SCALE_FRAGMENT`), of other code.
+NEGATED_SCALE = fused.Fragment("scale", fused.SCALE_FRAGMENT.params, "u = (P)(-mul((T)u, $t_factor));",
+                               fused.SCALE_FRAGMENT.step_twin, lambda factor, u, p: -times(u, factor),
+                               prologue=fused.SCALE_FRAGMENT.prologue)
+
+
+class _NegatedScale(optim.Stateless, optim.FusedUpdate):
+    def update(self, grads, state, params=None):
+        return lx.tree.map(lambda g: -(g * 0.25), grads), state
+
+    def fused_step(self, grads, state, params, factor=1.0):
+        return fused.FusedStep(NEGATED_SCALE, (), fused.factor_arguments(0.25)), state
+
+
+def test_a_users_fragment_named_as_a_built_in_one_runs_its_own_kernel(sim_gpu):
+    _run_updates(optim.sgd(0.5), sim_gpu, np.float32, steps=1)  # the built-in kernel of that name made
+    stage = _NegatedScale()
+    make = lambda: optim.GradientTransformation(stage.init, stage.update)  # noqa: E731
+    cpu = _run_updates(make(), lx.cpu_device(), np.float32, steps=2)
+    with sim_cupy.counting() as counts:
+        gpu = _run_updates(make(), sim_gpu, np.float32, steps=2)
+    _assert_close(gpu, cpu, np.float32)
+    assert fused_launches(counts, "scale", np.float32) == 2
+
+
+def _times_k_step_twin(k, *, dtype):
+    TIMES_K_ARGUMENTS.append(k)
+    return k
+
+
+TIMES_K_ARGUMENTS = []  # what the kernel was given for its `const int $k`
+TIMES_K = fused.Fragment("test_times_k", "const int $k", "u = (P)((T)u * (T)$k);", _times_k_step_twin,
+                         lambda k, u, p: u * u.dtype.type(k))
+
+
+class _TimesK(optim.Stateless, optim.FusedUpdate):
+    def update(self, grads, state, params=None):
+        return lx.tree.map(lambda g: g * g.dtype.type(3), grads), state
+
+    def fused_step(self, grads, state, params, factor=1.0):
+        return fused.FusedStep(TIMES_K, (), (3,)), state
+
+
+def test_a_fragments_arguments_are_passed_as_its_parameters_declare(sim_gpu):
+    stage = _TimesK()
+    make = lambda: optim.GradientTransformation(stage.init, stage.update)  # noqa: E731
+    cpu = _run_updates(make(), lx.cpu_device(), np.float32, steps=2)
+    TIMES_K_ARGUMENTS.clear()
+    gpu = _run_updates(make(), sim_gpu, np.float32, steps=2)
+    _assert_close(gpu, cpu, np.float32)
+    assert [type(k) for k in TIMES_K_ARGUMENTS] == [np.int32, np.int32]  # an int, not a double, in an int's place
 
 
 class _Doubling(optim.Stateless, optim.UpdateInto, optim.KernelUpdate):

@@ -87,17 +87,31 @@ def counted(count: Any, new: Any) -> None:
 
 def host_count(count: Any) -> Any:
     """A step count to evaluate a schedule at on the host: a NumPy count itself; for a
-    device count, its value as a Python int, known without reading the device when the
-    optimisers made it (`zero_count`, `next_count`, `counted`), else read once (a state
-    made elsewhere, e.g. loaded from a checkpoint). A device count written in place
-    afterwards by other code is not seen: the optimisers never write a count in place."""
+    device count, a 0-d NumPy array of its value and dtype (as a schedule gets on the CPU,
+    so that it computes alike on both devices), the value known without reading the
+    device when the optimisers made the count (`zero_count`, `next_count`, `counted`),
+    else read once (a state made elsewhere, e.g. loaded from a checkpoint). The optimisers never write a count in
+    place; code that does (luxnn's collectives) calls `overwritten` first, a user writing
+    into a count array too."""
     if module_of(count) is np:
         return count
     value = _known(count)
     if value is None:
         value = int(count)
         _remember(count, value)
-    return value
+    return np.asarray(value, dtype=count.dtype)
+
+
+def overwritten(arrays: Any) -> None:
+    """Note that the arrays of tree `arrays` are about to be written in place by code other
+    than the optimisers (e.g. ``luxnn.distributed.bcast_`` of an optimizer state): a step
+    count among them is then read from the device at its next `host_count`, once.
+
+    >>> overwritten(state)  # doctest: +SKIP
+    >>> state.count[...] = 100  # doctest: +SKIP
+    """
+    for a in tree.leaves(arrays):
+        _HOST_COUNTS.pop(id(a), None)
 
 
 # id of a device count -> (a weak reference to it, its value): the entry of a count that

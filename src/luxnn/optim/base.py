@@ -350,6 +350,9 @@ def update_into(transformation: GradientTransformation, grads: Updates, state: O
     >>> params["w"]
     array([0.5, 0.5])
     """
+    count = len(tree.leaves(grads))
+    if len(into) != count:
+        raise ValueError(f"update_into: expected into to hold one array per leaf of grads ({count}), got {len(into)}")
     stage = transformation.stage
     if isinstance(stage, FusedUpdate) and on_device(into):
         check_state_type(stage, state)

@@ -27,6 +27,8 @@ one thread of the launch.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 from typing import Any, Callable, NamedTuple
 
@@ -34,7 +36,7 @@ import numpy as np
 
 from luxnn import memory, tree
 from luxnn.backend import module_of
-from luxnn.kernels import KERNELS, Raw
+from luxnn.kernels import Raw
 
 from .arithmetic import MUL_PREAMBLE, times
 from .arrays import compute_dtype
@@ -54,8 +56,9 @@ class Fragment(NamedTuple):
     does the epilogue's writes and returns the step's constants; `leaf_twin(constants, u,
     p, *moments)` returns the new update of a slice of a leaf, writing the moments in
     place, as `body` does. `sums_squares`: the launch first reduces the squares of the
-    gradients into per-block partial sums, passed before the fragment's own arguments
-    (``const double* $partials, int $blocks``); such a fragment comes first in its chain."""
+    gradients of the leaves the step applies to into per-block partial sums, passed
+    before the fragment's own arguments (``const double* $partials, int $blocks``); such
+    a fragment comes first in its chain."""
 
     name: str
     params: str
@@ -124,65 +127,141 @@ def launch(steps: list[FusedStep], grads: Any, into: list) -> bool:
     """Add the updates of the fused `steps` of `grads` into `into` (the parameters' CuPy
     arrays), one kernel launch per dtype of the leaves (plus one reduction for a
     `sums_squares` fragment). Returns False, launching nothing, when the leaves are not
-    what the kernel takes: a gradient of another dtype than its parameter, moments of
-    another than its compute dtype, an array that is not C-contiguous, no element at all,
-    several dtypes with a `sums_squares` fragment (its norm spans every leaf), or such a
-    fragment not first."""
+    what the kernel takes: not one array of `into` per leaf, a gradient of another dtype
+    or shape than its parameter, moments of another than its compute dtype or of another
+    shape, a dtype the kernels are not made for (not float16, float32 or float64), an
+    array that is not C-contiguous, no element at all, several dtypes with a
+    `sums_squares` fragment (its norm spans every leaf) or such a fragment not first, an
+    array a fragment writes through that is not an array of the device of its declared
+    dtype (the new step count of a NumPy count).
+
+    Every group's table is uploaded and its kernels compiled before the first launch: a
+    failure there (a fragment's CUDA source that does not compile) leaves every leaf and
+    the state as they were, not the dtypes launched before it updated."""
     if not steps or any(s.fragment.sums_squares for s in steps[1:]):
         return False
     leaves = tree.leaves(grads)
+    if len(leaves) != len(into):
+        return False
     moments = [[tree.leaves(m) for m in s.moments] for s in steps]
     groups: dict = {}
     for i, (g, p) in enumerate(zip(leaves, into)):
         arrays = [g, p, *(m[i] for ms in moments for m in ms)]
-        if g.dtype != p.dtype or not all(a.flags.c_contiguous for a in arrays):
+        if g.dtype != p.dtype or any(a.shape != p.shape or not a.flags.c_contiguous for a in arrays):
             return False
         if any(m[i].dtype != compute_dtype(p.dtype) for ms in moments for m in ms):
             return False
         if p.size:
             groups.setdefault(p.dtype, []).append(i)
-    if not groups or (steps[0].fragment.sums_squares and len(groups) > 1):
+    if not groups or any(d not in _TYPES for d in groups) or (steps[0].fragment.sums_squares and len(groups) > 1):
         return False
     xp = module_of(into[0])
+    place = (xp, xp.cuda.runtime.getDevice(), xp.cuda.get_current_stream().ptr)
     fragments = tuple(s.fragment for s in steps)
+    launches = []
     for dtype, members in groups.items():
         rows = []
         for i in members:
             flags = sum(1 << k for k, s in enumerate(steps) if s.active is None or s.active[i])
             pointers = [a.data.ptr for a in (leaves[i], into[i], *(m[i] for ms in moments for m in ms))]
             rows.append([into[i].size, flags, *pointers])
-        table, blocks = _table(xp, rows)
+        table, blocks = _table(place, rows)
         arguments = []
         for s in steps:
             if s.fragment.sums_squares:
                 partials = xp.empty(blocks, np.float64)
-                SUM_OF_SQUARES[dtype]((blocks,), (BLOCK,), (table, np.int32(len(rows)), np.int32(len(rows[0])),
-                                                            np.int32(CHUNK), partials))
+                launches.append((SUM_OF_SQUARES[dtype], blocks, (table, np.int32(len(rows)), np.int32(len(rows[0])),
+                                                                 np.int32(CHUNK), partials)))
                 arguments += [partials, np.int32(blocks)]
-            arguments += [_argument(a) for a in s.arguments]
-        composed(fragments, dtype)((blocks,), (BLOCK,), (table, np.int32(len(rows)), np.int32(CHUNK), *arguments))
+            converted = _arguments(s, xp)
+            if converted is None:
+                return False
+            arguments += converted
+        launches.append((composed(fragments, dtype), blocks, (table, np.int32(len(rows)), np.int32(CHUNK), *arguments)))
+    for kernel, _, _ in launches:
+        _compile(kernel, place)
+    for kernel, blocks, arguments in launches:
+        kernel((blocks,), (BLOCK,), arguments)
     return True
 
 
-def _argument(value: Any) -> Any:
-    """A kernel argument as CuPy passes it: floats as double, bools as int."""
-    if isinstance(value, (bool, np.bool_)):
-        return np.int32(value)
-    if isinstance(value, (int, float)):
-        return np.float64(value)
-    return value
+_COMPILED: set = set()  # (kernel name, array module, device): CuPy's `compile` compiles again at each call
 
 
-_TABLES: dict = {}  # host table bytes -> (device table, blocks): a warm step's addresses are the same
+def _compile(kernel: Raw, place: tuple) -> None:
+    """Compile `kernel` for the device of `place` (array module, device, stream) now,
+    once, as CuPy does at its first launch."""
+    key = (kernel.name, *place[:2])
+    if key not in _COMPILED:
+        kernel.compiled(place[0]).compile()
+        _COMPILED.add(key)
+
+
+# The C types a fragment's parameter may have, and the NumPy type CuPy passes each as (a
+# scalar) or that the array of a pointer to it must hold.
+_C_TYPES = {"double": np.float64, "float": np.float32, "int": np.int32, "long long": np.int64}
+_PARAMETER = re.compile(r"(const\s+)?(double|float|int|long long)\s*(\*)?\s*\$\w+")
+
+
+@functools.lru_cache(maxsize=None)
+def _declared(fragment: Fragment) -> tuple[tuple[Any, bool, bool], ...]:
+    """Per parameter of `fragment`: (its NumPy type, whether a pointer, whether const)."""
+    declared = []
+    for param in filter(None, (p.strip() for p in fragment.params.split(","))):
+        match = _PARAMETER.fullmatch(param)
+        if match is None:
+            raise ValueError(f"fused fragment {fragment.name!r}: expected parameters of the types "
+                             f"{', '.join(_C_TYPES)} (or pointers to them) named $name, got {param!r}")
+        declared.append((_C_TYPES[match[2]], bool(match[3]), bool(match[1])))
+    return tuple(declared)
+
+
+def _arguments(step: FusedStep, xp: Any) -> list | None:
+    """`step`'s arguments as CuPy passes them to the fragment's parameters: a scalar in
+    its declared type; a pointer as a C-contiguous array of `xp` of its declared dtype (one
+    read only, another array converted; `NULL` as it is). None where an array written
+    through is not such an array (the launch falls back)."""
+    declared = _declared(step.fragment)
+    if len(declared) != len(step.arguments):
+        raise ValueError(f"fused fragment {step.fragment.name!r}: {len(declared)} parameters, "
+                         f"its step gave {len(step.arguments)} arguments")
+    out = []
+    for (kind, pointer, const), value in zip(declared, step.arguments):
+        if not pointer:
+            out.append(_scalar(step.fragment, kind, value))
+        elif isinstance(value, np.uint64) and value == NULL:
+            out.append(value)
+        elif module_of(value) is xp and value.dtype == kind and value.flags.c_contiguous:
+            out.append(value)
+        elif const:
+            converted = xp.asarray(value, dtype=kind)
+            out.append(converted if converted.flags.c_contiguous else converted.copy())
+        else:
+            return None
+    return out
+
+
+def _scalar(fragment: Fragment, kind: Any, value: Any) -> Any:
+    """`value` (a number, or a 0-d array) as a scalar argument of type `kind`."""
+    number = value.item() if hasattr(value, "item") else value
+    if not isinstance(number, (bool, int) if np.issubdtype(kind, np.integer) else (bool, int, float)):
+        raise TypeError(f"fused fragment {fragment.name!r}: expected a {np.dtype(kind).name} argument, got {value!r}")
+    return kind(number)
+
+
+_TABLES: dict = {}  # (place, host table bytes) -> (device table, blocks): a warm step's addresses are the same
 _KEPT_TABLES = 16
 
 
-def _table(xp: Any, rows: list) -> tuple[Any, int]:
+def _table(place: tuple, rows: list) -> tuple[Any, int]:
     """The device table of `rows` (per leaf: size, flags, pointers) followed by the
-    (leaf, start) of each block, and the number of blocks; uploaded once per content."""
+    (leaf, start) of each block, and the number of blocks; uploaded once per content and
+    `place` (array module, device, stream: a table lives on one device, and is ready
+    when its stream's upload is)."""
     chunks = [(leaf, start) for leaf, row in enumerate(rows) for start in range(0, row[0], CHUNK)]
     host = np.array([x for row in rows for x in row] + [x for c in chunks for x in c], dtype=np.int64)
-    key = (xp, host.tobytes())
+    key = (place, host.tobytes())
+    xp = place[0]
     found = _TABLES.get(key)
     if found is None:
         if len(_TABLES) >= _KEPT_TABLES:
@@ -205,14 +284,22 @@ def _header(dtype: np.dtype) -> str:
     return "#include <cuda_fp16.h>\n" + types + MUL_PREAMBLE
 
 
+_COMPOSED: dict = {}  # (fragments, dtype) -> kernel
+
+
 def composed(fragments: tuple[Fragment, ...], dtype: Any) -> Raw:
     """The kernel of `fragments` one after the other, for leaves of `dtype`: declared
-    (`luxnn.kernels.Raw`) on first use, under a name that says what it composes."""
+    (`luxnn.kernels.Raw`) on first use, under a name that says what it composes and ends
+    in a hash of its source, so that fragments of the same names and other code (a user's
+    fragment named as a built-in one) never run each other's kernel."""
     dtype = np.dtype(dtype)
-    name = f"luxnn_fused_{'_'.join(f.name for f in fragments)}_{dtype.name}"
-    kernel = KERNELS.get(name)
+    kernel = _COMPOSED.get((fragments, dtype))
     if kernel is None:
+        stem = f"luxnn_fused_{'_'.join(f.name for f in fragments)}_{dtype.name}"
+        digest = hashlib.sha256(composed_source(stem, fragments, dtype).encode()).hexdigest()[:12]
+        name = f"{stem}_{digest}"
         kernel = Raw(name, composed_source(name, fragments, dtype), twin=_composed_twin(fragments, dtype))
+        _COMPOSED[fragments, dtype] = kernel
     return kernel
 
 
@@ -283,7 +370,7 @@ def _composed_twin(fragments: tuple[Fragment, ...], dtype: Any) -> Callable[...,
     """`composed`'s kernel in NumPy, block by block through the table's pointers."""
     p_dtype, t_dtype = np.dtype(dtype), compute_dtype(dtype)
     width = 4 + sum(f.moments for f in fragments)
-    counts = [len(f.params.split(",")) * bool(f.params) + 2 * f.sums_squares for f in fragments]
+    counts = [len(_declared(f)) + 2 * f.sums_squares for f in fragments]
 
     def twin(table: np.ndarray, n_leaves: int, chunk: int, *arguments: Any) -> None:
         rows, chunks = _rows_and_chunks(table, n_leaves, width)
@@ -307,7 +394,10 @@ def _composed_twin(fragments: tuple[Fragment, ...], dtype: Any) -> Callable[...,
 
 
 # The squares of the gradients summed per block, in double, each block's threads striding
-# over its chunk and then halving (the twin sums in the same order: bit for bit).
+# over its chunk and then halving (the twin sums in the same order: bit for bit). The sum
+# is the first step's (a `sums_squares` fragment comes first): a leaf whose flag bit 0 is
+# clear (a `masked` clip that does not select it) adds nothing, as the CPU's inner
+# transformation does not see it.
 def _sum_of_squares_source(dtype: np.dtype) -> str:
     return _header(dtype) + f"""
 extern "C" __global__ void luxnn_sum_of_squares_{dtype.name}(const long long* table, const int n_leaves,
@@ -315,7 +405,7 @@ extern "C" __global__ void luxnn_sum_of_squares_{dtype.name}(const long long* ta
     __shared__ double sums[{BLOCK}];
     const long long* chunk_of = table + (long long)n_leaves * width + 2LL * blockIdx.x;
     const long long* leaf = table + chunk_of[0] * width;
-    const long long start = chunk_of[1], end = min(leaf[0], start + chunk);
+    const long long start = chunk_of[1], end = (leaf[1] & 1) ? min(leaf[0], start + chunk) : start;
     const P* const g = (const P*)leaf[2];
     double s = 0.0;
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {{
@@ -337,8 +427,9 @@ def _sum_of_squares_twin(dtype: np.dtype) -> Callable[..., None]:
     def twin(table: np.ndarray, n_leaves: int, width: int, chunk: int, partials: np.ndarray) -> None:
         rows, chunks = _rows_and_chunks(table, n_leaves, width)
         for block, (leaf, start) in enumerate(chunks):
-            n, g = int(rows[leaf][0]), int(rows[leaf][2])
-            x = _at(g, n, dtype)[start : min(n, start + chunk)].astype(compute_dtype(dtype)).astype(np.float64)
+            n, flags, g = (int(x) for x in rows[leaf][:3])
+            end = min(n, start + chunk) if flags & 1 else start
+            x = _at(g, n, dtype)[start:end].astype(compute_dtype(dtype)).astype(np.float64)
             threads = np.zeros(-(-x.size // BLOCK) * BLOCK)
             threads[: x.size] = x * x
             sums = np.add.reduce(threads.reshape(-1, BLOCK), axis=0) if x.size else np.zeros(BLOCK)

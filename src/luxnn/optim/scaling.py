@@ -89,8 +89,9 @@ class _ScaleBySchedule(FreshUpdates, OwnedUpdate, UpdateInto, FoldedFactor):
     def _factor(self, state: ScaleByScheduleState) -> Any:
         """The schedule's value at the state's count, checked. On a GPU the schedule runs
         on the host, at the count's host value (`host_count`): no launch, no read."""
-        factor = self.step_size_fn(host_count(state.count))
-        check_schedule_value("scale_by_schedule (a learning rate schedule)", factor, state.count)
+        count = host_count(state.count)
+        factor = self.step_size_fn(count)
+        check_schedule_value("scale_by_schedule (a learning rate schedule)", factor, count)
         return factor
 
 

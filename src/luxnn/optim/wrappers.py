@@ -24,8 +24,8 @@ from luxnn import tree
 from luxnn.backend import module_of
 
 from .arrays import (
-    Params, Updates, cast_like, map_arrays, module_of_tree, next_count, out_buffer, scalar_as, shaped_like, upcast,
-    zero_count, zeros_like_tree
+    Params, Updates, cast_like, host_count, map_arrays, module_of_tree, next_count, out_buffer, scalar_as, shaped_like,
+    upcast, zero_count, zeros_like_tree
 )  # fmt: skip
 from .base import (
     FusedUpdate, GradientTransformation, InPlace, Stateless, check_transformation, precheck, transformation,
@@ -336,6 +336,7 @@ class _MultiSteps(InPlace):
         `gradient_step` read on the host and checked to be an integer >= 1."""
         if not callable(self.every_k_schedule):
             return self.every_k_schedule
+        gradient_step = host_count(gradient_step)  # what the schedule gets on the CPU, not read from a GPU
         k = self.every_k_schedule(gradient_step)
         try:
             number = float(k)
@@ -489,8 +490,10 @@ class _Injected(InPlace):
         return self.factory(**self.static, **{k: float(v) for k, v in values.items()})
 
     def _scheduled(self, count: Any) -> dict:
-        xp = module_of(count)
-        return {k: xp.asarray(f(count), dtype=np.float64) for k, f in self.schedules.items()}
+        """The schedules' values at `count` (at its `host_count`, as on the CPU), as 0-d
+        float64 arrays of the count's module."""
+        xp, at = module_of(count), host_count(count)
+        return {k: xp.asarray(f(at), dtype=np.float64) for k, f in self.schedules.items()}
 
     def init(self, params: Params) -> InjectHyperparamsState:
         count, xp = zero_count(params), module_of_tree(params)
@@ -540,7 +543,7 @@ class _InjectHyperparams:
             else:
                 static[name] = value
         stage = _Injected(self.factory, static, numeric, schedules)
-        stage.inner({**numeric, **{k: f(0) for k, f in schedules.items()}})  # validates every argument now
+        stage.inner({**numeric, **stage._scheduled(np.zeros((), np.int64))})  # validates every argument now
         return transformation(stage)
 
 
