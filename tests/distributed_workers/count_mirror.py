@@ -1,6 +1,6 @@
 """The optimizers' step counts on a (simulated) GPU after a collective overwrote them:
 ``mpiexec -n 2 python -m mpi4py count_mirror.py``. Rank 0 has taken three steps, rank 1
-none; once `bcast_` or `synchronize` gave rank 1 rank 0's state, a schedule must run at
+none; once `bcast_`, `synchronize` or the backend's `bcast` gave rank 1 rank 0's state, a schedule must run at
 rank 0's count on both ranks (its host mirror of the count forgotten, not stale), so the
 next step leaves the same parameters on both. tests/sim_cupy.py stands in for CuPy.
 """
@@ -34,13 +34,17 @@ def problem():
 
 
 for name, make in {"sgd": lambda: optim.sgd(SCHEDULE, momentum=0.9), "adamw": lambda: optim.adamw(SCHEDULE)}.items():
-    for verb in ("bcast_", "synchronize"):
+    for verb in ("bcast_", "synchronize", "backend.bcast"):
         params, grads = problem()
         opt = make()
         state = opt.init(params)
         for _ in range(3 if backend.rank == 0 else 0):
             state = optim.update_and_apply_(opt, grads, state, params)
-        params, state = dist.bcast_(backend, (params, state)) if verb == "bcast_" else dist.synchronize(backend, (params, state))
+        if verb == "backend.bcast":  # array by array
+            for a in lx.tree.leaves((params, state)):
+                backend.bcast(a)
+        else:
+            params, state = getattr(dist, verb)(backend, (params, state))
         optim.update_and_apply_(opt, grads, state, params)
         mine = lx.cpu_device()(params)
         theirs = backend.bcast_object(mine, 0)

@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import parallel
 from ..backend import is_array
+from ..optim.arrays import overwritten
 
 __all__ = [
     "Backend", "MPIBackend", "CollectiveStats", "Pending", "CallMismatch", "OPS", "initialize", "describe",
@@ -216,18 +217,21 @@ class Backend:
     def allreduce(self, a: Any, op: str = "sum") -> None:
         """Reduce `a` (a NumPy or CuPy array) over the ranks with `op`; every rank gets the result."""
         _check_writeable("allreduce", a)
+        overwritten((a,))  # a step count's host value (optim.arrays.host_count), for one
         with self.call("allreduce", layout=describe([a], op)):
             self._collective("allreduce", a, op, None)
 
     def reduce(self, a: Any, op: str = "sum", root: int = 0) -> None:
         """Reduce `a` over the ranks into `root`'s `a`; the other ranks' arrays are unchanged."""
         _check_writeable("reduce", a)
+        overwritten((a,))  # a step count's host value (optim.arrays.host_count), for one
         with self.call("reduce", layout=describe([a], op, root)):
             self._collective("reduce", a, op, root)
 
     def bcast(self, a: Any, root: int = 0) -> None:
         """Overwrite `a` on every rank with `root`'s `a`."""
         _check_writeable("bcast", a)
+        overwritten((a,))  # a step count's host value (optim.arrays.host_count), for one
         with self.call("bcast", layout=describe([a], root=root)):
             self._collective("bcast", a, None, root)
 

@@ -18,7 +18,6 @@ import numpy as np
 
 from .. import tree
 from ..backend import is_array
-from ..optim.arrays import overwritten
 from .backend import OPS, Backend, check_backend, check_root, describe
 
 __all__ = ["bcast_", "allreduce_", "reduce_", "synchronize", "check_same_layout", "layout"]
@@ -29,8 +28,7 @@ def _where(path: str) -> str:
 
 
 def _arrays(what: str, x: Any) -> list[Any]:
-    """The arrays of `x`, which must all be writeable arrays, about to be written: a step
-    count of an optimizer among them has its host value forgotten (`optim.arrays.overwritten`)."""
+    """The arrays of `x`, which must all be writeable arrays, about to be written."""
     out = []
     for path, leaf in tree.paths(x):
         if not is_array(leaf):
@@ -38,7 +36,6 @@ def _arrays(what: str, x: Any) -> list[Any]:
         if isinstance(leaf, np.ndarray) and not leaf.flags.writeable:
             raise ValueError(f"{what}: the array at {_where(path)} is read-only, and {what} writes into it")
         out.append(leaf)
-    overwritten(out)
     return out
 
 
@@ -187,7 +184,6 @@ def synchronize(backend: Backend, x: Any, root: int = 0) -> Any:
     problem = None if read_only is None else f"the array at {_where(read_only)} is read-only, and synchronize writes into it"
     with backend.call("synchronize"):
         check_same_layout(backend, "synchronize", x, root, problem)
-        overwritten(x)  # a step count's host value, for one
         values = backend.bcast_object({i: leaf for i, (_, leaf) in enumerate(pairs) if _is_value(leaf)}, root)
         leaves = []
         for i, (_, leaf) in enumerate(pairs):
