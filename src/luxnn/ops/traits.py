@@ -34,8 +34,8 @@ def device_of_module(xp: ModuleType) -> str:
 
 class Area(dict):
     """One area's implementations by array type: ``area[type(x)]`` is the module for arrays
-    like `x`, imported the first time an array of that type comes; after that a dictionary
-    lookup, with no Python call on a primitive's path.
+    like `x`, found the first time an array of that type comes (NumPy's at once); after
+    that a dictionary lookup, with no Python call on a primitive's path.
 
     >>> Area("recurrent")[np.ndarray].__name__
     'luxnn.ops.cpu.recurrent'
@@ -44,6 +44,7 @@ class Area(dict):
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
+        self[np.ndarray] = importlib.import_module(f"luxnn.ops.cpu.{name}")  # loaded with the package: no first-call cost
 
     def __missing__(self, kind: type) -> ModuleType:
         found = self[kind] = importlib.import_module(
