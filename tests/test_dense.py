@@ -228,3 +228,11 @@ def test_an_input_that_is_not_an_array_is_named_in_the_error():
     ps, st = lx.setup(np.random.default_rng(0), model)
     with pytest.raises(lx.LayerError, match=r"layer_2: Dense\(4 => 2\): expected input of shape \(\.\.\., 4\), got a Padded of 2"):
         model(lx.Padded(np.ones((2, 5, 3), np.float32), [5, 3]), ps, st)
+
+
+def test_an_activation_changed_after_construction_is_the_one_applied():
+    layer = lx.Dense(3, 2, activation="relu")
+    ps, st = lx.setup(np.random.default_rng(0), layer)
+    x = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+    layer.activation = lx.ops.sigmoid
+    np.testing.assert_allclose(layer(x, ps, st)[0], scipy.special.expit(x @ ps["weight"] + ps["bias"]), rtol=1e-5)

@@ -47,3 +47,16 @@ def test_numpy_arrays_get_the_cpus_implementation_and_cupys_the_cuda_one(monkeyp
 
 def test_every_cpu_implementation_loads_with_the_package():
     assert sorted(cpu.__all__) == AREAS  # a new area is added to ops/cpu/__init__.py's imports
+
+
+def test_scalars_and_traced_reductions_take_the_cpus_implementation():
+    import luxnn as lx
+    from luxnn import ops
+
+    assert traits.implementation("activations", np.float64(1.0)).__name__ == "luxnn.ops.cpu.activations"
+    assert float(ops.relu(ops.relu(np.array(-2.0)))) == 0.0  # relu of a 0-d array is a NumPy scalar
+    value, grad = lx.value_and_grad(lambda x: ops.sigmoid((x * x).mean()))(np.array([1.0, 2.0]))
+    s = 1 / (1 + np.exp(-2.5))
+    np.testing.assert_allclose(grad, s * (1 - s) * np.array([1.0, 2.0]))
+    mean, var = lx.value_and_grad(lambda x: ops.moments(x, 0)[1].sum())(np.array([1.0, 3.0]))
+    assert float(mean) == 1.0 and grad.shape == (2,)

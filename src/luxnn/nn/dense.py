@@ -44,7 +44,6 @@ class Dense(Layer):
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.activation = get_activation(activation)
-        self._fused = ops.fused_name(self.activation)  # resolved once: dense's kernels by name
         self.use_bias = use_bias
         bound = 1.0 / math.sqrt(self.in_features)
         self.init_weight = init_weight or initializers.kaiming_uniform()
@@ -66,10 +65,7 @@ class Dense(Layer):
             raise LayerError(f"{self}: expected input of shape (..., {self.in_features}), got {input_shape(x)}")
         check_params(self, ps, self._shapes)
         x = match_eltype(self, x, ps["weight"])
-        y = ops.fused_dense(x, ps["weight"], ps.get("bias"), activation=self._fused)
-        if self.activation is not None and self._fused is None:
-            y = self.activation(y)
-        return y, st
+        return ops.dense(x, ps["weight"], ps.get("bias"), activation=self.activation), st
 
     def __repr__(self) -> str:
         act = "" if self.activation is None else f", {getattr(self.activation, '__name__', self.activation)}"

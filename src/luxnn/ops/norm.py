@@ -17,6 +17,7 @@ import numpy as np
 from numpy.lib.array_utils import normalize_axis_tuple
 
 from ..ad.tape import primitive
+from ..backend import is_array
 from .traits import Area
 
 __all__ = [
@@ -35,13 +36,19 @@ def _axes(axis: int | tuple[int, ...], ndim: int) -> tuple[int, ...]:
 
 
 def moments(x: Any, axis: int | tuple[int, ...]) -> tuple[Any, Any]:
-    """Mean and biased variance of the raw array `x` over `axis`, with kept dimensions.
+    """Mean and biased variance of `x` over `axis`, with kept dimensions: the device's
+    kernel for an array, the array API's differentiable passes for a traced value.
 
     >>> m, v = moments(np.array([[1.0, 3.0]]), axis=1)
     >>> m.tolist(), v.tolist()
     ([[2.0]], [[1.0]])
     """
-    return _kernels(x).moments(x, _axes(axis, x.ndim))
+    axes = _axes(axis, x.ndim)
+    if not is_array(x):
+        mean = x.mean(axis=axes, keepdims=True)
+        centred = x - mean
+        return mean, (centred * centred).mean(axis=axes, keepdims=True)
+    return _kernels(x).moments(x, axes)
 
 
 @primitive

@@ -47,6 +47,9 @@ class Area(dict):
         self[np.ndarray] = importlib.import_module(f"luxnn.ops.cpu.{name}")  # loaded with the package: no first-call cost
 
     def __missing__(self, kind: type) -> ModuleType:
+        if issubclass(kind, (np.generic, int, float, complex)):  # a scalar: a reduction's result
+            found = self[kind] = self[np.ndarray]
+            return found
         found = self[kind] = importlib.import_module(
             f"luxnn.ops.{device_of_module(array_module_of_type(kind))}.{self.name}"
         )
