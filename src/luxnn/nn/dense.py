@@ -65,7 +65,11 @@ class Dense(Layer):
             raise LayerError(f"{self}: expected input of shape (..., {self.in_features}), got {input_shape(x)}")
         check_params(self, ps, self._shapes)
         x = match_eltype(self, x, ps["weight"])
-        return ops.dense(x, ps["weight"], ps.get("bias"), activation=self.activation), st
+        fused = ops.fused_name(self.activation)  # what `ops.dense` does, without its call
+        y = ops.fused_dense(x, ps["weight"], ps.get("bias"), activation=fused)
+        if fused is None and self.activation is not None:
+            y = self.activation(y)
+        return y, st
 
     def __repr__(self) -> str:
         act = "" if self.activation is None else f", {getattr(self.activation, '__name__', self.activation)}"
