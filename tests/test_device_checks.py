@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -17,6 +18,7 @@ from luxnn.ops import device_checks
 from luxnn.ops.cuda import cross_entropy as cuda_cross_entropy
 
 import sim_cupy
+from test_distributed import needs_mpi, run_workers
 
 
 @pytest.fixture
@@ -107,3 +109,25 @@ def test_a_checkpoint_is_not_written_while_a_bad_label_waits_to_be_reported(sim_
         lx.save(tmp_path / "ts.safetensors", {"w": np.ones(2)})
     assert list(tmp_path.iterdir()) == []
     lx.save(tmp_path / "ts.safetensors", {"w": np.ones(2)})  # reported once: the next save writes
+
+
+@needs_mpi
+def test_a_distributed_save_refuses_on_every_rank_a_bad_label_one_rank_found(tmp_path):
+    done = run_workers("save_device_checks.py", str(tmp_path), timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert all(f"rank {r}: PASS save refuses" in done.stdout for r in (0, 1)), done.stdout[-3000:]
+
+
+def test_a_bad_label_in_the_last_call_is_reported_at_exit(tmp_path):
+    script = tmp_path / "last_batch.py"
+    script.write_text(
+        "import sys; sys.path.insert(0, %r)\n"
+        "import numpy as np, sim_cupy; sys.modules['cupy'] = sim_cupy\n"
+        "import luxnn as lx\n"
+        "gpu = lx.gpu_device(force=True)\n"
+        "print(float(lx.losses.CrossEntropyLoss()(gpu(np.zeros((2, 3))), gpu(np.array([0, 9])))))\n"
+        % os.path.dirname(os.path.abspath(__file__))
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "nan", done.stderr[-2000:]
+    assert "RuntimeWarning: luxnn: at exit, CrossEntropyLoss: labels must lie in [0, 3)" in done.stderr, done.stderr[-2000:]

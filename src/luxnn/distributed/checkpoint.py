@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from ..checkpoint import save as save_checkpoint
+from ..ops import device_checks
 from .backend import Backend, check_backend, check_root
 
 __all__ = ["save"]
@@ -18,7 +19,10 @@ __all__ = ["save"]
 
 def save(backend: Backend, path: str | os.PathLike, ts: Any, *, root: int = 0) -> None:
     """Rank `root` writes `ts` to `path` (`luxnn.save`); every rank returns once the file
-    is complete, or raises `RuntimeError` with `root`'s error if writing failed.
+    is complete, or raises `RuntimeError` with `root`'s error if writing failed. A bad
+    input a GPU's kernels found on any rank and no call reported yet
+    (`luxnn.ops.device_checks`) raises `ValueError` on every rank, naming it, before
+    anything is written: the allreduced parameters carry it to every rank.
 
     >>> dist.save(backend, "ckpt.safetensors", ts)  # doctest: +SKIP
     >>> ts = lx.load("ckpt.safetensors", like=ts)  # doctest: +SKIP
@@ -29,6 +33,10 @@ def save(backend: Backend, path: str | os.PathLike, ts: Any, *, root: int = 0) -
     # A call of every rank: on rank `root` alone it would meet another call of the others
     # (`CallMismatch` on every rank) rather than leave them a message to take for theirs.
     with backend.call("save"):
+        found = [(rank, problem) for rank, problem in enumerate(backend.allgather_object(_unreported())) if problem]
+        if found:
+            rank, problem = found[0]
+            raise ValueError(f"save: nothing written: rank {rank}'s device found {problem}")
         if backend.rank == root:
             try:
                 save_checkpoint(path, ts)
@@ -38,3 +46,12 @@ def save(backend: Backend, path: str | os.PathLike, ts: Any, *, root: int = 0) -
         error = backend.bcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", root)
     if error is not None:
         raise RuntimeError(f"save: rank {root} could not write {os.fspath(path)}: {error}") from failure
+
+
+def _unreported() -> str | None:
+    """The first bad input this rank's device found and no call reported, or None."""
+    try:
+        device_checks.check_now()
+    except ValueError as err:
+        return str(err)
+    return None

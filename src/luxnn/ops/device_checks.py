@@ -22,6 +22,7 @@ import atexit
 import collections
 import os
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
 
@@ -120,8 +121,16 @@ def check_now() -> None:
         checks.wait_and_raise()
 
 
-def _drop_pending() -> None:
-    # The last flags, unread, are dropped while the allocator that served them lives.
+def _report_at_exit() -> None:
+    # The last calls' flags: read, so that a bad label in the last batch is not lost (a
+    # warning: an exit cannot raise), then dropped while the allocator that served them
+    # lives. A device already gone leaves them unread.
+    try:
+        check_now()
+    except ValueError as err:
+        warnings.warn(f"luxnn: at exit, {err}", RuntimeWarning, stacklevel=1)
+    except Exception:  # noqa: BLE001 - the CUDA context may be gone at exit
+        pass
     for checks in list(_EVERY):
         checks._pending.clear()
 
@@ -133,7 +142,7 @@ def _forget_in_child() -> None:
         checks._reset()
 
 
-atexit.register(_drop_pending)
+atexit.register(_report_at_exit)
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
