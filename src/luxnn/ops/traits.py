@@ -10,9 +10,9 @@ and one implementation of those kernels per device, with the same functions (the
 - ``ops/cuda/<area>.py`` for CuPy arrays: whole-batch kernels, luxnn's CUDA kernels
   (`luxnn.kernels`), few launches, nothing cut by the host's cores.
 
-A primitive's module holds one `Area` per area it uses (``CONV = Area("conv")``) and picks
-the implementation once per call as ``CONV[type(x)]``: a dictionary lookup (the CUDA
-modules import CuPy only when a CuPy array comes).
+A primitive's module holds one `Area` per area it uses (``_CONV = Area("conv")``) and
+picks the implementation once per call as ``_CONV[type(x)]``: a dictionary lookup (the
+CUDA modules import CuPy only when a CuPy array comes).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 from ..backend import array_module_of_type
 
 __all__ = ["Area", "implementation", "device_of_module"]
+
 
 def device_of_module(xp: ModuleType) -> str:
     """``"cpu"`` for NumPy, ``"cuda"`` for CuPy: the implementations' package."""
@@ -44,7 +45,7 @@ class Area(dict):
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
-        self[np.ndarray] = importlib.import_module(f"luxnn.ops.cpu.{name}")  # loaded with the package: no first-call cost
+        self[np.ndarray] = importlib.import_module(f"luxnn.ops.cpu.{name}")  # loaded with the package
 
     def __missing__(self, kind: type) -> ModuleType:
         if issubclass(kind, (np.generic, int, float, complex)):  # a scalar: a reduction's result
