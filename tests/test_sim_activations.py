@@ -351,3 +351,12 @@ def test_row_kernels_on_the_gpu_match_the_cpu(case, dtype, gpu):
             (y_gpu, (gx_gpu,), _, _) = _forward_and_grad(fn, [x], g, gpu)
         _close(y_gpu, y, dtype)
         _close(gx_gpu, gx, dtype)
+
+
+def test_a_float16_dense_layer_with_a_float32_bias_stays_float16_as_on_the_cpu(sim_gpu):
+    x, w, b = np.ones((2, 3), np.float16), np.ones((3, 4), np.float16), np.full(4, 0.5, np.float32)
+    for activation in (None, ops.relu, ops.gelu):
+        want = ops.dense(x, w, b, activation=activation)
+        got = ops.dense(sim_gpu(x), sim_gpu(w), sim_gpu(b), activation=activation)
+        assert want.dtype == got.dtype == np.float16
+        np.testing.assert_allclose(got.get(), want, rtol=1e-3)

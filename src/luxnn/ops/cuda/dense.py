@@ -77,8 +77,10 @@ def bias_activation(y, b, activation):
 
 def forward(rows, w, b, activation):
     """``(activation(rows @ w + b), residual)`` for rows ``(n, k)``, w ``(k, m)``, b
-    ``(m,)`` or None: one GEMM, then `bias_activation`."""
-    return bias_activation(rows @ w, b, activation)
+    ``(m,)`` or None: one GEMM, then `bias_activation`; in the GEMM's dtype, as the CPU
+    adds the bias in place."""
+    y = rows @ w
+    return bias_activation(y, None if b is None else b.astype(y.dtype, copy=False), activation)
 
 
 def backward(g, rows, w, residual, activation, need_x, need_w, need_b):
