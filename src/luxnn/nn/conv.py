@@ -11,7 +11,8 @@ from .. import init as initializers
 from ..core import check_params, input_shape, Layer, LayerError
 from ..dtypes import match_eltype
 from ..ops.activations import relu
-from ..ops.conv import Pairs, conv, conv_output_size, conv_transpose
+from ..ops.conv import conv, conv_transpose
+from ..ops.geometry import Pairs, conv_output_size
 from .activations import get_activation
 
 __all__ = ["Conv", "ConvTranspose"]

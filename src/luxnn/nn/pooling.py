@@ -7,7 +7,7 @@ from typing import Any
 
 from ..ad import array_namespace
 from ..core import input_shape, Layer, LayerError
-from ..ops.conv import conv_output_size
+from ..ops.geometry import conv_output_size
 from ..ops.pool import adaptive_avg_pool, adaptive_max_pool, avg_pool, max_pool
 from .conv import PaddingSpec, check_input, format_padding, padding_spec, same_padding, spatial_tuple, window_tuple
 

@@ -4,7 +4,7 @@ has its kernels (`luxnn.ops.cpu.cross_entropy`, `luxnn.ops.cuda.cross_entropy`).
 
 from __future__ import annotations
 
-import numpy as np
+import numpy as np  # noqa: F401  (the docstrings' examples)
 
 from ..ad.tape import primitive
 from .traits import Area
@@ -14,8 +14,6 @@ __all__ = ["softmax_cross_entropy", "nll_loss"]
 _CROSS_ENTROPY = Area("cross_entropy")
 
 REDUCTIONS = ("none", "mean", "sum")
-NO_COUNT = ("{owner}: no target counts towards the mean (every label ignored or of weight 0); use reduction='sum' "
-            "for a batch that may have none")
 
 
 @primitive

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+import numpy as np  # noqa: F401  (the docstrings' examples)
 
 from ..ad.tape import primitive
 from .traits import Area

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+import numpy as np  # noqa: F401  (the docstrings' examples)
 from numpy.lib.array_utils import normalize_axis_tuple
 
 from ..ad.tape import primitive

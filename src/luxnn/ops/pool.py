@@ -6,7 +6,7 @@
   padding (PyTorch's ``count_include_pad=True`` default); ``count_include_pad=False``
   divides by the number of real elements in each window instead.
 - `adaptive_avg_pool` and `adaptive_max_pool` pool to a given output size with PyTorch's
-  bins (`adaptive_bins`).
+  bins (`luxnn.ops.geometry.adaptive_bins`).
 
 This module is the device-neutral part (the configuration and the VJP wiring); the work
 runs in the implementation of the arrays' device (`luxnn.ops.traits`), ``ops/cpu/pool.py``
@@ -24,10 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..ad.tape import primitive
-from .conv import per_axis, per_side
+from .geometry import per_axis, per_side
 from .traits import Area
 
-__all__ = ["max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool", "adaptive_bins"]
+__all__ = ["max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool"]
 
 _POOL = Area("pool")
 
@@ -64,17 +64,6 @@ def _pool(x, *, kind, config):
         return (getattr(device, f"{kind}_backward")(g, residual, shape, *config),)
 
     return y, vjp
-
-
-def adaptive_bins(size: int, out: int) -> tuple[tuple[int, int], ...]:
-    """PyTorch's adaptive pooling windows ``[floor(i * size / out), ceil((i + 1) * size / out))``
-    for ``i < out``: they cover the axis, neighbours overlapping when `out` does not divide
-    `size`.
-
-    >>> adaptive_bins(5, 3)
-    ((0, 2), (1, 4), (3, 5))
-    """
-    return tuple((i * size // out, -(-(i + 1) * size // out)) for i in range(out))
 
 
 def _adaptive_config(x: Any, out_size: Any, owner: str) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ...parallel import cut, for_blocks, matmul, num_threads
-from ..conv import Pairs, by_group, crop_spatial, grouped_kernel, pad_spatial, window_slices
+from ..geometry import Pairs, by_group, crop_spatial, grouped_kernel, pad_spatial, window_slices
 
 __all__ = ["conv_forward", "conv_backward", "conv_transpose_forward", "conv_transpose_backward"]
 

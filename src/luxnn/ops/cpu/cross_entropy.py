@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cross_entropy import NO_COUNT
-
 __all__ = ["softmax_cross_entropy", "nll_loss"]
 
+# The message of a mean over no counted target, on every device.
+NO_COUNT = ("{owner}: no target counts towards the mean (every label ignored or of weight 0); use reduction='sum' "
+            "for a batch that may have none")
 
 
 def _check_labels(labels, k, ignore_index, owner):

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...parallel import for_blocks
-from ..conv import Pairs, conv_output_size, crop_spatial, pad_spatial, window_slices
-from ..pool import adaptive_bins
+from ..geometry import Pairs, adaptive_bins, conv_output_size, crop_spatial, pad_spatial, window_slices
 
 __all__ = [
     "max_pool_forward", "max_pool_backward", "avg_pool_forward", "avg_pool_backward", "adaptive_avg_pool_forward",

@@ -30,7 +30,7 @@ import numpy as np
 
 from ...backend import module_of
 from ...kernels import Elementwise
-from ..conv import grouped_kernel, window_slices
+from ..geometry import grouped_kernel, window_slices
 
 __all__ = ["conv_forward", "conv_backward", "conv_transpose_forward", "conv_transpose_backward"]
 

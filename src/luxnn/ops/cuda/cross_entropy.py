@@ -15,7 +15,7 @@ import numpy as np
 from ...backend import module_of
 from ...kernels import Elementwise
 from ..block_kernels import per_dtype
-from ..cross_entropy import NO_COUNT
+from ..cpu.cross_entropy import NO_COUNT
 from ..device_checks import DeferredChecks, outside
 
 __all__ = ["softmax_cross_entropy", "nll_loss"]

@@ -11,14 +11,13 @@ axes; inputs of one or two get leading axes of size one.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from ...backend import module_of
 from ...kernels import Elementwise
-from ..pool import adaptive_bins
+from ..geometry import adaptive_bins
 from .conv import split_index
 
 __all__ = [
