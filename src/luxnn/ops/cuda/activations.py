@@ -117,14 +117,19 @@ def half_kept(compute):
     @functools.wraps(compute)
     def kept(*args, **kwargs):
         results = compute(*args, **kwargs)
-        dtypes = [a.dtype for a in args if hasattr(a, "dtype") and hasattr(a, "shape")]
-        if not dtypes or np.result_type(*dtypes) != np.float16:
+        # A dtype comparison per argument on every launch; NumPy's promotion only for float16.
+        if not any(getattr(a, "dtype", None) == _HALF for a in args):
+            return results
+        if np.result_type(*(a.dtype for a in args if hasattr(a, "dtype") and hasattr(a, "shape"))) != _HALF:
             return results
         if isinstance(results, tuple):
             return tuple(_half(r) for r in results)
         return _half(results)
 
     return kept
+
+
+_HALF = np.dtype(np.float16)
 
 
 def _half(result):
