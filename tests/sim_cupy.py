@@ -81,6 +81,14 @@ def _launch(kind: str, name: str) -> None:
     launches[kind, name] += 1
 
 
+def launch(kind: str, name: str, work: Callable[[], None]) -> None:
+    """One launch of `kind` and `name` (counted in `launches`) that computes `work()`: a
+    function that writes its results into device memory already allocated (for the
+    simulated libraries beside this module, e.g. a GEMM of another library's)."""
+    work()
+    _launch(kind, name)
+
+
 @contextlib.contextmanager
 def counting() -> Iterator[collections.Counter]:
     """The launches made inside the block, by kind (``counts["kernel"]``) and by
