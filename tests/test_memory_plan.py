@@ -796,3 +796,29 @@ def test_a_plan_over_the_budget_is_made_in_the_warm_up_as_the_pools_would_hold_m
     allocs, plans, reserved_per_live = _random_step_loop(seed)
     assert plans == 1 and allocs[3:] == [0] * 9, allocs
     assert reserved_per_live <= memory.plan.SHAPES_BUDGET
+
+
+def _ranges(*arrays: np.ndarray) -> tuple[bytes, bytes]:
+    return (np.array([a.ctypes.data for a in arrays], np.int64).tobytes(),
+            np.array([a.nbytes for a in arrays], np.int64).tobytes())
+
+
+def test_arena_free_says_whether_ranges_lie_in_the_plans_arena_with_no_live_byte():
+    cache = memory.AllocCache()
+    assert not cache.arena_free(*_ranges(np.ones(4)))  # no plan, no arena
+    result = np.full(128 * KiB, 4.0)
+    for step in range(6):
+        with memory.step(cache):
+            temporary = result * 0.5
+            kept, result = temporary + step, temporary * 2.0
+            del temporary
+    assert cache.stats().plans == 1
+    assert not cache.arena_free(*_ranges(kept))  # alive: a replay may not write there
+    assert not cache.arena_free(*_ranges(np.ones(128 * KiB)))  # outside the arena
+    where = _ranges(kept)
+    del kept
+    assert cache.arena_free(*where)  # its bytes free again
+    assert not cache.arena_free(*where[:1], np.array([1 << 40], np.int64).tobytes())  # past the arena's end
+    with pytest.raises(ValueError, match="one length"):
+        cache.arena_free(*where[:1], b"")
+    cache._core.audit()

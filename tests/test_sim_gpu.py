@@ -166,7 +166,7 @@ def _train(make, device, cache, steps: int = STEPS) -> tuple[list[float], Any, l
     ps = lx.tree.map(lambda a: a.astype(np.float64) if a.dtype == np.float32 else a, ps)
     x = rng.standard_normal(x) if isinstance(x, tuple) else x
     batch = device((x, rng.integers(0, 5, x.shape[0])))
-    ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-2), allocator_cache=cache)
+    ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-2), allocator_cache=cache, graphs=False)  # eager launches
     ad, loss_fn = lx.AutoTape(), lx.losses.CrossEntropyLoss()
     losses, allocs, launches = [], [], []
     for _ in range(steps):

@@ -19,6 +19,8 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from . import capturing
+
 __all__ = ["child_generator", "fork_generator", "draw"]
 
 T = TypeVar("T")
@@ -58,5 +60,6 @@ def draw(rng: Any, fn: Callable[[np.random.Generator], T]) -> tuple[T, Any]:
     >>> bool((a == b).all()), bool((a == c).all())
     (True, False)
     """
+    capturing.host_value("a draw from a layer's random generator (such as Dropout's mask seed)")
     g = fork_generator(rng)
     return fn(g), g

@@ -17,14 +17,16 @@ because a block is reused only after its last array dies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from . import optim, tree
+from . import graphs, optim, tree
 from .ad import AutoTape, Traced, value_and_grad
+from .backend import module_of
 from .core import Layer, describe
-from .devices import check_same_device
+from .devices import CUDADevice, check_same_device
 from .memory import cached, get_allocator_cache, step
 from .optim.checks import check_gradients
 
@@ -45,6 +47,11 @@ class TrainState:
     ``TrainState(model, parameters, states, optimizer)`` initialises the optimizer state,
     starts at step 0 and picks the allocator cache for the parameters' device
     (`luxnn.get_allocator_cache`); pass ``allocator_cache=`` your own `AllocCache` or None.
+
+    On a CUDA device with an allocator cache, ``graphs=True`` (the default) replays a warm
+    fixed-shape loop of `single_train_step_` as CUDA graphs (`luxnn.graphs`; the verbs then
+    run on a stream of the state's, which its cache serves); ``graphs=False`` runs every
+    step eagerly. On the CPU it changes nothing.
 
     `step` counts the gradients applied (calls of `apply_gradients` and of the
     ``single_train_step`` verbs). Under `luxnn.optim.MultiSteps` the optimizer updates
@@ -77,6 +84,7 @@ class TrainState:
         optimizer_state: Any = None,
         step: int = 0,
         allocator_cache: Any = _DEFAULT,
+        graphs: bool = True,
     ) -> None:
         if not isinstance(model, Layer):
             raise TypeError(f"TrainState: expected a luxnn Layer as model, got {type(model).__name__}")
@@ -86,10 +94,13 @@ class TrainState:
             from .devices import get_device
 
             allocator_cache = get_allocator_cache(get_device(parameters))
+        if not isinstance(graphs, bool):
+            raise TypeError(f"TrainState: graphs must be True or False, got {graphs!r}")
+        runner = _graph_runner(parameters, allocator_cache) if graphs else None
         if optimizer_state is None:
             # Made in the cache, so that the first update's replacement of it is the last
             # one that reaches upstream: from the second step on, blocks alternate.
-            with cached(allocator_cache):
+            with runner.on_stream() if runner is not None else contextlib.nullcontext(), cached(allocator_cache):
                 optimizer_state = optimizer.init(parameters)
         fields = {
             "model": model,
@@ -102,7 +113,7 @@ class TrainState:
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
-        self.__dict__.update(_lineage=_Lineage(), _version=0)
+        self.__dict__.update(_lineage=_Lineage(), _version=0, _graphs=runner)
 
     def replace(self, **changes: Any) -> "TrainState":
         """A copy with some fields changed (no re-validation: it runs every step). It
@@ -134,6 +145,8 @@ class TrainState:
             optimizer_state=device(self.optimizer_state),
             allocator_cache=get_allocator_cache(device) if self.allocator_cache is not None else None,
         )
+        if self._graphs is not None:
+            moved.__dict__["_graphs"] = _graph_runner(moved.parameters, moved.allocator_cache)
         if any(map(operator.is_, tree.leaves(moved.parameters)[:1], tree.leaves(self.parameters)[:1])):
             moved.__dict__.update(_lineage=self._lineage, _version=self._version)
         return moved
@@ -142,15 +155,26 @@ class TrainState:
     # blocks belong to this process and this state): the pickled form says only whether
     # there was one, and the copy gets a fresh cache for its parameters' device, as
     # `to_device` does.
+    # The graph runner likewise: its graphs and stream are this process's; the pickled form
+    # says whether there was one.
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "allocator_cache": self.allocator_cache is not None}
+        return {**self.__dict__, "allocator_cache": self.allocator_cache is not None,
+                "_graphs": self.__dict__.get("_graphs") is not None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         from .devices import get_device
 
         cache = get_allocator_cache(get_device(state["parameters"])) if state["allocator_cache"] else None
         self.__dict__.update(_lineage=_Lineage(), _version=0)  # for a pickled state that carries none
-        self.__dict__.update(state, allocator_cache=cache)
+        runner = _graph_runner(state["parameters"], cache) if state.get("_graphs", True) else None
+        self.__dict__.update(state, allocator_cache=cache, _graphs=runner)
+
+    @property
+    def graph_runner(self) -> "graphs.Runner | None":
+        """The runner that captures and replays this state's `single_train_step_` as CUDA
+        graphs (`luxnn.graphs`), shared by the states made from it; None on the CPU, with
+        ``graphs=False`` or without an allocator cache."""
+        return self.__dict__.get("_graphs")
 
     def __repr__(self) -> str:
         from .core import parameter_count
@@ -162,6 +186,14 @@ class TrainState:
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainState))
+
+
+def _graph_runner(parameters: Any, cache: Any) -> "graphs.Runner | None":
+    """A graph runner for a training state of `parameters` served by `cache`: on a CUDA
+    device with an allocator cache, else None."""
+    if cache is None or not isinstance(cache.device, CUDADevice):
+        return None
+    return graphs.Runner(module_of(tree.leaves(parameters)[0]), cache)
 
 
 class _Lineage:
@@ -197,7 +229,14 @@ def _check_ad(ad: Any) -> None:
 # The verbs below enter the cache once, in a scope that marks the training step: a
 # compute_gradients begins one, the apply_gradients after it ends it, and the
 # single_train_step variants are one (a scope costs a few microseconds, and counts towards
-# eviction).
+# eviction). With a graph runner, on its stream: the one its cache serves.
+
+
+@contextlib.contextmanager
+def _in_step(ts: TrainState, **ends: bool) -> Iterator[None]:
+    runner = ts.graph_runner
+    with runner.on_stream() if runner is not None else contextlib.nullcontext(), step(ts.allocator_cache, **ends):
+        yield
 
 
 def _compute_gradients(objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
@@ -270,14 +309,31 @@ def _apply_gradients(ts: TrainState, grads: Any, who: str | None) -> TrainState:
     """The optimizer's update of `ts` with `grads`: pure, or in place when `who` (the
     verb) is given, which consumes `ts`."""
     if who is not None:
-        opt_state = optim.update_and_apply_(ts.optimizer, grads, ts.optimizer_state, ts.parameters)
-        new = ts.replace(optimizer_state=opt_state, step=ts.step + 1)
-        new.__dict__["_version"] = ts._lineage.advance(who, ts.step)
+        new = _update_in_place(ts, grads)
+        _consume(new, ts, who)
         return new
     check_gradients("apply_gradients", ts.parameters, grads)
     updates, opt_state = ts.optimizer.update(grads, ts.optimizer_state, ts.parameters)
     return ts.replace(parameters=optim.apply_updates(ts.parameters, updates), optimizer_state=opt_state,
                       step=ts.step + 1)
+
+
+def _update_in_place(ts: TrainState, grads: Any) -> TrainState:
+    """The in-place update's new state, not yet consuming `ts` (`_consume`)."""
+    opt_state = optim.update_and_apply_(ts.optimizer, grads, ts.optimizer_state, ts.parameters)
+    return ts.replace(optimizer_state=opt_state, step=ts.step + 1)
+
+
+def _consume(new: TrainState, ts: TrainState, who: str) -> Callable[[], None]:
+    """Marks `ts` (and its copies) consumed by `who`, `new` the state to use; returns the
+    function that takes it back, for a step that was not done after all."""
+    lineage, before = ts._lineage, (ts._lineage.updates, ts._lineage.last)
+    new.__dict__["_version"] = lineage.advance(who, ts.step)
+
+    def undo() -> None:
+        lineage.updates, lineage.last = before
+
+    return undo
 
 
 def compute_gradients(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
@@ -287,7 +343,7 @@ def compute_gradients(ad: AutoTape, objective: Objective, data: Any, ts: TrainSt
     """
     _check_ad(ad)
     _check_not_consumed(ts, "compute_gradients")
-    with step(ts.allocator_cache, ends=False):
+    with _in_step(ts, ends=False):
         return _compute_gradients(objective, data, ts)
 
 
@@ -296,7 +352,7 @@ def apply_gradients(ts: TrainState, grads: Any) -> TrainState:
     and optimizer-state arrays (optax's pure update: `ts` is left untouched and stays
     valid, e.g. for a retried step)."""
     _check_not_consumed(ts, "apply_gradients")
-    with step(ts.allocator_cache, begins=False):
+    with _in_step(ts, begins=False):
         return _apply_gradients(ts, grads, None)
 
 
@@ -312,7 +368,7 @@ def apply_gradients_(ts: TrainState, grads: Any) -> TrainState:
     share memory, an optimizer state or hyperparameter the optimizer refuses) raises
     `ValueError` before anything is written."""
     _check_not_consumed(ts, "apply_gradients_")
-    with step(ts.allocator_cache, begins=False):
+    with _in_step(ts, begins=False):
         return _apply_gradients(ts, grads, "apply_gradients_")
 
 
@@ -320,7 +376,7 @@ def single_train_step(ad: AutoTape, objective: Objective, data: Any, ts: TrainSt
     """`compute_gradients` then `apply_gradients`: ``(grads, loss, stats, ts)``."""
     _check_ad(ad)
     _check_not_consumed(ts, "single_train_step")
-    with step(ts.allocator_cache):
+    with _in_step(ts):
         grads, loss, stats, ts = _compute_gradients(objective, data, ts)
         return grads, loss, stats, _apply_gradients(ts, grads, None)
 
@@ -330,6 +386,16 @@ def single_train_step_(ad: AutoTape, objective: Objective, data: Any, ts: TrainS
     in place, `ts` consumed (see `apply_gradients_`)."""
     _check_ad(ad)
     _check_not_consumed(ts, "single_train_step_")
+
+    def work(batch: Any) -> tuple[Any, Any, Any, TrainState]:
+        grads, loss, stats, new = _compute_gradients(objective, batch, ts)
+        return grads, loss, stats, _update_in_place(new, grads)
+
+    runner = ts.graph_runner
+    if runner is not None:
+        check_same_device("single_train_step_", ts.parameters, data, "parameters", "data")
+        return runner.step(ad, objective, data, ts, work, lambda new, old: _consume(new, old, "single_train_step_"))
     with step(ts.allocator_cache):
-        grads, loss, stats, ts = _compute_gradients(objective, data, ts)
-        return grads, loss, stats, _apply_gradients(ts, grads, "single_train_step_")
+        grads, loss, stats, new = work(data)
+    _consume(new, ts, "single_train_step_")
+    return grads, loss, stats, new

@@ -336,6 +336,17 @@ class AllocCache:
         """The training step that began last ends (`luxnn.memory.step` does this)."""
         self._core.step_end()
 
+    def arena_free(self, ptrs: bytes, sizes: bytes) -> bool:
+        """Whether every range ``[ptr, ptr + size)`` lies in the arena of the cache's step
+        plans and holds no live array's byte; if so the arena counts as used, as by the
+        planned step that a replayed CUDA graph stands for (`luxnn.graphs` asks before a
+        replay writes there). `ptrs`, `sizes`: native int64 buffers of one length.
+
+        >>> AllocCache().arena_free(b"", b"")   # no plan yet, so no arena
+        False
+        """
+        return self._core.arena_ranges_free(ptrs, sizes)
+
     def stats(self) -> CacheStats:
         """The cache's figures now (see `CacheStats`).
 

@@ -26,6 +26,8 @@ import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
 
+from .. import capturing
+
 __all__ = ["DeferredChecks", "check_now", "outside"]
 
 # A report: ``report(values, when)`` raises if the flag's values say so; `when` names the
@@ -61,7 +63,11 @@ class DeferredChecks:
 
     def add(self, xp: Any, flag: Any, report: Report, owner: str) -> None:
         """Registers `flag` (a device array written by the kernels just launched for a call
-        of `owner`); ``report(values, when)`` raises if its values say so."""
+        of `owner`); ``report(values, when)`` raises if its values say so. While a step is
+        captured (`luxnn.capturing`), it is registered after each launch of the graph
+        instead: an event recorded in a capture could not be queried."""
+        if capturing.after_launch(lambda: self.add(xp, flag, report, owner), flag):
+            return
         event = xp.cuda.Event(disable_timing=True)
         event.record()
         with self._lock:
@@ -71,7 +77,8 @@ class DeferredChecks:
     def raise_found(self, xp: Any, caller: str) -> None:
         """Reads the flags of the current device whose kernels have run and raises the
         first problem found among them. Called at the start of a call of `caller` (an
-        owner)."""
+        owner); while a step is captured, also before each launch of its graph."""
+        capturing.before_launch(lambda: self.raise_found(xp, caller))
         device = xp.cuda.runtime.getDevice()
         with self._lock:
             ready = self._take(lambda entry: entry.event.done and entry.flag.device.id == device)

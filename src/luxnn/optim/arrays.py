@@ -11,7 +11,7 @@ from typing import Any, Callable, Union
 
 import numpy as np
 
-from luxnn import tree
+from luxnn import capturing, tree
 from luxnn.backend import module_of
 
 Schedule = Callable[[Any], Any]
@@ -95,6 +95,7 @@ def host_count(count: Any) -> Any:
     into a count array too."""
     if module_of(count) is np:
         return count
+    capturing.host_value("a schedule's value at the step count")
     value = _known(count)
     if value is None:
         value = int(count)

@@ -168,6 +168,31 @@ retired_locked(const lx_core *c, const lx_arena *a)
     return c->arena != a;
 }
 
+/* Whether every range [ptrs[i], ptrs[i] + sizes[i]) lies in one chunk of the plans'
+ * arena and holds no live block's byte: where a replayed CUDA graph may write the
+ * temporaries of the step it captured (luxnn/graphs.py). All free counts as a use of
+ * the arena, so that replays keep it from eviction as the steps they stand for would. */
+int
+arena_ranges_free_locked(lx_core *c, const int64_t *ptrs, const int64_t *sizes, size_t n, uint64_t now)
+{
+    lx_arena *a = c->arena;
+    if (a == NULL) {
+        return 0;
+    }
+    for (size_t i = 0; i < n; i++) {
+        size_t at = arena_offset(a, (const void *)(uintptr_t)ptrs[i]), size = (size_t)sizes[i];
+        if (at == SIZE_MAX || !arena_serves(a, at, size)) {
+            return 0;
+        }
+        size_t end = (at + size + ((size_t)1 << LX_QUANTUM_LOG2) - 1) >> LX_QUANTUM_LOG2;
+        if (!granules_free(a, at >> LX_QUANTUM_LOG2, end)) {
+            return 0;
+        }
+    }
+    a->last_used = now;
+    return 1;
+}
+
 /* Whether ptr lies in the plans' arena or a retired one. */
 int
 in_an_arena_locked(const lx_core *c, const void *ptr)

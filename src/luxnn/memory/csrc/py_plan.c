@@ -73,6 +73,41 @@ int64_at(const Py_buffer *b, size_t i)
     return v;
 }
 
+/* arena_ranges_free(ptrs, sizes) -> bool: arena.c, arena_ranges_free_locked;
+ * ptrs and sizes are buffers of native int64 of one length. */
+PyObject *
+Core_arena_ranges_free(CoreObject *self, PyObject *args)
+{
+    Py_buffer ptrs = {0}, sizes = {0};
+    if (!PyArg_ParseTuple(args, "y*y*:arena_ranges_free", &ptrs, &sizes)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    size_t n = (size_t)ptrs.len / sizeof(int64_t);
+    int64_t *values = NULL;
+    if (ptrs.len != sizes.len || ptrs.len % (Py_ssize_t)sizeof(int64_t) != 0) {
+        PyErr_SetString(PyExc_ValueError, "arena_ranges_free: ptrs and sizes must be int64 buffers of one length");
+    }
+    else if ((values = malloc(2 * (n ? n : 1) * sizeof(int64_t))) == NULL) {
+        PyErr_NoMemory();
+    }
+    else {
+        for (size_t i = 0; i < n; i++) {
+            values[i] = int64_at(&ptrs, i);
+            values[n + i] = int64_at(&sizes, i);
+        }
+        lx_core *c = self->core;
+        lock_take(&c->lock);
+        int all_free = arena_ranges_free_locked(c, values, values + n, n, c->fig.scopes);
+        lock_give(&c->lock);
+        result = PyBool_FromLong(all_free);
+    }
+    free(values);
+    PyBuffer_Release(&ptrs);
+    PyBuffer_Release(&sizes);
+    return result;
+}
+
 /* install_plan(place, arena_bytes, sizes, even, odd, *, call=None, lane=None,
  * cut=0, sequence=None): plan.c, Step plans. sizes, even, odd, call and lane are
  * buffers of native int64 of one length, a slot each (without call and lane, no

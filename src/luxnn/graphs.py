@@ -1,0 +1,346 @@
+"""A warm training step captured as a CUDA graph and replayed (``TrainState(..., graphs=True)``).
+
+A fixed-shape loop of `single_train_step_` on a GPU repeats the same kernels on the same
+buffers: the allocator's plan (`luxnn.memory.plan`) gives every request of the step a
+fixed place in one arena, on a cycle of two steps (the results of one step live while the
+next runs). So once the plan serves a step wholly, the runner captures the next two steps
+on the cache's stream and from then on replays them in turn: the GPU runs the recorded
+kernels and the host launches one graph instead of each kernel.
+
+Signature. A graph belongs to one signature of the step: the model, the optimizer, the
+objective and the AD backend (by identity), the batch's structure, shapes and dtypes, and
+the states' structure and non-array leaves (a layer's ``training`` flag). A step of another
+signature runs eagerly; its own graphs are kept for the `MAX_SIGNATURES` most recent.
+
+What a replay checks first, else the step runs eagerly (and is captured anew later):
+- the inputs, every leaf of the parameters, states and optimizer state, at the addresses
+  and with the layouts the graph read (a ``ts.replace(parameters=...)``, a loaded state);
+- no result of the graph's previous launch is still referenced outside the runner: the
+  arrays it hands out are views of buffers it keeps, and a view kept from two steps ago
+  (a stored gradient) would be overwritten;
+- every other byte the graph writes (its temporaries) lies in the cache's arena, free
+  (`AllocCache.arena_free`): a new plan, a trimmed cache or an array kept there since
+  makes it eager.
+The batch is copied into the graph's input buffers (one copy per leaf); the loss and the
+stats come back as copies of the graph's, which a loop may keep.
+
+What a capture cannot hold runs eagerly, with one `GraphFallbackWarning` naming the
+reason: an operation the device refuses while capturing (a host synchronisation such as
+``float(loss)`` in the objective, a library call CuPy refuses), or a value the host
+computes at every step (`luxnn.capturing.host_value`: a learning-rate schedule, a dropout
+draw). A failed capture ran nothing on the device: the eager step then does the step, and
+raises what it raises.
+
+Python that the step runs, the objective's included, runs once, at the capture: a replay
+repeats its kernels only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+
+from . import capturing, tree
+from .backend import is_array
+from .memory import cached, step
+from .optim.arrays import overwritten
+
+__all__ = ["GraphFallbackWarning", "GraphStats", "Runner", "stats", "MAX_SIGNATURES"]
+
+MAX_SIGNATURES = 4
+"""Signatures whose graphs are kept, the most recently used."""
+CAPTURE_TRIES = 3
+"""Captures of a signature whose graph could not be kept (its memory not all planned
+yet) before it stays eager."""
+GRAPHS = 2  # a signature's graphs: the plan's cycle of two steps
+
+# A step's work: ``work(data) -> (grads, loss, stats, ts)`` without the bookkeeping of an
+# in-place verb, and ``advance(new, ts)``, which does it and returns its undoing
+# (`luxnn.training`).
+Work = Callable[[Any], tuple]
+Advance = Callable[[Any, Any], Any]
+
+
+class GraphFallbackWarning(RuntimeWarning):
+    """A training step that could not be captured as a CUDA graph ran eagerly."""
+
+
+class GraphStats(NamedTuple):
+    """A training state's graph figures: steps captured, replayed and run eagerly, graphs
+    kept now, and the last reason a capture fell back (None: none did)."""
+
+    captures: int
+    replays: int
+    eager: int
+    kept: int
+    last_fallback: str | None
+
+
+def stats(ts: Any) -> GraphStats:
+    """The `GraphStats` of training state `ts` (all zero where it has no runner: the CPU,
+    ``graphs=False``, no allocator cache).
+
+    >>> import numpy as np, luxnn as lx
+    >>> ps, st = lx.setup(np.random.default_rng(0), lx.Dense(3, 2))
+    >>> lx.graphs.stats(lx.TrainState(lx.Dense(3, 2), ps, st, lx.optim.sgd(0.1)))
+    GraphStats(captures=0, replays=0, eager=0, kept=0, last_fallback=None)
+    """
+    runner = ts.graph_runner
+    return runner.stats() if runner is not None else GraphStats(0, 0, 0, 0, None)
+
+
+def _layout(leaf: Any) -> Any:
+    """What a graph depends on of an input leaf: a device array's address and layout, any
+    other leaf's value."""
+    if is_array(leaf):
+        return leaf.data.ptr, leaf.shape, leaf.strides, leaf.dtype.str
+    return leaf
+
+
+def _static(leaf: Any) -> Any:
+    """A states leaf in a signature: an array by its kind (its values are the graph's
+    input), a plain value by itself, anything else by its type."""
+    if is_array(leaf):
+        return None
+    return leaf if isinstance(leaf, (bool, int, float, str, type(None))) else type(leaf)
+
+
+def _allocation(a: Any) -> int:
+    return a.data.mem.ptr
+
+
+def _root(a: Any) -> Any:
+    return a if a.base is None else a.base
+
+
+class _Graph:
+    """One captured step: its CUDA graph, what it reads (`layout` of its inputs), the
+    buffers of its results that it keeps (`roots`) with the views of them it hands out,
+    its temporaries' ranges, and the functions run around each launch."""
+
+    def __init__(self, graph: Any, inputs: list, results: tuple, fresh: set, temporaries: list, hooks: Any) -> None:
+        self.graph, self.hooks = graph, hooks
+        self.layout = [_layout(x) for x in inputs]
+        self.ptrs = np.array([p for p, _ in temporaries], np.int64).tobytes()
+        self.sizes = np.array([n for _, n in temporaries], np.int64).tobytes()
+        roots: dict[int, Any] = {}
+        self.parts, self.views = [], []
+        for part in results:  # grads, loss, stats, states, optimizer state
+            leaves, structure = tree.flatten(part)
+            out = []
+            for leaf in leaves:
+                if is_array(leaf) and _allocation(leaf) in fresh:
+                    roots.setdefault(id(_root(leaf)), _root(leaf))
+                    self.views.append(leaf.view())
+                    leaf = self.views[-1]
+                out.append(leaf)
+            self.parts.append((structure, out))
+        self.roots = list(roots.values())
+        self.event = None  # recorded after the last launch when hooks read its results
+        self.alone: list[int] = []
+
+    def settle(self) -> None:
+        """Counts the references to the kept buffers and views while this graph alone holds
+        them (before any is handed out): more at a later launch means a result of the
+        previous one is still in use, and the launch would overwrite it."""
+        self.alone = [sys.getrefcount(x) for x in (*self.roots, *self.views)]
+
+    def reads(self, inputs: list) -> bool:
+        return len(inputs) == len(self.layout) and all(map(lambda x, want: _layout(x) == want, inputs, self.layout))
+
+    def results_unused(self) -> bool:
+        return all(sys.getrefcount(x) <= n for x, n in zip((*self.roots, *self.views), self.alone))
+
+    def results(self) -> list:
+        """Fresh containers of the views of this graph's results: (grads, loss, stats,
+        states, optimizer state)."""
+        return [tree.unflatten(structure, leaves) for structure, leaves in self.parts]
+
+    def launch(self, xp: Any, stream: Any) -> None:
+        if self.event is not None and not self.event.done:
+            self.event.synchronize()  # the flags of its last launch read before it writes them again
+        for fn in self.hooks.before:
+            fn()
+        self.graph.launch(stream)
+        for fn in self.hooks.after:
+            fn()
+        if self.hooks.after:
+            self.event = xp.cuda.Event(disable_timing=True)
+            self.event.record(stream)
+
+
+class _Signature:
+    """A signature's graphs (least recently launched first), its batch buffers, and what
+    its last eager step showed."""
+
+    def __init__(self) -> None:
+        self.graphs: list[_Graph] = []
+        self.buffers: Any = None
+        self.warm = False  # the last eager step was served wholly by the cache
+        self.tries = 0  # captures whose graph could not be kept
+        self.capturable = True
+
+
+class Runner:
+    """Captures and replays the in-place training steps of one training state (and the
+    states made from it), on a stream of its own that its allocator cache serves."""
+
+    def __init__(self, xp: Any, cache: Any) -> None:
+        self.xp, self.cache = xp, cache
+        self.stream = xp.cuda.Stream(non_blocking=False)  # waits for the legacy default stream
+        self._signatures: OrderedDict[Any, _Signature] = OrderedDict()
+        self._counts = {"captures": 0, "replays": 0, "eager": 0}
+        self._last_fallback: str | None = None
+        self._warned: set[str] = set()
+
+    def stats(self) -> GraphStats:
+        kept = sum(len(s.graphs) for s in self._signatures.values())
+        return GraphStats(self._counts["captures"], self._counts["replays"], self._counts["eager"], kept,
+                          self._last_fallback)
+
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[None]:
+        """The runner's stream as the current one, ordered after the work queued before on
+        the current stream, and that stream after it (the legacy default stream does both
+        by itself)."""
+        current = self.xp.cuda.get_current_stream()
+        if current.ptr == self.stream.ptr:
+            yield
+            return
+        if current.ptr != 0:
+            self.stream.wait_event(current.record())
+        try:
+            with self.stream:
+                yield
+        finally:
+            if current.ptr != 0:
+                current.wait_event(self.stream.record())
+
+    def step(self, ad: Any, objective: Any, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
+        """One in-place training step: replayed, captured or eager (see the module)."""
+        with self.on_stream():
+            key = self._signature(ad, objective, data, ts)
+            entry = self._signatures.get(key)
+            if entry is None:
+                entry = self._signatures[key] = _Signature()
+                while len(self._signatures) > MAX_SIGNATURES:
+                    self._signatures.popitem(last=False)
+            self._signatures.move_to_end(key)
+            if entry.graphs:
+                inputs = tree.leaves((ts.parameters, ts.states, ts.optimizer_state))
+                for graph in entry.graphs:
+                    if graph.reads(inputs) and graph.results_unused() and self.cache.arena_free(graph.ptrs, graph.sizes):
+                        return self._replay(entry, graph, data, ts, advance)
+                entry.graphs.clear()  # their kept results go back: the eager step's plan needs the places
+                entry.warm = False
+            if entry.warm and entry.capturable:
+                return self._capture(entry, data, ts, work, advance)
+            return self._eager(entry, data, ts, work, advance)
+
+    def _signature(self, ad: Any, objective: Any, data: Any, ts: Any) -> tuple:
+        batch, batch_structure = tree.flatten(data)
+        states, states_structure = tree.flatten(ts.states)
+        return (
+            ts.model, ts.optimizer, objective, type(ad), batch_structure,
+            tuple((type(x), x.shape, x.dtype.str) if is_array(x) else _static(x) for x in batch),
+            states_structure, tuple(map(_static, states)),
+        )  # fmt: skip
+
+    def _eager(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
+        with step(self.cache) as scope:
+            grads, loss, stats_, new = work(data)
+        served = scope.stats
+        entry.warm = served.misses == 0 and served.upstream_allocs == 0
+        self._counts["eager"] += 1
+        advance(new, ts)
+        return grads, loss, stats_, new
+
+    def _replay(self, entry: _Signature, graph: _Graph, data: Any, ts: Any, advance: Advance) -> tuple:
+        for buffer, x in zip(tree.leaves(entry.buffers), tree.leaves(data)):
+            self.xp.copyto(buffer, x)
+        entry.graphs.remove(graph)
+        entry.graphs.append(graph)  # launched last: tried last
+        self._counts["replays"] += 1
+        return self._launch(graph, ts, advance)
+
+    def _launch(self, graph: _Graph, ts: Any, advance: Advance) -> tuple:
+        """Launches `graph` for the step of `ts` and returns the step's results. The state
+        is consumed before the launch and given back if the launch does not happen (an
+        error, a KeyboardInterrupt): a step is done whole or not at all."""
+        grads, loss, stats_, states, opt_state = graph.results()
+        new = ts.replace(states=states, optimizer_state=opt_state, step=ts.step + 1)
+        undo = advance(new, ts)
+        try:
+            graph.launch(self.xp, self.stream)
+        except BaseException:
+            undo()
+            raise
+        overwritten(opt_state)  # the counts it hands out hold new values
+        # The loss and the stats as copies, made after the launch: a loop may keep them.
+        return grads, loss.copy(), tree.map(lambda x: x.copy() if is_array(x) else x, stats_), new
+
+    def _capture(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
+        xp = self.xp
+        if entry.buffers is None:
+            with cached(self.cache):
+                entry.buffers = tree.map(lambda x: xp.empty_like(x) if is_array(x) else x, data)
+        for buffer, x in zip(tree.leaves(entry.buffers), tree.leaves(data)):
+            xp.copyto(buffer, x)
+        allocations: list[tuple[int, int]] = []
+        try:
+            self.stream.begin_capture()
+            try:
+                with step(self.cache), capturing.capture() as hooks:
+                    inner = xp.cuda.get_allocator()
+
+                    def recording(size: int) -> Any:
+                        pointer = inner(size)
+                        allocations.append((pointer.ptr, size))
+                        return pointer
+
+                    with xp.cuda.using_allocator(recording):
+                        grads, loss, stats_, new = work(entry.buffers)
+            finally:
+                if self.stream.is_capturing():
+                    graph = self.stream.end_capture()
+        except KeyboardInterrupt:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever the capture met: the eager step says if it was the step's
+            return self._fall_back(entry, data, ts, work, advance, err)
+        parts = (grads, loss, stats_, new.states, new.optimizer_state)
+        del grads, loss, stats_, new
+        fresh = {ptr for ptr, _ in allocations}
+        ours = {_allocation(x) for x in (*tree.leaves(parts), *hooks.kept) if is_array(x) and _allocation(x) in fresh}
+        temporaries = [(p, n) for p, n in allocations if p not in ours]
+        captured = _Graph(graph, tree.leaves((ts.parameters, ts.states, ts.optimizer_state)), parts, fresh,
+                          temporaries, hooks)
+        del parts
+        captured.settle()
+        self._counts["captures"] += 1
+        if self.cache.arena_free(captured.ptrs, captured.sizes):
+            entry.graphs.append(captured)
+            del entry.graphs[:-GRAPHS]
+        else:  # its memory not all in the plan's arena yet: this launch only, then eager steps again
+            entry.warm, entry.tries = False, entry.tries + 1
+            if entry.tries >= CAPTURE_TRIES:
+                entry.capturable = False
+                self._warn("its memory is not all served by the allocator cache's plan")
+        return self._launch(captured, ts, advance)
+
+    def _fall_back(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance, err: Exception) -> tuple:
+        results = self._eager(entry, data, ts, work, advance)  # raises the step's own error, if it was one
+        entry.capturable = False
+        self._warn(f"{type(err).__name__}: {err}")
+        return results
+
+    def _warn(self, reason: str) -> None:
+        self._last_fallback = reason
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"luxnn: this training step is not replayed as a CUDA graph and runs eagerly: {reason}",
+                          GraphFallbackWarning, stacklevel=4)
