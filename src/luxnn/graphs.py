@@ -94,11 +94,17 @@ def stats(ts: Any) -> GraphStats:
     return runner.stats() if runner is not None else GraphStats(0, 0, 0, 0, None)
 
 
+def _on_device(x: Any) -> bool:
+    return is_array(x) and not isinstance(x, np.ndarray)
+
+
 def _layout(leaf: Any) -> Any:
-    """What a graph depends on of an input leaf: a device array's address and layout, any
-    other leaf's value."""
-    if is_array(leaf):
+    """What a graph depends on of an input leaf: a device array's address and layout, a
+    host array's values (read by the captured Python), any other leaf itself."""
+    if _on_device(leaf):
         return leaf.data.ptr, leaf.shape, leaf.strides, leaf.dtype.str
+    if isinstance(leaf, np.ndarray):
+        return leaf.shape, leaf.dtype.str, leaf.tobytes()
     return leaf
 
 
@@ -134,7 +140,7 @@ class _Graph:
             leaves, structure = tree.flatten(part)
             out = []
             for leaf in leaves:
-                if is_array(leaf) and _allocation(leaf) in fresh:
+                if _on_device(leaf) and _allocation(leaf) in fresh:
                     roots.setdefault(id(_root(leaf)), _root(leaf))
                     self.views.append(leaf.view())
                     leaf = self.views[-1]
@@ -315,7 +321,7 @@ class Runner:
         parts = (grads, loss, stats_, new.states, new.optimizer_state)
         del grads, loss, stats_, new
         fresh = {ptr for ptr, _ in allocations}
-        ours = {_allocation(x) for x in (*tree.leaves(parts), *hooks.kept) if is_array(x) and _allocation(x) in fresh}
+        ours = {_allocation(x) for x in (*tree.leaves(parts), *hooks.kept) if _on_device(x) and _allocation(x) in fresh}
         temporaries = [(p, n) for p, n in allocations if p not in ours]
         captured = _Graph(graph, tree.leaves((ts.parameters, ts.states, ts.optimizer_state)), parts, fresh,
                           temporaries, hooks)

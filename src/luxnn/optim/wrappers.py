@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 
-from luxnn import tree
+from luxnn import capturing, tree
 from luxnn.backend import module_of
 
 from .arrays import (
@@ -507,6 +507,7 @@ class _Injected(InPlace):
 
     def compute(self, grads: Updates, state: InjectHyperparamsState, params: Params, in_place: bool,
                 into: list | None = None):
+        capturing.host_value("an injected hyperparameter (inject_hyperparams), read on the host")
         scheduled = self._scheduled(state.count)
         inner = self.inner({**state.hyperparams, **scheduled})
         updates, inner_state = _inner_update(inner, grads, state.inner_state, params, in_place, into)
