@@ -267,12 +267,18 @@ class Runner:
         return grads, loss, stats_, new
 
     def _replay(self, entry: _Signature, graph: _Graph, data: Any, ts: Any, advance: Advance) -> tuple:
-        for buffer, x in zip(tree.leaves(entry.buffers), tree.leaves(data)):
-            self.xp.copyto(buffer, x)
+        self._copy_batch(entry, data)
         entry.graphs.remove(graph)
         entry.graphs.append(graph)  # launched last: tried last
         self._counts["replays"] += 1
         return self._launch(graph, ts, advance)
+
+    def _copy_batch(self, entry: _Signature, data: Any) -> None:
+        """The batch into the signature's input buffers, which its graphs read (a
+        non-contiguous one made contiguous on the way)."""
+        for buffer, x in zip(tree.leaves(entry.buffers), tree.leaves(data)):
+            if _on_device(x):
+                self.xp.copyto(buffer, x)
 
     def _launch(self, graph: _Graph, ts: Any, advance: Advance) -> tuple:
         """Launches `graph` for the step of `ts` and returns the step's results. The state
@@ -294,9 +300,8 @@ class Runner:
         xp = self.xp
         if entry.buffers is None:
             with cached(self.cache):
-                entry.buffers = tree.map(lambda x: xp.empty_like(x) if is_array(x) else x, data)
-        for buffer, x in zip(tree.leaves(entry.buffers), tree.leaves(data)):
-            xp.copyto(buffer, x)
+                entry.buffers = tree.map(lambda x: xp.empty_like(x) if _on_device(x) else x, data)
+        self._copy_batch(entry, data)
         allocations: list[tuple[int, int]] = []
         try:
             self.stream.begin_capture()

@@ -191,9 +191,10 @@ _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainState))
 def _graph_runner(parameters: Any, cache: Any) -> "graphs.Runner | None":
     """A graph runner for a training state of `parameters` served by `cache`: on a CUDA
     device with an allocator cache, else None."""
-    if cache is None or not isinstance(cache.device, CUDADevice):
+    arrays = tree.leaves(parameters)
+    if cache is None or not isinstance(cache.device, CUDADevice) or not arrays:
         return None
-    return graphs.Runner(module_of(tree.leaves(parameters)[0]), cache)
+    return graphs.Runner(module_of(arrays[0]), cache)
 
 
 class _Lineage:
