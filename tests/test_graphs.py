@@ -1,0 +1,254 @@
+"""Training steps replayed as CUDA graphs (`luxnn.graphs`), on the simulated CUDA device
+of tests/sim_cupy.py, which records a capture without running it and replays what it
+recorded, refusing what CUDA and CuPy refuse while capturing; GEMMs go through the
+simulated nvmath-python of tests/sim_nvmath.py, as on a GPU with nvmath-python.
+
+What the simulator cannot tell: the time of a replay, and whether CUDA accepts every
+captured kernel (tests/test_gpu_graphs.py, on a GPU)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+import luxnn as lx
+from luxnn import memory
+from luxnn.graphs import GraphFallbackWarning
+from luxnn.ops import device_checks
+
+import sim_cupy
+import sim_nvmath
+from test_memory_cuda import FakeDriver
+from test_sim_gpu import MODELS, _LastStep
+
+STEPS = 9  # eager until the plan serves a step (4), two captures, then replays
+
+
+@pytest.fixture
+def sim_gpu(monkeypatch):
+    """CuPy and nvmath-python simulated on the CPU; yields the CUDADevice."""
+    monkeypatch.setitem(sys.modules, "cupy", sim_cupy)
+    monkeypatch.setitem(sys.modules, "nvmath", sim_nvmath)
+    device_checks.check_now()
+    yield lx.gpu_device(force=True)
+
+
+def _cache(**kwargs: Any) -> memory.AllocCache:
+    cache = memory.AllocCache(lx.CUDADevice(0), **kwargs)
+    cache.front_end.bind = FakeDriver().bind  # the C core's CUDA upstream over host memory
+    return cache
+
+
+def _state(make, device, *, graphs: bool, optimizer=None, cache=None) -> tuple[lx.TrainState, Any]:
+    model, x = make()
+    rng = np.random.default_rng(0)
+    ps, st = device(lx.setup(np.random.default_rng(1), model))
+    x = rng.standard_normal(x) if isinstance(x, tuple) else x
+    batch = device((x, rng.integers(0, 5, x.shape[0])))
+    ts = lx.TrainState(model, ps, st, optimizer or lx.optim.adam(1e-2), allocator_cache=cache or _cache(),
+                       graphs=graphs)
+    return ts, batch
+
+
+def _train(ts, batch, steps: int = STEPS, objective=None) -> tuple[lx.TrainState, list[float]]:
+    ad, loss_fn, losses = lx.AutoTape(), objective or lx.losses.CrossEntropyLoss(), []
+    for _ in range(steps):
+        _, loss, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
+        losses.append(float(loss))
+    return ts, losses
+
+
+def _host(tree: Any) -> list[np.ndarray]:
+    return [x.get() for x in lx.tree.leaves(tree) if isinstance(x, sim_cupy.ndarray)]
+
+
+def _assert_bitwise(a: lx.TrainState, b: lx.TrainState) -> None:
+    for x, y in zip(_host((a.parameters, a.states, a.optimizer_state)), _host((b.parameters, b.states, b.optimizer_state))):
+        np.testing.assert_array_equal(x, y)
+
+
+_MODELS = {
+    **MODELS,
+    "batchnorm": lambda: (lx.Chain(lx.Dense(6, 8), lx.BatchNorm(8), lx.relu, lx.Dense(8, 5)), (16, 6)),
+    "gru": lambda: (lx.Chain(lx.GRU(6, 12), _LastStep(), lx.Dense(12, 5)), (8, 7, 6)),
+}
+
+
+@pytest.mark.parametrize("name", list(_MODELS))
+def test_replayed_steps_give_the_eager_steps_parameters_bit_for_bit(name, sim_gpu):
+    eager, batch = _state(_MODELS[name], sim_gpu, graphs=False)
+    graphed, _ = _state(_MODELS[name], sim_gpu, graphs=True)
+    eager, eager_losses = _train(eager, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphFallbackWarning)
+        graphed, losses = _train(graphed, batch)
+    assert losses == eager_losses
+    _assert_bitwise(graphed, eager)
+    stats = lx.graphs.stats(graphed)
+    assert stats.captures == 2 and stats.replays == STEPS - stats.eager - 2 > 0 and stats.kept == 2, stats
+    assert graphed.step == STEPS
+
+
+def test_a_replayed_step_launches_one_graph_and_copies_no_more_than_its_batch_and_loss(sim_gpu):
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    ts, _ = _train(ts, batch)
+    assert lx.graphs.stats(ts).replays > 0
+    cache = ts.allocator_cache
+    before = cache.stats()
+    with sim_cupy.counting() as counts:
+        _, loss, _, ts = lx.single_train_step_(lx.AutoTape(), lx.losses.CrossEntropyLoss(), batch, ts)
+    assert counts["graph"] == 1 and counts["cublas"] == 0 and counts["fill"] == 0, counts
+    assert counts["kernel"] == len(lx.tree.leaves(batch)) + 1, counts  # the batch in, the loss out
+    assert cache.stats().upstream_allocs == before.upstream_allocs
+
+
+def test_a_changed_batch_shape_runs_eagerly_and_the_first_shapes_graphs_replay_again(sim_gpu):
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    eager, _ = _state(MODELS["mlp"], sim_gpu, graphs=False)
+    short = tuple(x[:7] for x in batch)
+    for run in ([batch] * STEPS + [short] + [batch] * 4,):
+        ad, loss_fn = lx.AutoTape(), lx.losses.CrossEntropyLoss()
+        for data in run:
+            _, loss, _, ts = lx.single_train_step_(ad, loss_fn, data, ts)
+            _, want, _, eager = lx.single_train_step_(ad, loss_fn, data, eager)
+            assert float(loss) == float(want)
+    _assert_bitwise(ts, eager)
+    stats = lx.graphs.stats(ts)
+    assert stats.replays >= STEPS - 4 - 2 + 1, stats  # replays resumed after the short batch
+
+
+def test_new_parameters_or_a_changed_mode_run_eagerly_then_are_captured_anew(sim_gpu):
+    ts, batch = _state(_MODELS["batchnorm"], sim_gpu, graphs=True)
+    eager, _ = _state(_MODELS["batchnorm"], sim_gpu, graphs=False)
+    ts, _ = _train(ts, batch)
+    eager, _ = _train(eager, batch)
+    captures = lx.graphs.stats(ts).captures
+    copy = lambda t: lx.tree.map(lambda x: x.copy() if isinstance(x, sim_cupy.ndarray) else x, t)  # noqa: E731
+    ts = ts.replace(parameters=copy(ts.parameters), optimizer_state=copy(ts.optimizer_state))
+    eager = eager.replace(parameters=copy(eager.parameters), optimizer_state=copy(eager.optimizer_state))
+    ts, losses = _train(ts, batch)
+    eager, want = _train(eager, batch)
+    assert losses == want and lx.graphs.stats(ts).captures == captures + 2
+    ts, eager = lx.testmode(ts), lx.testmode(eager)  # another signature: BatchNorm's running statistics
+    ts, losses = _train(ts, batch)
+    eager, want = _train(eager, batch)
+    assert losses == want and lx.graphs.stats(ts).captures == captures + 4
+    _assert_bitwise(ts, eager)
+
+
+def test_a_result_kept_from_two_steps_before_is_never_overwritten(sim_gpu):
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    ts, _ = _train(ts, batch)
+    ad, loss_fn = lx.AutoTape(), lx.losses.CrossEntropyLoss()
+    kept, _, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
+    values = _host(kept)
+    for _ in range(4):
+        _, _, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
+    for x, want in zip(_host(kept), values):
+        np.testing.assert_array_equal(x, want)
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("sync", "CUDARuntimeError"),
+    ("schedule", "schedule"),
+    ("dropout", "random generator"),
+])  # fmt: skip
+def test_what_a_capture_cannot_hold_runs_eagerly_with_one_warning_that_says_why(case, reason, sim_gpu):
+    optimizer = lx.optim.adam(lx.optim.linear_schedule(1e-2, 1e-3, 10)) if case == "schedule" else None
+    make = MODELS["mlp"]
+    if case == "dropout":
+        make = lambda: (lx.Chain(lx.Dense(20, 32), lx.Dropout(0.2), lx.Dense(32, 5)), (16, 20))  # noqa: E731
+    loss_fn = lx.losses.CrossEntropyLoss()
+
+    def objective(model, ps, st, data):
+        loss, st, stats = loss_fn(model, ps, st, data)
+        return loss, st, {"largest label": int(data[1].max())} if case == "sync" else stats
+
+    ts, batch = _state(make, sim_gpu, graphs=True, optimizer=optimizer)
+    eager, _ = _state(make, sim_gpu, graphs=False, optimizer=optimizer)
+    with pytest.warns(GraphFallbackWarning, match=reason) as caught:
+        ts, losses = _train(ts, batch, objective=objective)
+    eager, want = _train(eager, batch, objective=objective)
+    assert len(caught) == 1 and losses == want
+    _assert_bitwise(ts, eager)
+    assert lx.graphs.stats(ts).replays == 0 and reason in lx.graphs.stats(ts).last_fallback
+
+
+def test_an_error_raised_inside_a_capture_is_the_eager_steps_and_leaves_the_stream_usable(sim_gpu):
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    loss_fn, calls = lx.losses.CrossEntropyLoss(), [0]
+
+    def objective(model, ps, st, data):
+        calls[0] += 1
+        if calls[0] >= 5:  # from the step that would be captured on
+            raise ValueError("a bad batch")
+        return loss_fn(model, ps, st, data)
+
+    with pytest.raises(ValueError, match="a bad batch"):
+        _train(ts, batch, objective=objective)
+    assert not ts.graph_runner.stream.is_capturing()
+    assert lx.graphs.stats(ts).captures == 0
+
+
+def test_a_keyboard_interrupt_at_the_launch_leaves_the_step_not_done(sim_gpu, monkeypatch):
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    ts, _ = _train(ts, batch)
+    before = _host(ts.parameters)
+
+    def interrupted(self, stream=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sim_cupy.cuda.Graph, "launch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lx.single_train_step_(lx.AutoTape(), lx.losses.CrossEntropyLoss(), batch, ts)
+    assert not ts.consumed and ts.step == STEPS
+    for x, want in zip(_host(ts.parameters), before):
+        np.testing.assert_array_equal(x, want)
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "cupy", sim_cupy)
+    monkeypatch.setitem(sys.modules, "nvmath", sim_nvmath)
+    _, _, _, ts = lx.single_train_step_(lx.AutoTape(), lx.losses.CrossEntropyLoss(), batch, ts)
+    assert ts.step == STEPS + 1
+
+
+def test_a_bad_label_in_a_replayed_step_raises_at_a_later_call(sim_gpu):
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    ts, _ = _train(ts, batch)
+    bad = (batch[0], sim_gpu(np.full(batch[1].shape, 7)))
+    ad, loss_fn = lx.AutoTape(), lx.losses.CrossEntropyLoss()
+    _, _, _, ts = lx.single_train_step_(ad, loss_fn, bad, ts)
+    assert lx.graphs.stats(ts).replays > 0
+    with pytest.raises(ValueError, match="label"):
+        for _ in range(3):
+            _, _, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
+            device_checks.check_now()
+
+
+def test_a_batch_on_the_host_is_refused_as_eagerly_and_a_strided_one_is_copied(sim_gpu):
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    eager, _ = _state(MODELS["mlp"], sim_gpu, graphs=False)
+    ts, _ = _train(ts, batch)
+    eager, _ = _train(eager, batch)
+    ad, loss_fn = lx.AutoTape(), lx.losses.CrossEntropyLoss()
+    with pytest.raises(ValueError, match="device"):
+        lx.single_train_step_(ad, loss_fn, (batch[0].get(), batch[1].get()), ts)
+    wide = sim_gpu(np.zeros((batch[0].shape[0], 2 * batch[0].shape[1])))
+    wide[:, ::2] = batch[0]
+    strided = (wide[:, ::2], batch[1])
+    _, loss, _, ts = lx.single_train_step_(ad, loss_fn, strided, ts)
+    _, want, _, eager = lx.single_train_step_(ad, loss_fn, batch, eager)
+    assert float(loss) == float(want) and lx.graphs.stats(ts).replays > 0
+    _assert_bitwise(ts, eager)
+
+
+def test_graphs_false_or_the_cpu_has_no_runner(sim_gpu):
+    ts, _ = _state(MODELS["mlp"], sim_gpu, graphs=False)
+    assert ts.graph_runner is None and lx.graphs.stats(ts).captures == 0
+    ps, st = lx.setup(np.random.default_rng(0), lx.Dense(3, 2))
+    assert lx.TrainState(lx.Dense(3, 2), ps, st, lx.optim.sgd(0.1)).graph_runner is None
+    with pytest.raises(TypeError, match="graphs must be True or False"):
+        lx.TrainState(lx.Dense(3, 2), ps, st, lx.optim.sgd(0.1), graphs="yes")
