@@ -18,6 +18,7 @@ import functools
 import json
 import sys
 import types
+import weakref
 
 import pytest
 
@@ -62,22 +63,41 @@ class SimProfile:
         return out
 
 
-PEER_RESERVED = 1 << 20
+PEER_RESERVED, PEER_GRAPH_RESERVED = 1 << 20, 3 << 20
+PEER_WARMUP = 3
 
 
 @pytest.fixture
 def fake_torch(monkeypatch):
     """PyTorch's rows as two simulated launches a step (a fill and a kernel) holding
-    `PEER_RESERVED` bytes; its profiler `SimProfile`."""
+    `PEER_RESERVED` bytes, its graph row the same holding `PEER_GRAPH_RESERVED` and
+    capturing at its call after `PEER_WARMUP`; its profiler `SimProfile`. Yields the log of
+    the PyTorch steps built: (row, how many of the others were alive then)."""
+    alive: weakref.WeakSet = weakref.WeakSet()
+    built = []
 
-    def peer(*_args) -> gpu_models.DeviceStep:
-        return gpu_models.DeviceStep(lambda: sim_cupy.zeros(3) * 2.0, lambda: PEER_RESERVED, lambda: None)
+    def device_step(name, reserved, step=lambda: sim_cupy.zeros(3) * 2.0, captures=None):
+        made = gpu_models.DeviceStep(step, lambda: reserved, lambda: None, captures=captures)
+        built.append((name, len(alive)))
+        alive.add(made)
+        return made
+
+    def graph_peer(*_args):
+        calls = []
+
+        def step():
+            calls.append(1)
+            return sim_cupy.zeros(3) * 2.0
+
+        return device_step("graph", PEER_GRAPH_RESERVED, step, captures=lambda: int(len(calls) > PEER_WARMUP))
 
     torch = types.SimpleNamespace(zeros=lambda *a, **k: None, version=types.SimpleNamespace(cuda="13.0"))
     monkeypatch.setattr(gpu_models, "torch_cuda", lambda: torch)
-    monkeypatch.setattr(gpu_models.Classifier, "torch", peer)
-    monkeypatch.setattr(gpu_models, "torch_basic", peer)
+    monkeypatch.setattr(gpu_models.Classifier, "torch", lambda *_: device_step("eager", PEER_RESERVED))
+    monkeypatch.setattr(gpu_models.Classifier, "torch_graph", graph_peer)
+    monkeypatch.setattr(gpu_models, "torch_basic", lambda *_: device_step("basic", PEER_RESERVED))
     monkeypatch.setattr(gpu, "torch_profile", SimProfile)
+    yield built
 
 
 def _launches(counts) -> int:
@@ -91,6 +111,10 @@ def _warm_launches(step, calls: int = 3) -> int:
     return _launches(counts)
 
 
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
 def test_the_gpu_bench_times_counts_and_compares_each_row_with_pytorchs(sim_gpu, fake_torch, tmp_path, capsys):
     path = tmp_path / "gpu.json"
     args = ["bench", "--device", "gpu", "--quick", "--rounds", "2", "--filter", "training/mlp |basics/dense", "--json", str(path)]
@@ -99,36 +123,82 @@ def test_the_gpu_bench_times_counts_and_compares_each_row_with_pytorchs(sim_gpu,
     doc = json.loads(path.read_text())
     assert doc["device"] == "gpu" and doc["unavailable"] == []
     rows = {r["name"]: r for r in doc["rows"]}
-    names = ["gpu/training/mlp (luxnn)", "gpu/training/mlp (pytorch eager)", "gpu/basics/dense (luxnn)", "gpu/basics/dense (pytorch eager)"]
+    names = [f"gpu/training/mlp ({kind})" for kind in ("luxnn eager", "luxnn graphs", "pytorch eager", "pytorch graph")]
+    names += ["gpu/basics/dense (luxnn)", "gpu/basics/dense (pytorch eager)"]
     assert list(rows) == names
     assert all(r["error"] is None and len(r["times"]) == 2 for r in rows.values())
 
     mlp = gpu_models.TRAINING["mlp"]
-    per_step = _warm_launches(mlp.luxnn())
-    luxnn, peer = rows[names[0]]["memory"], rows[names[1]]["memory"]
-    assert luxnn["kernels_per_step"] == per_step and peer["kernels_per_step"] == 2
-    assert peer["peak_reserved"] == PEER_RESERVED
+    per_step = _warm_launches(mlp.luxnn(graphs=False))
+    eager, graphs, peer, peer_graph = (rows[n]["memory"] for n in names[:4])
+    assert eager["kernels_per_step"] == per_step and peer["kernels_per_step"] == peer_graph["kernels_per_step"] == 2
+    assert peer["peak_reserved"] == PEER_RESERVED and peer_graph["peak_reserved"] == PEER_GRAPH_RESERVED
     parameters_and_moments = 3 * 4 * (784 * 256 + 256 + 256 * 10 + 10)
-    assert luxnn["peak_reserved"] > parameters_and_moments and luxnn["first_step"] > 0
-    assert rows[names[2]]["memory"]["peak_reserved"] is None  # not counted for the basics
+    assert eager["peak_reserved"] > parameters_and_moments and eager["first_step"] > 0
+    assert rows[names[4]]["memory"]["peak_reserved"] is None  # not counted for the basics
+    # The capture step: timed for the rows that capture (PyTorch's graph at its call after
+    # the warm-up; luxnn's, None where no graph was captured), absent for the others.
+    assert peer_graph["capture_step"] > 0 and "capture_step" in graphs
+    assert all("capture_step" not in rows[n]["memory"] for n in (names[0], names[2], names[4], names[5]))
+    # luxnn's graph statistics after the rounds; its eager row never captures.
+    assert set(eager["graphs"]) == set(graphs["graphs"]) == set(lx.graphs.GraphStats._fields)
+    assert eager["graphs"]["captures"] == eager["graphs"]["replays"] == 0
+    assert peer["graphs"] is None and rows[names[4]]["memory"]["graphs"] is None
+    # Each row counted alone: the PyTorch rows built anew for the counts found none of the
+    # timed ones alive.
+    assert fake_torch == [("eager", 0), ("graph", 1), ("eager", 0), ("graph", 0), ("basic", 0), ("basic", 0)]
 
-    table = [line for line in out.splitlines() if line.startswith("|")]
-    assert [c.strip() for c in table[0].strip("|").split("|")] == [
-        "name", "time", "time / pytorch eager", "CUDA kernels per step", "kernels / pytorch eager",
-        "peak reserved", "reserved / pytorch eager", "first step",
-    ]  # fmt: skip
-    cells = [c.strip() for c in table[2].strip("|").split("|")]
-    assert cells[0] == names[0] and " ± " in cells[1] and " ± " in cells[2]
-    assert cells[3:5] == [str(per_step), stats.significant(per_step / 2, 3)]
-    assert cells[5] == stats.format_bytes(luxnn["peak_reserved"])
-    assert cells[6] == stats.significant(luxnn["peak_reserved"] / PEER_RESERVED, 3)
-    peer_cells = [c.strip() for c in table[3].strip("|").split("|")]
-    assert peer_cells[2] == "" and peer_cells[3] == "2" and peer_cells[5] == "1.05 MB"
+    main_table, graph_table = out.split("CUDA graphs of luxnn's training states")
+    table = [line for line in main_table.splitlines() if line.startswith("|")]
+    assert _cells(table[0]) == gpu.HEADERS
+    cells = {c[0]: c for c in map(_cells, table[2:]) if c[0] in rows}
+    assert list(cells) == names
+    for name in names:
+        assert " ± " in cells[name][1]
+        assert (" ± " in cells[name][2]) == (not name.endswith("(pytorch eager)"))  # over PyTorch eager's row of its group
+        assert (" ± " in cells[name][3]) == (name == names[1])  # luxnn graphs over PyTorch's graph
+    assert cells[names[0]][4:6] == [str(per_step), stats.significant(per_step / 2, 3)]
+    assert cells[names[0]][6] == stats.format_bytes(eager["peak_reserved"])
+    assert cells[names[0]][7] == stats.significant(eager["peak_reserved"] / PEER_RESERVED, 3)
+    assert cells[names[2]][4:8] == ["2", "", "1.05 MB", ""]
+    assert cells[names[3]][4:8] == ["2", "1.00", "3.15 MB", "3.00"]
+    assert cells[names[3]][9] == stats.format_duration(peer_graph["capture_step"]) and cells[names[0]][9] == ""
     assert len({len(line) for line in table}) == 1  # padded to equal widths
+    graph_table = [line for line in graph_table.splitlines() if line.startswith("|")]
+    assert _cells(graph_table[0]) == gpu.GRAPH_HEADERS
+    assert [_cells(line)[0] for line in graph_table[2:]] == names[:2]
     assert "GPU: CUDA device 0, CuPy 14.0.0-simulated" in out
     assert main(["compare", str(path), str(path)]) == 0  # two GPU runs compare by time alone
     compared = capsys.readouterr().out
-    assert "| gpu/training/mlp (luxnn) " in compared and "Memory:" not in compared
+    assert "| gpu/training/mlp (luxnn graphs) " in compared and "Memory:" not in compared
+
+
+def _gpu_row(kind: str, ms: float, memory: dict | None = None) -> dict:
+    return {"name": f"gpu/training/mlp ({kind})", "group": "gpu/training/mlp", "kind": "step", "params": {},
+            "times": [[ms * 1e-3]] * 3, "inner": 1, "memory": memory, "error": None}  # fmt: skip
+
+
+def test_the_gpu_table_gives_each_ratio_the_capture_step_and_why_a_row_fell_back():
+    figures = {"kernels_per_step": 4.0, "peak_reserved": 2e6, "bytes": None, "first_step": 0.5}
+    fell_back = {"captures": 0, "replays": 0, "eager": 30, "kept": 0, "last_fallback": "float(loss) | a host\nread"}
+    doc = {"suite": "quick", "versions": {"gpu": "H200", "cupy": "14.2"}, "rows": [
+        _gpu_row("luxnn eager", 2.0, {**figures, "graphs": {**fell_back, "last_fallback": None}}),
+        _gpu_row("luxnn graphs", 0.5, {**figures, "kernels_per_step": 1.0, "capture_step": None, "graphs": fell_back}),
+        _gpu_row("pytorch eager", 1.0, {**figures, "peak_reserved": 4e6, "graphs": None}),
+        _gpu_row("pytorch graph", 0.25, {**figures, "capture_step": 0.02, "graphs": None}),
+    ]}  # fmt: skip
+    out = gpu.report(doc, markdown=True)
+    main_table, graph_table = out.split("CUDA graphs of luxnn's training states")
+    table = {c[0]: c for c in map(_cells, main_table.splitlines()) if c[0].startswith("gpu/")}
+    eager, graphs, peer, peer_graph = (table[r["name"]] for r in doc["rows"][:4])
+    assert eager[2:4] == ["2.00 ± 0", ""] and graphs[2:4] == ["0.500 ± 0", "2.00 ± 0"]
+    assert peer[2:] == ["", "", "4", "", "4.00 MB", "", "500 ms", ""]
+    assert peer_graph[2] == "0.250 ± 0" and peer_graph[7:] == ["0.500", "500 ms", "20.0 ms"]
+    assert graphs[4:6] == ["1", "0.250"] and graphs[9] == "none"
+    assert "no graph was captured within 16 calls" in out
+    rows = [_cells(line) for line in graph_table.splitlines() if line.startswith("| gpu/")]
+    assert rows == [["gpu/training/mlp (luxnn eager)", "0", "0", "30", "0", ""],
+                    ["gpu/training/mlp (luxnn graphs)", "0", "0", "30", "0", "float(loss) / a host read"]]
 
 
 def test_without_torchs_cuda_its_rows_and_the_kernel_counts_are_named_as_not_run(sim_gpu, monkeypatch, capsys):
@@ -138,7 +208,7 @@ def test_without_torchs_cuda_its_rows_and_the_kernel_counts_are_named_as_not_run
     assert "not run (needs torch with CUDA): gpu/basics/conv (pytorch eager)" in out
     assert "CUDA kernels not counted" in out
     row = next(line for line in out.splitlines() if line.startswith("| gpu/basics/conv (luxnn)"))
-    assert [c.strip() for c in row.strip("|").split("|")][3] == "—"
+    assert _cells(row)[gpu.HEADERS.index("CUDA kernels per step")] == "—"
 
 
 def test_a_row_that_fails_is_reported_in_its_cell_and_the_others_run(sim_gpu, fake_torch, monkeypatch, capsys):
@@ -220,7 +290,7 @@ def _device_cache() -> memory.AllocCache:
 def _launches_per_step(name: str, batch: int | None = None) -> tuple[int, ...]:
     """Launches in each of 3 training steps of the row `name` on the simulated device (its
     own batch size if `batch` is None); the fixture `sim_gpu` must be active."""
-    step = gpu_models.TRAINING[name].luxnn(_device_cache(), batch=batch)
+    step = gpu_models.TRAINING[name].luxnn(_device_cache(), batch=batch, graphs=False)
     launches = []
     for _ in range(3):
         with sim_cupy.counting() as counts:

@@ -1,10 +1,12 @@
 """The models of ``luxnn bench --device gpu`` and their PyTorch peers, as steps on a CUDA GPU.
 
 The training rows are the GPU issue's (issue 26) table: each is ``single_train_step_`` of a
-classifier (softmax cross-entropy, Adam, float32) on fixed data, and the same step in
-PyTorch eager on the same GPU. The basics are `models.BASICS` (Lux.jl's forward calls) on
-the GPU, beside the same layers in PyTorch. A step is a `DeviceStep`: a callable that also
-reports the peak of the memory reserved from the device since its last `reset_peaks`.
+classifier (softmax cross-entropy, Adam, float32) on fixed data, eager and replayed as CUDA
+graphs, and the same step in PyTorch eager and captured whole as one CUDA graph on the same
+GPU. The basics are `models.BASICS` (Lux.jl's forward calls) on the GPU, beside the same
+layers in PyTorch. A step is a `DeviceStep`: a callable that also reports the peak of the
+memory reserved from the device since its last `reset_peaks`, and for a step replayed as a
+graph how many captures it made.
 
 This module imports luxnn only as ``luxnn``, as `models` does.
 """
@@ -23,11 +25,16 @@ from . import models
 
 class DeviceStep:
     """`step()` on the GPU; `peak_reserved()`: bytes held from the device at the most since
-    `reset_peaks()` (`reserved` reads it, `reset` starts it over; None: not counted)."""
+    `reset_peaks()` (`reserved` reads it, `reset` starts it over; None: not counted).
+    `captures`: for a step that captures CUDA graphs, the number of captures so far (None:
+    it never captures); `graph_stats`: luxnn's `luxnn.graphs.stats` of the step's training
+    state as a dict (None: not a luxnn training step)."""
 
     def __init__(self, step: Callable[[], Any], reserved: Callable[[], int] | None = None,
-                 reset: Callable[[], None] | None = None) -> None:
+                 reset: Callable[[], None] | None = None, *, captures: Callable[[], int] | None = None,
+                 graph_stats: Callable[[], dict[str, Any]] | None = None) -> None:
         self.step, self._reserved, self._reset = step, reserved, reset
+        self.captures, self.graph_stats = captures, graph_stats
 
     def __call__(self) -> Any:
         return self.step()
@@ -161,7 +168,9 @@ def _torch_lstm(inputs: int = 32, hidden: int = 256) -> Any:
 class Classifier:
     """A training row: `model()` (luxnn) and `torch_model()` (its PyTorch peer) on inputs of
     `shape` (batch first; images NHWC for luxnn, NCHW for PyTorch when `images`), 10
-    classes, softmax cross-entropy, Adam (learning rate 1e-3), float32."""
+    classes, softmax cross-entropy, Adam (learning rate 1e-3), float32. Its steps: `luxnn`
+    (eager, or replayed as CUDA graphs), `torch` (PyTorch eager) and `torch_graph`
+    (PyTorch's whole step captured as one CUDA graph)."""
 
     name: str
     shape: tuple[int, ...]
@@ -175,16 +184,18 @@ class Classifier:
         rng = np.random.default_rng(1)
         return rng.standard_normal(shape).astype(np.float32), rng.integers(0, self.classes, shape[0])
 
-    def luxnn(self, cache: Any = "default", batch: int | None = None, device: Any = None) -> DeviceStep:
+    def luxnn(self, cache: Any = "default", batch: int | None = None, device: Any = None, graphs: bool = True) -> DeviceStep:
         """The step on `device` (default: the first GPU) with the TrainState's allocator
-        cache (`cache`: "default", None or an `AllocCache`, as `models.luxnn_train_step`);
-        its peak reserved is the cache's plus the arrays kept outside it (parameters,
-        states, optimizer state, the batch)."""
+        cache (`cache`: "default", None or an `AllocCache`, as `models.luxnn_train_step`)
+        and its `graphs` (True: warm steps captured as CUDA graphs and replayed; False:
+        always eager); its peak reserved is the cache's plus the arrays kept outside it
+        (parameters, states, optimizer state, the batch); its graph statistics are
+        `luxnn.graphs.stats` of the training state."""
         device = lx.gpu_device(force=True) if device is None else device
         model = self.model()
         ps, st = device(lx.setup(np.random.default_rng(0), model))
         kwargs = {} if isinstance(cache, str) else {"allocator_cache": cache}
-        ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-3), **kwargs)
+        ts = lx.TrainState(model, ps, st, lx.optim.adam(1e-3), graphs=graphs, **kwargs)
         data, ad, loss = device(self.data(batch)), lx.AutoTape(), lx.losses.CrossEntropyLoss()
 
         def step() -> None:
@@ -200,19 +211,66 @@ class Classifier:
             if ts.allocator_cache is not None:
                 ts.allocator_cache.reset_peaks()
 
-        return DeviceStep(step, reserved, reset)
+        def captures() -> int:
+            return lx.graphs.stats(ts).captures
+
+        def graph_stats() -> dict[str, Any]:
+            return lx.graphs.stats(ts)._asdict()
+
+        return DeviceStep(step, reserved, reset, captures=captures if graphs else None, graph_stats=graph_stats)
+
+    def _torch_data(self, batch: int | None) -> tuple[np.ndarray, np.ndarray]:
+        x, y = self.data(batch)
+        if self.images:
+            x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))  # NHWC -> NCHW
+        return x, y
 
     def torch(self, device: str = "cuda", batch: int | None = None) -> DeviceStep:
         """The PyTorch step on `device` (its peak reserved counted on "cuda" only)."""
         import torch
 
         model = self.torch_model().to(device)
-        x, y = self.data(batch)
-        if self.images:
-            x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))  # NHWC -> NCHW
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        step = models.torch_train_step(model, optimizer, torch.nn.CrossEntropyLoss(), x, y, device=device)
+        step = models.torch_train_step(model, optimizer, torch.nn.CrossEntropyLoss(), *self._torch_data(batch), device=device)
         return DeviceStep(step, *_torch_reserved()) if device == "cuda" else DeviceStep(step)
+
+    def torch_graph(self, batch: int | None = None, warmup_calls: int = 3) -> DeviceStep:
+        """The PyTorch step captured whole (forward, backward and ``Adam(capturable=True)``)
+        as one CUDA graph, the way PyTorch captures a whole network: the first
+        `warmup_calls` calls are eager steps on a side stream, the next captures the step on
+        that stream and replays it, later calls replay. Every call first copies the batch
+        into the graph's static input tensors, as a training loop must."""
+        import torch
+
+        model = self.torch_model().to("cuda")
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        batch_x, batch_y = (torch.from_numpy(a).to("cuda") for a in self._torch_data(batch))
+        static_x, static_y = batch_x.clone(), batch_y.clone()
+        side, graph, calls = torch.cuda.Stream(), torch.cuda.CUDAGraph(), 0
+
+        def train() -> None:
+            optimizer.zero_grad(set_to_none=True)  # in the capture: backward makes the grads in the graph's pool
+            loss_fn(model(static_x), static_y).backward()
+            optimizer.step()
+
+        def step() -> None:
+            nonlocal calls
+            calls += 1
+            static_x.copy_(batch_x)
+            static_y.copy_(batch_y)
+            if calls > warmup_calls:
+                if calls == warmup_calls + 1:
+                    with torch.cuda.graph(graph, stream=side):
+                        train()
+                graph.replay()
+                return
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                train()
+            torch.cuda.current_stream().wait_stream(side)
+
+        return DeviceStep(step, *_torch_reserved(), captures=lambda: int(calls > warmup_calls))
 
 
 TRAINING: dict[str, Classifier] = {c.name: c for c in (
