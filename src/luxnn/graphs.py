@@ -167,12 +167,15 @@ class _Graph:
         states, optimizer state)."""
         return [tree.unflatten(structure, leaves) for structure, leaves in self.parts]
 
-    def launch(self, xp: Any, stream: Any) -> None:
+    def launch(self, xp: Any, stream: Any, launched: list) -> None:
+        """Launches the graph on `stream`, with the hooks around it; `launched` gets an item
+        in the same C call that launches (`list.extend` over `map`), so that an interrupt
+        raised as the call returns still finds the launch recorded."""
         if self.event is not None and not self.event.done:
             self.event.synchronize()  # the flags of its last launch read before it writes them again
         for fn in self.hooks.before:
             fn()
-        self.graph.launch(stream)
+        launched.extend(map(self.graph.launch, (stream,)))
         for fn in self.hooks.after:
             fn()
         if self.hooks.after:
@@ -282,19 +285,21 @@ class Runner:
 
     def _launch(self, graph: _Graph, ts: Any, advance: Advance) -> tuple:
         """Launches `graph` for the step of `ts` and returns the step's results. The state
-        is consumed before the launch and given back if the launch does not happen (an
-        error, a KeyboardInterrupt): a step is done whole or not at all."""
+        is consumed before the launch and given back if the launch did not happen (an
+        error, a KeyboardInterrupt before it): a step is done whole or not at all."""
         grads, loss, stats_, states, opt_state = graph.results()
         new = ts.replace(states=states, optimizer_state=opt_state, step=ts.step + 1)
-        undo = advance(new, ts)
+        undo, launched = advance(new, ts), []
         try:
-            graph.launch(self.xp, self.stream)
+            graph.launch(self.xp, self.stream, launched)
         except BaseException:
-            undo()
+            if not launched:
+                undo()
             raise
         overwritten(opt_state)  # the counts it hands out hold new values
         # The loss and the stats as copies, made after the launch: a loop may keep them.
-        return grads, loss.copy(), tree.map(lambda x: x.copy() if is_array(x) else x, stats_), new
+        with cached(self.cache):
+            return grads, loss.copy(), tree.map(lambda x: x.copy() if _on_device(x) else x, stats_), new
 
     def _capture(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
         xp = self.xp
