@@ -209,19 +209,17 @@ def test_steps_are_captured_and_replayed_under_a_cache_limit():
 
 
 class _Interruptible:
-    """A captured graph (CuPy's) whose launch raises KeyboardInterrupt, once `switch` holds
-    "before" (instead of launching) or "after" (once launched), taking it out."""
+    """A captured graph (CuPy's) whose launch raises KeyboardInterrupt instead of launching,
+    once `switch` holds "before", taking it out."""
 
     def __init__(self, graph, switch: list) -> None:
         self._graph, self._switch = graph, switch
 
     def launch(self, stream=None):
-        when = self._switch.pop() if self._switch else None
-        if when == "before":
+        if self._switch and self._switch[-1] == "before":
+            self._switch.pop()
             raise KeyboardInterrupt
         self._graph.launch(stream)
-        if when == "after":
-            raise KeyboardInterrupt
 
     def __getattr__(self, name):
         return getattr(self._graph, name)
@@ -229,11 +227,21 @@ class _Interruptible:
 
 @pytest.fixture
 def interrupt_switch(monkeypatch):
-    """Every graph CuPy's streams capture from now on is `_Interruptible` by the list yielded."""
+    """Every graph CuPy's streams capture from now on is `_Interruptible` by the list
+    yielded; "after" interrupts the runner at its first step after a launch returned."""
     switch: list = []
     owner = next(c for c in cupy.cuda.Stream.__mro__ if "end_capture" in vars(c))
     end_capture = owner.end_capture
     monkeypatch.setattr(owner, "end_capture", lambda stream: _Interruptible(end_capture(stream), switch))
+    overwritten = lx.graphs.overwritten
+
+    def interrupted_after_the_launch(tree):
+        if switch and switch[-1] == "after":
+            switch.pop()
+            raise KeyboardInterrupt
+        overwritten(tree)
+
+    monkeypatch.setattr(lx.graphs, "overwritten", interrupted_after_the_launch)
     return switch
 
 
@@ -241,7 +249,9 @@ def interrupt_switch(monkeypatch):
 @needs_gpu
 def test_a_keyboard_interrupt_at_a_replays_launch_leaves_a_whole_step_or_none(when, interrupt_switch):
     """On the CNN, whose BatchNorm states a step replaces (its parameters and moments it
-    writes in place): every array the state holds is as before the step, or all as after."""
+    writes in place): interrupted before the launch, the state trains on as if the call
+    had never been made; after it, the step is done and the state given is consumed (a
+    verb refuses it), never half of one."""
     batches = _batches("cnn")
     (graphed, eager), _ = _steps(_pair("cnn"), batches, WARM)
     assert lx.graphs.stats(graphed).replays > 0
@@ -251,14 +261,14 @@ def test_a_keyboard_interrupt_at_a_replays_launch_leaves_a_whole_step_or_none(wh
     interrupt_switch.append(when)
     with pytest.raises(KeyboardInterrupt):
         lx.single_train_step_(AD, LOSS, batch, graphed)
-    assert not interrupt_switch, "the replayed step launched no graph that CuPy's Stream.end_capture made"
+    assert not interrupt_switch, "the replayed step did not reach the interrupt"
     cupy.cuda.runtime.deviceSynchronize()  # the stream is usable
-    now = _snapshot(graphed)
-    if _differences(now, not_started):
-        assert not _differences(now, _snapshot(eager)), "half a step: some arrays as after it, some as before"
+    if when == "after":
+        assert graphed.consumed
+        with pytest.raises(ValueError, match="consumed"):
+            lx.single_train_step_(AD, LOSS, batch, graphed)
         return
-    # Not started: the state trains on as if the call had never been made.
-    assert not graphed.consumed
+    assert not graphed.consumed and not _differences(_snapshot(graphed), not_started)
     _, _, _, graphed = lx.single_train_step_(AD, LOSS, batch, graphed)
     _assert_same(graphed, eager)
     (graphed, eager), losses = _steps([graphed, eager], batches, 3)
