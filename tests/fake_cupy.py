@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import threading
 import types
+import weakref
 
 import numpy as np
 
@@ -100,10 +101,21 @@ class MemoryPointer:
         self.mem, self.ptr, self.device_id = mem, mem.ptr + offset, mem.device_id
 
 
+_host_buffers = weakref.WeakValueDictionary()  # address -> the live buffer `_malloc` made there
+
+
 def _malloc(size):
     """The raw allocator (CuPy's ``memory._malloc``), here host memory."""
     buf = ctypes.create_string_buffer(max(size, 1))
+    _host_buffers[ctypes.addressof(buf)] = buf
     return MemoryPointer(UnownedMemory(ctypes.addressof(buf), size, buf, runtime.getDevice()), 0)
+
+
+def host_buffer(ptr):
+    """The host buffer holding the raw allocation that starts at `ptr`, or None if the raw
+    allocator made none there: holding it keeps those bytes valid without holding CuPy's
+    memory object (tests/sim_cupy.py's graphs do, as a GPU's memory stays mapped)."""
+    return _host_buffers.get(ptr)
 
 
 _current_allocator = _malloc
@@ -147,7 +159,7 @@ def get_default_memory_pool():
     return _pool
 
 
-_current = threading.local()  # .device, .streams: {device: stream pointer}
+_current = threading.local()  # .device, .streams: {device: stream pointer}, .entered
 
 
 class Device:
@@ -166,7 +178,8 @@ class Device:
 
 
 class Stream:
-    """A stream of the current device; ``with stream:`` makes it current in this thread."""
+    """A stream of the current device; ``with stream:`` makes it current in this thread (of
+    the current device for a stream of device -1, as CuPy's singletons are)."""
 
     _made = 0
 
@@ -175,13 +188,15 @@ class Stream:
         self.ptr, self.device_id = 0x5000 + Stream._made, runtime.getDevice()
 
     def __enter__(self):
+        device = runtime.getDevice() if self.device_id == -1 else self.device_id
         streams = _streams()
-        self._before = streams.get(self.device_id, 0)
-        streams[self.device_id] = self.ptr
+        _entered().append((device, streams.get(device, 0)))
+        streams[device] = self.ptr
         return self
 
     def __exit__(self, *exc):
-        _streams()[self.device_id] = self._before
+        device, before = _entered().pop()
+        _streams()[device] = before
 
 
 class _PerThreadStream(Stream):
@@ -198,6 +213,13 @@ def _streams():
     if not hasattr(_current, "streams"):
         _current.streams = {}
     return _current.streams
+
+
+def _entered():
+    """This thread's streams entered and not left: (device, the stream current before)."""
+    if not hasattr(_current, "entered"):
+        _current.entered = []
+    return _current.entered
 
 
 def get_current_stream():

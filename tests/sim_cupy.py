@@ -13,7 +13,9 @@ A launch is what a GPU would run for the call, counted in `launches` by kind and
 ``kernel`` (an elementwise ufunc, a reduction, a copy, an indexing gather or scatter, each
 luxnn kernel run through its NumPy twin, from `luxnn.kernels.KERNELS`), ``fill`` (zeros, ones,
 ``fill``), ``cublas`` (a matrix product) and ``memcpy`` (host to device or back). Views
-(reshape without a copy, transposes, broadcasts, basic slicing) launch nothing. As in CuPy,
+(reshape without a copy, transposes, broadcasts, basic slicing) launch nothing. Each launch
+goes on the current stream, where a capture may record it instead of running it, for a CUDA
+graph to replay (tests/sim_streams.py: streams, events, capture, graphs). As in CuPy,
 a NumPy array is refused as an operand and an implicit conversion to NumPy raises; NumPy's
 functions on these arrays go to this module's (``__array_ufunc__``, ``__array_function__``).
 Anything of CuPy's not here is absent: code that needs more fails rather than passing on a
@@ -39,60 +41,75 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 import fake_cupy
+import sim_streams
 
-# CuPy's allocator interface is the fake's; only the runtime learns how many devices exist
-# and how to wait for them (every launch here has finished when it returns).
+# CuPy's allocator interface is the fake's; streams, events and graphs are sim_streams'.
 cuda = types.SimpleNamespace(**vars(fake_cupy.cuda))
-cuda.runtime = types.SimpleNamespace(getDevice=fake_cupy.runtime.getDevice, getDeviceCount=lambda: 1,
-                                     deviceSynchronize=lambda: None)
-
-
-class _Stream(fake_cupy.Stream):
-    """``cupy.cuda.Stream(null=False, non_blocking=False, ptds=False)``."""
-
-    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
-        super().__init__()
-
-
-class _Event:
-    """``cupy.cuda.Event``: here every launch has run when it returns, so an event is done
-    as soon as it is recorded."""
-
-    def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
-        self._recorded = False
-
-    def record(self, stream: Any = None) -> None:
-        self._recorded = True
-
-    done = property(lambda self: self._recorded)
-
-    def synchronize(self) -> None:
-        pass
-
-
-cuda.Stream, cuda.Event = _Stream, _Event
+cuda.runtime = types.SimpleNamespace(
+    getDevice=fake_cupy.runtime.getDevice, getDeviceCount=lambda: 1, deviceSynchronize=sim_streams.device_synchronize,
+    streamIsCapturing=sim_streams.stream_is_capturing, CUDARuntimeError=sim_streams.CUDARuntimeError,
+    **sim_streams.RUNTIME_CONSTANTS,
+)  # fmt: skip
+cuda.driver = types.SimpleNamespace(CUDADriverError=sim_streams.CUDADriverError)
+cuda.Stream, cuda.Event, cuda.Graph = sim_streams.Stream, sim_streams.Event, sim_streams.Graph
+cuda.get_current_stream = sim_streams.get_current_stream
+cuda.stream = types.SimpleNamespace(**vars(fake_cupy.cuda.stream), Stream=cuda.Stream, Event=cuda.Event,
+                                    get_current_stream=cuda.get_current_stream)
+cuda.graph = types.SimpleNamespace(Graph=cuda.Graph)
 get_default_memory_pool = fake_cupy.get_default_memory_pool
 __version__ = "14.0.0-simulated"
 
-launches: collections.Counter = collections.Counter()  # (kind, name) -> launches, since import
+launches = sim_streams.launches  # (kind, name) -> launches, since import
 
 
-def _launch(kind: str, name: str) -> None:
-    launches[kind, name] += 1
+def _launch(kind: str, name: str, work: Callable[[], Any], replay: Callable[[], Any] | None = None,
+            writes: Any = None, stream: Any = None) -> None:
+    """One launch on `stream` (the current one by default): `work()` writes its results into
+    device memory; while the stream captures, `replay` (by default `work`) is recorded to
+    run at each launch of the graph instead (sim_streams). `writes`, the NumPy arrays that
+    `work` writes, is given where NumPy checks the arguments as CuPy does at the call: in a
+    capture `work` runs then, for its errors, and those arrays are put back."""
+    if writes is not None and sim_streams.recording(stream):
+        saved = [w.copy() for w in writes]
+        try:
+            with np.errstate(all="ignore"):
+                work()
+        finally:
+            for w, before in zip(writes, saved):
+                np.copyto(w, before)
+    sim_streams.enqueue(kind, name, work, replay, stream)
+
+
+def _inferring() -> Any:
+    """Around a result computed for its shape and dtype: in a capture its values are thrown
+    away, so what the memory holds then (anything) raises no warning."""
+    return np.errstate(all="ignore") if sim_streams.recording() else contextlib.nullcontext()
+
+
+def _transfer(direction: str, stream: Any = None) -> None:
+    """A copy between host and device (`direction` ``"host_to_device"`` or
+    ``"device_to_host"``) on `stream` (the current one by default), counted. CuPy refuses
+    it while the stream captures, before calling CUDA (the capture goes on)."""
+    which = "H2D" if direction == "host_to_device" else "D2H"
+    sim_streams.refuse_if_capturing(stream, RuntimeError(f"the current stream is capturing, so {which} transfers "
+                                                         "are disallowed"))
+    _launch("memcpy", direction, lambda: None, stream=stream)
 
 
 def launch(kind: str, name: str, work: Callable[[], None]) -> None:
     """One launch of `kind` and `name` (counted in `launches`) that computes `work()`: a
     function that writes its results into device memory already allocated (for the
-    simulated libraries beside this module, e.g. a GEMM of another library's)."""
-    work()
-    _launch(kind, name)
+    simulated libraries beside this module, e.g. a GEMM of another library's). While the
+    current stream captures, `work` is recorded, not run, and runs at each launch of the
+    graph: it must read its inputs when it runs."""
+    _launch(kind, name, work)
 
 
 @contextlib.contextmanager
 def counting() -> Iterator[collections.Counter]:
     """The launches made inside the block, by kind (``counts["kernel"]``) and by
-    ``(kind, name)``; filled in when the block ends."""
+    ``(kind, name)``; filled in when the block ends. A launch recorded by a capture counts
+    as ``("captured", name)``, a graph's launch as ``("graph", "launch")``."""
     before = launches.copy()
     counts: collections.Counter = collections.Counter()
     try:
@@ -105,25 +122,33 @@ def counting() -> Iterator[collections.Counter]:
 
 
 class _Memory:
-    """Exposes a device allocation to NumPy (its ``__array_interface__``) and holds it."""
+    """Exposes device memory to NumPy (its ``__array_interface__``). It holds the bytes of a
+    raw allocation, not CuPy's memory object, which its array holds: a graph's launches keep
+    NumPy views of what they read and write, and on a GPU a graph keeps no memory from its
+    allocator (the bytes stay valid, as they do in CuPy's pool)."""
 
-    def __init__(self, pointer: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        self.pointer = pointer
-        self.__array_interface__ = {"data": (pointer.ptr, False), "shape": shape, "typestr": dtype.str, "version": 3}
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.raw = fake_cupy.host_buffer(ptr)
+        self.__array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": dtype.str, "version": 3}
 
 
 def empty(shape, dtype=float) -> "ndarray":
     """Uninitialised device memory from the current allocator (no launch)."""
     shape, dtype = ((shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)), np.dtype(dtype)
     pointer = cuda.alloc(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-    values = np.asarray(_Memory(pointer, shape, dtype)) if pointer.ptr else np.empty(shape, dtype)
+    values = np.asarray(_Memory(pointer.ptr, shape, dtype)) if pointer.ptr else np.empty(shape, dtype)
     return ndarray(values, pointer)
 
 
-def _to_device(values: np.ndarray, kind: str, name: str) -> "ndarray":
-    out = empty(values.shape, values.dtype)
-    out._values[...] = values
-    _launch(kind, name)
+def _to_device(compute: Callable[[], Any], kind: str, name: str, values: Any = None) -> "ndarray":
+    """A launch computing `compute()` into new device memory (`values`: its result, when
+    already computed): a graph computes it again when it replays the launch."""
+    if values is None:
+        with _inferring():
+            values = compute()
+    out = empty(np.shape(values), values.dtype)
+    target = out._values
+    _launch(kind, name, lambda: target.__setitem__(..., values), replay=lambda: target.__setitem__(..., compute()))
     return out
 
 
@@ -144,18 +169,18 @@ def _index(key: Any) -> Any:
     if isinstance(key, tuple):
         return tuple(_index(k) for k in key)
     if isinstance(key, (np.ndarray, list)):
-        _launch("memcpy", "host_to_device")
+        _transfer("host_to_device")
         return np.asarray(key)
     if isinstance(key, ndarray) and key.dtype == bool:
-        _launch("memcpy", "device_to_host")
+        _transfer("device_to_host")
     return _unwrap(key)
 
 
-def _wrap(result: Any, inputs: tuple, kind: str, name: str) -> Any:
-    """A NumPy result as a device array: a view of an input's memory stays a view (no
-    launch); anything else is what the launch computed, moved into fresh device memory."""
+def _wrap(result: Any, inputs: tuple, kind: str, name: str, compute: Callable[[], Any]) -> Any:
+    """A NumPy result (of `compute()`) as a device array: a view of an input's memory stays
+    a view (no launch); anything else is what the launch computed, in fresh device memory."""
     if isinstance(result, (tuple, list)):  # several results (divmod) or views (split)
-        return type(result)(_wrap(r, inputs, kind, name) for r in result)
+        return type(result)(_wrap(r, inputs, kind, name, lambda i=i: compute()[i]) for i, r in enumerate(result))
     if isinstance(result, np.generic):
         result = np.asarray(result)
     if not isinstance(result, np.ndarray):
@@ -163,7 +188,7 @@ def _wrap(result: Any, inputs: tuple, kind: str, name: str) -> Any:
     for x in _arrays(inputs):
         if np.may_share_memory(result, x._values):
             return x._view(result)
-    return _to_device(result, kind, name)
+    return _to_device(compute, kind, name, values=result)
 
 
 def _arrays(args: Any) -> Iterator["ndarray"]:
@@ -175,12 +200,22 @@ def _arrays(args: Any) -> Iterator["ndarray"]:
 
 
 def _run(function: Callable, kind: str, name: str, args: tuple, kwargs: dict) -> Any:
+    if kind == "cublas":  # CuPy's cuBLAS handle takes the stream first, and refuses a capturing one
+        sim_streams.refuse_if_capturing(None, NotImplementedError("calling cuBLAS API during stream capture is "
+                                                                  "currently unsupported"))
+    np_args, np_kwargs = _unwrap(args), {k: _unwrap(v) for k, v in kwargs.items()}
+
+    def call() -> Any:
+        return function(*np_args, **np_kwargs)
+
     out = kwargs.get("out")
-    result = function(*_unwrap(args), **{k: _unwrap(v) for k, v in kwargs.items()})
     if out is not None:
-        _launch(kind, name)
+        writes = [w for w in np_kwargs["out"] if w is not None] if isinstance(out, tuple) else [np_kwargs["out"]]
+        _launch(kind, name, call, writes=writes)
         return out[0] if isinstance(out, tuple) and len(out) == 1 else out  # NumPy's protocol passes a tuple
-    return _wrap(result, args, kind, name)
+    with _inferring():
+        result = call()
+    return _wrap(result, args, kind, name, call)
 
 
 class ufunc:  # noqa: N801 - CuPy's name
@@ -198,9 +233,8 @@ class ufunc:  # noqa: N801 - CuPy's name
         return _run(self._ufunc.reduce, "kernel", f"{self.__name__}.reduce", args, kwargs)
 
     def at(self, a: "ndarray", indices: Any, b: Any = None) -> None:
-        extra = () if b is None else (_unwrap(b),)
-        self._ufunc.at(a._values, _index(indices), *extra)
-        _launch("kernel", f"{self.__name__}.at")
+        at, values, where, extra = self._ufunc.at, a._values, _index(indices), (() if b is None else (_unwrap(b),))
+        _launch("kernel", f"{self.__name__}.at", lambda: at(values, where, *extra), writes=[values])
 
 
 # NumPy functions by what a GPU launches for them. Views launch nothing; a reshape or a
@@ -237,10 +271,12 @@ def _fill(name: str) -> tuple[Callable, Callable]:
     filled, filled_like = getattr(np, name), getattr(np, f"{name}_like")
 
     def make(*args: Any, **kwargs: Any) -> "ndarray":
-        return _to_device(filled(*args, **kwargs), "fill", name)
+        values = filled(*args, **kwargs)
+        return _to_device(lambda: values, "fill", name)
 
     def make_like(a: "ndarray", *args: Any, **kwargs: Any) -> "ndarray":
-        return _to_device(filled_like(a._values, *args, **kwargs), "fill", name)
+        values = filled_like(a._values, *args, **kwargs)
+        return _to_device(lambda: values, "fill", name)
 
     make.__name__, make_like.__name__ = name, f"{name}_like"
     return make, make_like
@@ -259,19 +295,26 @@ def asarray(a: Any, dtype=None) -> "ndarray":
     """A device array of `a`: itself when already one of `dtype`; host data is copied over."""
     if isinstance(a, ndarray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
-    return _to_device(np.asarray(a, dtype), "memcpy", "host_to_device")
+    values = np.array(a, dtype)
+    if values.ndim == 0:  # CuPy fills it in by a kernel, which a capture records
+        return _to_device(lambda: values, "memcpy", "host_to_device")
+    out = empty(values.shape, values.dtype)
+    _transfer("host_to_device")
+    out._values[...] = values
+    return out
 
 
 array = asarray
 
 
 def arange(*args: Any, dtype=None) -> "ndarray":
-    return _to_device(np.arange(*args, dtype=dtype), "kernel", "arange")
+    values = np.arange(*args, dtype=dtype)
+    return _to_device(lambda: values, "kernel", "arange")
 
 
 def copyto(dst: "ndarray", src: Any, casting: str = "same_kind", where: Any = True) -> None:
-    np.copyto(dst._values, _unwrap(src), casting=casting, where=_unwrap(where))
-    _launch("kernel", "copyto")
+    target, source, mask = dst._values, _unwrap(src), _unwrap(where)
+    _launch("kernel", "copyto", lambda: np.copyto(target, source, casting=casting, where=mask), writes=[target])
 
 
 def result_type(*arrays_and_dtypes: Any) -> np.dtype:
@@ -307,8 +350,8 @@ class ElementwiseKernel:
                    for (t, _), a in zip(self._in, inputs)]  # CuPy casts a scalar to its parameter's type
         # Unlike a ufunc, CuPy's ElementwiseKernel copies no input that overlaps an output:
         # each thread reads what it reads where it lies.
-        self.twin(*_unwrap(scalars), *_unwrap(outputs))
-        _launch("kernel", self.name)
+        twin, np_inputs, np_outputs = self.twin, _unwrap(scalars), _unwrap(list(outputs))
+        _launch("kernel", self.name, lambda: twin(*np_inputs, *np_outputs), writes=np_outputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
@@ -347,7 +390,8 @@ class ReductionKernel:
         self.twin, self.name = _twin(name), name
 
     def __call__(self, *args: Any, axis: Any = None, keepdims: bool = False) -> "ndarray":
-        return _to_device(np.asarray(self.twin(*_unwrap(args), axis=axis, keepdims=keepdims)), "kernel", self.name)
+        twin, np_args = self.twin, _unwrap(args)
+        return _to_device(lambda: np.asarray(twin(*np_args, axis=axis, keepdims=keepdims)), "kernel", self.name)
 
 
 class RawKernel:
@@ -367,8 +411,10 @@ class RawKernel:
         self.compile()  # CuPy compiles the source at the first launch
         if self._params is not None:
             _check_raw_args(self.name, self._params, args)
-        self.twin(*(_as_pointed_to(a) if isinstance(a, ndarray) else a for a in args))
-        _launch("kernel", self.name)
+        # In a capture it is not run for its errors: through a table of pointers it may write
+        # memory that no argument names.
+        twin, np_args = self.twin, [_as_pointed_to(a) if isinstance(a, ndarray) else a for a in args]
+        _launch("kernel", self.name, lambda: twin(*np_args))
 
 
 def _as_pointed_to(a: "ndarray") -> np.ndarray:
@@ -520,7 +566,7 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
         return ours(*args, **kwargs)
 
     def get(self, stream: Any = None) -> np.ndarray:
-        _launch("memcpy", "device_to_host")
+        _transfer("device_to_host", stream)
         return self._meta.copy()
 
     def set(self, arr: np.ndarray, stream: Any = None) -> None:
@@ -533,8 +579,8 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
             raise ValueError("Shape mismatch")
         if not self.flags.c_contiguous:
             raise RuntimeError("Cannot set to non-contiguous array")
+        _transfer("host_to_device", stream)
         self._meta[...] = arr
-        _launch("memcpy", "host_to_device")
 
     def item(self) -> Any:
         return self.get().item()
@@ -547,23 +593,27 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
     __bool__ = lambda self: bool(self.item())  # noqa: E731
 
     def __getitem__(self, key: Any) -> "ndarray":
-        return _wrap(self._meta[_index(key)], (self,), "kernel", "gather")
+        values, where = self._meta, _index(key)
+        return _wrap(values[where], (self,), "kernel", "gather", lambda: values[where])
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._meta[_index(key)] = _unwrap(value)
-        _launch("fill" if np.isscalar(value) else "kernel", "setitem")
+        values, where, new = self._meta, _index(key), _unwrap(value)
+        _launch("fill" if np.isscalar(value) else "kernel", "setitem", lambda: values.__setitem__(where, new),
+                writes=[values])
 
     def fill(self, value: Any) -> None:
-        self._meta.fill(value)
-        _launch("fill", "fill")
+        values = self._meta
+        _launch("fill", "fill", lambda: values.fill(value), writes=[values])
 
     def astype(self, dtype: Any, copy: bool = True) -> "ndarray":
         if not copy and np.dtype(dtype) == self.dtype:
             return self
-        return _to_device(self._meta.astype(dtype), "kernel", "astype")
+        values = self._meta
+        return _to_device(lambda: values.astype(dtype), "kernel", "astype")
 
     def copy(self) -> "ndarray":
-        return _to_device(self._meta, "kernel", "copy")
+        values = self._meta
+        return _to_device(lambda: values, "kernel", "copy")
 
     def view(self, dtype: Any = None) -> "ndarray":
         return self._view(self._meta.view() if dtype is None else self._meta.view(dtype))
