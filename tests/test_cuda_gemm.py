@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import luxnn as lx
+from luxnn import capturing
 from luxnn.bench import gpu_models
 from luxnn.memory import cupy_backend
 from luxnn.ops.cuda import gemm
@@ -63,8 +64,16 @@ def _host(x):
     return x.get() if isinstance(x, sim_cupy.ndarray) else x
 
 
-def _device(rng, *shape, dtype=np.float64):
-    return sim_cupy.asarray(rng.standard_normal(shape).astype(dtype))
+def _device(rng, *shape, dtype=np.float64, offset=0):
+    """Random values on the device, their first element `offset` elements after a 256-byte
+    boundary (cudaMalloc's and luxnn's blocks are so aligned; the host's here need not be)."""
+    values = rng.standard_normal(shape).astype(dtype)
+    size = values.dtype.itemsize
+    buffer = sim_cupy.empty(values.size + offset + 256 // size, dtype)
+    start = -buffer.data.ptr % 256 // size + offset
+    x = buffer[start : start + values.size].reshape(shape)
+    x.set(values)
+    return x
 
 
 def _products(rng):
@@ -115,33 +124,67 @@ def test_each_call_sites_product_is_numpys(case, backend):
     assert counts[library] == 1 and counts["cublas"] == 1, (name, counts)
 
 
+def _operands(rng, m, k, n, offset=0):
+    """a ``(m, k)`` (`offset` elements off its alignment), b ``(k, n)`` and out ``(m, n)``."""
+    return _device(rng, m, k, offset=offset), _device(rng, k, n), _device(rng, m, n)
+
+
+def _check(a, b, out):
+    assert gemm.matmul(a, b, out=out) is out
+    np.testing.assert_allclose(out.get(), a.get() @ b.get())
+
+
 def test_one_plan_per_layout_rebound_to_each_calls_operands_and_releasing_them(nvmath):
     rng = np.random.default_rng(1)
     before = len(nvmath.made)
-    a, b = _device(rng, 6, 4), _device(rng, 4, 3)
     for _ in range(3):
-        a, b = _device(rng, 6, 4), _device(rng, 4, 3)
-        np.testing.assert_allclose(gemm.matmul(a, b).get(), a.get() @ b.get())
+        a, b, out = _operands(rng, 6, 4, 3)
+        _check(a, b, out)
     (plan,) = nvmath.made[before:]
     assert plan.resets == 3 and plan.executes == 3 and plan.released
     kept = weakref.ref(a)
     del a
     assert kept() is None  # the plan holds no operand between calls
-    gemm.matmul(_device(rng, 6, 4), b.T.copy().T)  # b column-major: another layout, another plan
+    a, b, out = _operands(rng, 6, 4, 3)
+    _check(a, _device(rng, 3, 4).T, out)  # b column-major: another layout, another plan
     assert len(nvmath.made) == before + 2
+
+
+def test_operands_less_aligned_than_a_plans_get_a_plan_of_their_own(nvmath):
+    rng = np.random.default_rng(6)
+    before = len(nvmath.made)
+    for offset in (0, 1, 0):  # 256 bytes, 8 bytes, 256 bytes
+        _check(*_operands(rng, 6, 4, 3, offset=offset))
+    assert [plan.planned_alignment[0] for plan in nvmath.made[before:]] == [256, 8]
 
 
 def test_the_least_recently_used_plan_is_freed_past_the_bound(nvmath, monkeypatch):
     monkeypatch.setattr(gemm, "PLANS", 2)
     rng = np.random.default_rng(2)
-    shapes = {name: ((n, 4), (4, 3)) for name, n in (("first", 2), ("second", 3), ("third", 5))}
+    rows = {"first": 2, "second": 3, "third": 5}
     before = len(nvmath.made)
     for name in ("first", "second", "first", "third"):
-        gemm.matmul(*(_device(rng, *shape) for shape in shapes[name]))
+        _check(*_operands(rng, rows[name], 4, 3))
     first, second, third = nvmath.made[before:]
     assert not second.valid and first.valid and third.valid  # "second" was the least recently used
-    gemm.matmul(*(_device(rng, *shape) for shape in shapes["second"]))
+    _check(*_operands(rng, rows["second"], 4, 3))
     assert len(nvmath.made) == before + 4 and not first.valid
+
+
+def test_a_capture_keeps_the_plans_it_launches_and_cannot_plan(nvmath):
+    rng = np.random.default_rng(7)
+    _check(*_operands(rng, 6, 4, 3))
+    plan = nvmath.made[-1]
+    with capturing.capture() as recorded:
+        _check(*_operands(rng, 6, 4, 3))
+        with pytest.raises(capturing.NotCapturable, match=r"a GEMM of a layout not planned before \(\(6, 5\) @"):
+            gemm.matmul(*_operands(rng, 6, 5, 3)[:2])
+    assert nvmath.made[-1] is plan  # nothing planned while capturing
+    gemm.clear()
+    assert plan.valid  # the graph that launches it keeps its workspace
+    del recorded
+    _check(*_operands(rng, 2, 2, 2))  # a plan made: the retired ones no graph launches freed
+    assert not plan.valid
 
 
 def test_a_plans_workspace_comes_from_the_current_allocator_at_its_first_execution_only(nvmath):
@@ -152,11 +195,11 @@ def test_a_plans_workspace_comes_from_the_current_allocator_at_its_first_executi
         sizes.append(size)
         return upstream(size)
 
-    a, b, out = _device(rng, 8, 4), _device(rng, 4, 6), sim_cupy.empty((8, 6))
+    operands = [(_device(rng, 8, 4), _device(rng, 4, 6), _device(rng, 8, 6)) for _ in range(3)]
     with sim_cupy.cuda.using_allocator(recording):
-        gemm.matmul(a, b, out=out)
-        gemm.matmul(_device(rng, 8, 4), _device(rng, 4, 6), out=out)
-    assert sizes == [sim_nvmath.WORKSPACE_BYTES, 8 * 4 * 8, 4 * 6 * 8]  # then the second call's operands
+        for a, b, out in operands:
+            gemm.matmul(a, b, out=out)
+    assert sizes == [sim_nvmath.WORKSPACE_BYTES]
 
 
 def test_products_cublaslt_does_not_take_are_cupys(backend):
@@ -183,19 +226,23 @@ def test_operands_of_no_product_are_refused_naming_their_shapes(a, b, out, messa
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_each_model_trains_through_cublaslt_as_on_the_cpu(name, nvmath):
-    _assert_same_training(*_run_both(MODELS[name], lx.CUDADevice(0)))
+    with sim_cupy.counting() as counts:
+        cpu, gpu = _run_both(MODELS[name], lx.CUDADevice(0))
+    _assert_same_training(cpu, gpu)
+    assert counts["cublas"] == counts["cublas", "cublasLt_matmul"] > 0  # no product left to CuPy's cuBLAS
 
 
 BATCH = 4  # tests/test_sim_bench.py's
 
 
-def _launches_per_step(name: str) -> tuple[int, int]:
-    """(launches, cuBLAS calls) of the third training step of the bench's row `name`."""
+def _launches_per_step(name: str) -> tuple[int, int, int]:
+    """(launches, cuBLAS calls, those through cuBLASLt) of the third training step of the
+    bench's row `name`."""
     step = gpu_models.TRAINING[name].luxnn(_device_cache(), batch=BATCH)
     for _ in range(3):
         with sim_cupy.counting() as counts:
             step()
-    return counts["kernel"] + counts["fill"] + counts["cublas"], counts["cublas"]
+    return counts["kernel"] + counts["fill"] + counts["cublas"], counts["cublas"], counts["cublas", "cublasLt_matmul"]
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "attention", "lstm"])
@@ -206,8 +253,9 @@ def test_the_bench_models_launch_the_same_with_and_without_nvmath(name, sim_gpu,
         monkeypatch.setitem(sys.modules, "nvmath", library)
         counts[library] = _launches_per_step(name)
     gemm.clear()
-    print(f"{name}: (launches, cuBLAS calls) per training step {counts[sim_nvmath]} with nvmath, {counts[None]} without")
-    assert counts[sim_nvmath] == counts[None]
+    (launches, blas, lt), without = counts[sim_nvmath], counts[None]
+    print(f"{name}: {launches} launches and {blas} cuBLAS calls per training step with nvmath, {without[:2]} without")
+    assert (launches, blas) == without[:2] and lt == blas and without[2] == 0
 
 
 def test_on_a_gpu_cublaslt_writes_each_product_into_out_without_reading_it(gpu):

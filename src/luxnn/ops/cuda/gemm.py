@@ -11,14 +11,18 @@ least recently used dropped past `PLANS`. A call rebinds the kept object to its 
 would check), launches it on the current stream without waiting for it (nvmath's
 ``blocking="auto"`` with device operands), and releases the operands, so that a kept plan
 never holds a step's arrays alive. Eager and captured steps take this same path, with the
-same plan and algorithm, so they compute the same bits.
+same plan and algorithm, so they compute the same bits. While a step is being captured
+(`luxnn.capturing`), a product of a layout not planned yet raises
+``capturing.NotCapturable`` (planning waits for the device: see below), and the graph
+keeps a token of each plan it launches: a plan dropped from the kept ones is freed only
+once no graph launches it, since its workspace's address is in the graph.
 
-Each product is written in place into a C-ordered result, the caller's `out` or a fresh
-array from CuPy's current allocator (nvmath's ``inplace`` with ``beta = 0``, so that
-cuBLASLt writes ``A @ B`` into it: nvmath's own result would follow A's order). Operands
-go as they are when cuBLASLt can read them as nvmath describes them (a matrix with unit
-stride along one axis; a stack that is C-ordered, or is so with its last two axes
-swapped, passed as one strided batch), else as a contiguous copy, as CuPy copies them.
+Each product is written in place (nvmath's ``inplace`` with ``beta = 0``: cuBLASLt writes
+``A @ B`` into C) into the caller's `out`, or a fresh C-ordered array from CuPy's current
+allocator, as CuPy's own result (nvmath's would follow A's order). Operands, and `out`,
+go as they are where cuBLASLt can address them as nvmath describes them (a matrix with
+unit stride along one axis; a stack that is C-ordered, or is so with its last two axes
+swapped, as one strided batch), else through a contiguous copy, as CuPy copies them.
 
 nvmath allocates a plan's workspace (at most `WORKSPACE_BYTES`, what cuBLASLt's heuristic
 asks for its best algorithm) at the plan's first execution, through ``cupy.cuda.alloc`` on
@@ -38,10 +42,12 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
 
+from ... import capturing
 from ...backend import module_of
 
 __all__ = ["matmul", "clear", "PLANS", "WORKSPACE_BYTES"]
@@ -79,8 +85,9 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
 
 
 def clear() -> None:
-    """Frees every planned product and its workspace (the next product of each layout is
-    planned again).
+    """Drops every planned product (the next product of each layout is planned again) and
+    frees its workspace, or, for a product that a kept CUDA graph launches, frees it once no
+    graph does (at a later planning or `clear`).
 
     >>> clear()
     """
@@ -190,70 +197,121 @@ def _layout(x: Any) -> tuple:
     return x.shape, x.strides, min(256, ptr & -ptr)  # nvmath plans for the pointers' alignment
 
 
+class _InGraph:
+    """Kept by every captured CUDA graph that launches a plan: while one lives, the plan's
+    workspace must not be freed, its address being in the graph."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Plan:
+    """A planned ``Matmul`` and a weak reference to its `_InGraph`, if a graph launches it."""
+
+    __slots__ = ("matmul", "in_graph")
+
+    def __init__(self, matmul: Any) -> None:
+        self.matmul, self.in_graph = matmul, lambda: None
+
+    def captured(self, recorded: Any) -> None:
+        """The graph being `recorded` launches this plan: it keeps the plan's `_InGraph`."""
+        token = self.in_graph()
+        if token is None:
+            token = _InGraph()
+            self.in_graph = weakref.ref(token)
+        recorded.kept.append(token)
+
+
 class _Plans:
-    """The planned products by layout, least recently used first. One lock: a plan holds one
-    call's operands between its rebinding and its release."""
+    """The planned products by layout, least recently used first, and those dropped that a
+    kept graph still launches (freed once no graph does). One lock: a plan holds one call's
+    operands between its rebinding and its release."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.nvmath: Any = None  # the module the plans were made with
         self.by_layout: collections.OrderedDict = collections.OrderedDict()
+        self.retired: list[_Plan] = []
 
     def run(self, nvmath: Any, xp: Any, a: Any, b: Any, d: Any) -> None:
         """``d = a @ b`` (2-D or 3-D operands, `d` C-ordered or a transposed stack)."""
         stream = xp.cuda.get_current_stream().ptr
         key = (stream, d.device.id, d.dtype, *_layout(a), *_layout(b), *_layout(d))
+        recorded = capturing.active()
         with self.lock:
-            plan = self._planned(nvmath, key, a, b, d, stream)
+            plan = self._planned(nvmath, key, a, b, d, stream, recorded)
+            matmul = plan.matmul
             try:
-                plan.reset_operands_unchecked(a=a, b=b, c=d)
-                plan.execute(stream=stream)
+                matmul.reset_operands_unchecked(a=a, b=b, c=d)
+                matmul.execute(stream=stream)
             finally:
-                plan.release_operands()
+                matmul.release_operands()
+            if recorded is not None:
+                plan.captured(recorded)
 
-    def _planned(self, nvmath: Any, key: tuple, a: Any, b: Any, d: Any, stream: int) -> Any:
-        if nvmath is not self.nvmath:
-            self._free_all()
-            self.nvmath = nvmath
-        plan = self.by_layout.get(key)
+    def _planned(self, nvmath: Any, key: tuple, a: Any, b: Any, d: Any, stream: int, recorded: Any) -> _Plan:
+        plan = self.by_layout.get(key) if nvmath is self.nvmath else None
         if plan is not None:
             self.by_layout.move_to_end(key)
             return plan
+        if recorded is not None:
+            raise capturing.NotCapturable(f"a GEMM of a layout not planned before ({a.shape} @ {b.shape}), whose "
+                                          "planning waits for the device")
+        if nvmath is not self.nvmath:
+            self._retire_all()
+            self.nvmath = nvmath
         advanced = nvmath.linalg.advanced
         options = advanced.MatmulOptions(inplace=True, memory_limit=WORKSPACE_BYTES, logger=_LOGGER)
-        plan = advanced.Matmul(a, b, d, beta=0.0, options=options, stream=stream)
+        matmul = advanced.Matmul(a, b, d, beta=0.0, options=options, stream=stream)
         try:
-            plan.plan(preferences=advanced.MatmulPlanPreferences(limit=1), stream=stream)
+            matmul.plan(preferences=advanced.MatmulPlanPreferences(limit=1), stream=stream)
         except BaseException:
-            plan.free()
+            matmul.free()
             raise
-        self.by_layout[key] = plan
+        plan = self.by_layout[key] = _Plan(matmul)
         while len(self.by_layout) > PLANS:
-            self.by_layout.popitem(last=False)[1].free()
+            self.retired.append(self.by_layout.popitem(last=False)[1])
+        self._free_retired()
         return plan
 
-    def _free_all(self) -> None:
-        plans, self.by_layout = self.by_layout, collections.OrderedDict()
-        for plan in plans.values():
-            plan.free()
+    def _free_retired(self) -> None:
+        kept = []
+        for plan in self.retired:
+            if plan.in_graph() is None:
+                plan.matmul.free()
+            else:
+                kept.append(plan)
+        self.retired = kept
+
+    def _retire_all(self) -> None:
+        self.retired.extend(self.by_layout.values())
+        self.by_layout = collections.OrderedDict()
+        self._free_retired()
 
     def clear(self) -> None:
         with self.lock:
-            self._free_all()
+            self._retire_all()
+
+    def free_at_exit(self) -> None:
+        # Every workspace, while its allocator and the CUDA context live: no graph is
+        # launched after this.
+        with self.lock:
+            plans, self.retired = [*self.retired, *self.by_layout.values()], []
+            self.by_layout = collections.OrderedDict()
+            for plan in plans:
+                plan.matmul.free()
 
     def forget(self) -> None:
         """In a forked child: the parent's CUDA objects are not this process's, and another
         thread may have held the lock at the fork."""
-        self.lock, self.by_layout = threading.Lock(), collections.OrderedDict()
+        self.lock, self.by_layout, self.retired = threading.Lock(), collections.OrderedDict(), []
 
 
 _PLANS = _Plans()
 
 
 def _free_at_exit() -> None:
-    # The workspaces go back while their allocator and the CUDA context live.
     try:
-        _PLANS.clear()
+        _PLANS.free_at_exit()
     except Exception:  # noqa: BLE001 - the CUDA context may be gone at exit
         pass
 
