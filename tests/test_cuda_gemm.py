@@ -19,22 +19,12 @@ import pytest
 import luxnn as lx
 from luxnn import capturing
 from luxnn.bench import gpu_models
-from luxnn.memory import cupy_backend
 from luxnn.ops.cuda import gemm
 
 import sim_cupy
 import sim_nvmath
-from test_memory_cuda import FakeDriver
+from test_sim_bench import sim_gpu  # noqa: F401 - the fixture: CuPy simulated, caches over a fake driver
 from test_sim_gpu import MODELS, _assert_same_training, _device_cache, _run_both
-
-
-@pytest.fixture
-def sim_gpu(monkeypatch):
-    """CuPy simulated on the CPU, installed as ``cupy``, every CUDA cache's upstream a fake
-    driver over host memory; yields the CUDADevice."""
-    monkeypatch.setitem(sys.modules, "cupy", sim_cupy)
-    monkeypatch.setattr(cupy_backend, "bind_driver", FakeDriver().bind)
-    yield lx.gpu_device(force=True)
 
 
 def _gemms_through(library, monkeypatch):
@@ -258,17 +248,27 @@ def test_the_bench_models_launch_the_same_with_and_without_nvmath(name, sim_gpu,
     assert (launches, blas) == without[:2] and lt == blas and without[2] == 0
 
 
-def test_on_a_gpu_cublaslt_writes_each_product_into_out_without_reading_it(gpu):
+def test_on_a_gpu_cublaslt_writes_each_product_into_out_without_reading_it_and_is_captured(gpu):
     pytest.importorskip("nvmath", reason="needs nvmath-python (pip install 'luxnn[cuda13]')")
     import cupy
 
     gemm.clear()
     rng = np.random.default_rng(5)
     matrix = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    for a, b in [(matrix(64, 32), matrix(32, 48)), (matrix(48, 32).T, matrix(48, 64)),
-                 (matrix(2, 4, 16, 8), matrix(2, 4, 16, 8).swapaxes(-1, -2))]:  # fmt: skip
-        for _ in range(2):  # planned, then rebound
+    stream = cupy.cuda.Stream(non_blocking=True)  # capture needs a stream other than the default one
+    with stream:
+        for a, b in [(matrix(64, 32), matrix(32, 48)), (matrix(48, 32).T, matrix(48, 64)),
+                     (matrix(2, 4, 16, 8), matrix(2, 4, 16, 8).swapaxes(-1, -2))]:  # fmt: skip
             out = cupy.full((*a.shape[:-1], b.shape[-1]), np.nan, np.float32)
-            assert gemm.matmul(a, b, out=out) is out
+            for _ in range(2):  # planned, then rebound
+                out.fill(np.nan)
+                assert gemm.matmul(a, b, out=out) is out
+                np.testing.assert_allclose(out.get(), cupy.matmul(a, b).get(), rtol=1e-5, atol=1e-5)
+            stream.begin_capture()
+            gemm.matmul(a, b, out=out)
+            graph = stream.end_capture()
+            a[...] = 2 * a  # new values at the captured addresses
+            out.fill(np.nan)
+            graph.launch(stream)
             np.testing.assert_allclose(out.get(), cupy.matmul(a, b).get(), rtol=1e-5, atol=1e-5)
     gemm.clear()

@@ -126,14 +126,13 @@ def _product_shape(a: Any, b: Any) -> tuple[int, ...]:
 
 def _product(nvmath: Any, a: Any, b: Any, out: Any) -> Any:
     xp = module_of(a)
-    dtype = np.promote_types(a.dtype, b.dtype)
-    a, b = a.astype(dtype, copy=False), b.astype(dtype, copy=False)
-    shape = _product_shape(a, b)
+    dtype, shape = np.promote_types(a.dtype, b.dtype), _product_shape(a, b)
     if out is None:
         out = xp.empty(shape, dtype)
     elif out.shape != shape or out.dtype != dtype:
         raise ValueError(f"matmul: out is {out.dtype} {out.shape}, the product of a {a.shape} and b {b.shape} "
                          f"is {dtype} {shape}")
+    a, b = a.astype(dtype, copy=False), b.astype(dtype, copy=False)
     if out.size == 0 or a.shape[-1] == 0:
         if out.size:
             out.fill(0)
@@ -205,16 +204,19 @@ class _InGraph:
 
 
 class _Plan:
-    """A planned ``Matmul`` and a weak reference to its `_InGraph`, if a graph launches it."""
+    """A planned ``Matmul`` and a weak reference to its `_InGraph`, once a graph launches it."""
 
     __slots__ = ("matmul", "in_graph")
 
     def __init__(self, matmul: Any) -> None:
-        self.matmul, self.in_graph = matmul, lambda: None
+        self.matmul, self.in_graph = matmul, None
+
+    def launched_by_a_graph(self) -> bool:
+        return self.in_graph is not None and self.in_graph() is not None
 
     def captured(self, recorded: Any) -> None:
         """The graph being `recorded` launches this plan: it keeps the plan's `_InGraph`."""
-        token = self.in_graph()
+        token = None if self.in_graph is None else self.in_graph()
         if token is None:
             token = _InGraph()
             self.in_graph = weakref.ref(token)
@@ -276,10 +278,10 @@ class _Plans:
     def _free_retired(self) -> None:
         kept = []
         for plan in self.retired:
-            if plan.in_graph() is None:
-                plan.matmul.free()
-            else:
+            if plan.launched_by_a_graph():
                 kept.append(plan)
+            else:
+                plan.matmul.free()
         self.retired = kept
 
     def _retire_all(self) -> None:
