@@ -236,8 +236,8 @@ class _Plans:
 
     def run(self, nvmath: Any, xp: Any, a: Any, b: Any, d: Any) -> None:
         """``d = a @ b`` (2-D or 3-D operands, `d` C-ordered or a transposed stack)."""
-        stream = xp.cuda.get_current_stream().ptr
-        key = (stream, d.device.id, d.dtype, *_layout(a), *_layout(b), *_layout(d))
+        stream = xp.cuda.get_current_stream()  # the object, as nvmath takes the current one itself
+        key = (stream.ptr, d.device.id, d.dtype, *_layout(a), *_layout(b), *_layout(d))
         recorded = capturing.active()
         with self.lock:
             plan = self._planned(nvmath, key, a, b, d, stream, recorded)
@@ -250,7 +250,7 @@ class _Plans:
             if recorded is not None:
                 plan.captured(recorded)
 
-    def _planned(self, nvmath: Any, key: tuple, a: Any, b: Any, d: Any, stream: int, recorded: Any) -> _Plan:
+    def _planned(self, nvmath: Any, key: tuple, a: Any, b: Any, d: Any, stream: Any, recorded: Any) -> _Plan:
         plan = self.by_layout.get(key) if nvmath is self.nvmath else None
         if plan is not None:
             self.by_layout.move_to_end(key)
