@@ -19,12 +19,11 @@ a result that nvmath allocates, a blocking execution, releasing the workspace pe
 options other than the memory limit and the logger), ``AssertionError`` for what the real
 one would not catch but compute wrongly (``reset_operands_unchecked`` to operands of another
 layout, operands less aligned than those planned with, a workspace used on two streams).
-The GEMMs made are listed in `made`, their calls counted in `calls`.
+Every ``Matmul`` made is listed in `made`, with its count of resets and executions.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -43,7 +42,6 @@ _SCALE_TYPE = {"float16": np.float32, "float32": np.float32, "float64": np.float
 WORKSPACE_BYTES = 256 << 10  # what this device's heuristic asks for (within the memory limit)
 DEVICE_BYTES = 80 << 30  # for a memory limit given as a percentage
 
-calls: collections.Counter = collections.Counter()  # "Matmul" or a method's name -> calls, since import
 made: list = []  # every Matmul constructed, in order
 
 
@@ -212,7 +210,6 @@ class Matmul:
 
     def __init__(self, a, b, /, c=None, *, alpha=None, beta=None, qualifiers=None, quantization_scales=None,
                  options=None, stream=None):
-        calls["Matmul"] += 1
         options = _options(MatmulOptions, options)
         if c is None and options.inplace:
             raise ValueError("The operation cannot be inplace if operand C is not provided.")
@@ -269,7 +266,6 @@ class Matmul:
             raise InvalidMatmulState("The Matmul object cannot be used after resources are free'd")
 
     def plan(self, *, preferences=None, algorithms=None, epilog=None, epilog_inputs=None, stream=None):
-        calls["plan"] += 1
         self._check_valid()
         if algorithms is not None or epilog is not None or epilog_inputs is not None:
             raise NotImplementedError("sim_nvmath: chosen algorithms and epilogs")
@@ -313,7 +309,6 @@ class Matmul:
 
     def reset_operands(self, *, a=None, b=None, c=None, alpha=None, beta=None, quantization_scales=None,
                        epilog_inputs=None, stream=None):
-        calls["reset_operands"] += 1
         self._check_valid()
         if quantization_scales is not None or epilog_inputs is not None:
             raise NotImplementedError("sim_nvmath: quantization scales and epilog inputs")
@@ -322,19 +317,16 @@ class Matmul:
     def reset_operands_unchecked(self, *, a=None, b=None, c=None, alpha=None, beta=None, quantization_scales=None,
                                  epilog_inputs=None, stream=None):
         # The real one checks nothing: operands of another layout are computed on as planned.
-        calls["reset_operands_unchecked"] += 1
         if quantization_scales is not None or epilog_inputs is not None:
             raise NotImplementedError("sim_nvmath: quantization scales and epilog inputs")
         self._reset((a, b, c), alpha, beta, AssertionError)
 
     def release_operands(self):
-        calls["release_operands"] += 1
         self._check_valid()
         self.operands = [None, None, None]
         self.released = True
 
     def execute(self, *, algorithm=None, release_workspace=False, stream=None):
-        calls["execute"] += 1
         self._check_valid()
         if self.planned_alignment is None:
             raise RuntimeError("Execution cannot be performed before plan() has been called.")
@@ -373,7 +365,6 @@ class Matmul:
         return c
 
     def free(self):
-        calls["free"] += 1
         self.workspace, self.operands, self.valid = None, [None, None, None], False
 
 

@@ -24,7 +24,7 @@ from luxnn.ops.cuda import gemm
 import sim_cupy
 import sim_nvmath
 from test_sim_bench import sim_gpu  # noqa: F401 - the fixture: CuPy simulated, caches over a fake driver
-from test_sim_gpu import MODELS, _assert_same_training, _device_cache, _run_both
+from test_sim_gpu import LAYERS, MODELS, _assert_same_training, _device_cache, _run_both
 
 
 def _gemms_through(library, monkeypatch):
@@ -214,10 +214,15 @@ def test_operands_of_no_product_are_refused_naming_their_shapes(a, b, out, messa
     assert len(nvmath.made) == made
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# tests/test_sim_gpu.py's models, and its layers whose GEMMs take other paths of ops/cuda
+TRAINED = {**MODELS, **{name: LAYERS[name] for name in ("gru", "rnn", "bidirectional_lstm", "conv_transpose",
+                                                        "conv_strided_grouped")}}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(TRAINED))
 def test_each_model_trains_through_cublaslt_as_on_the_cpu(name, nvmath):
     with sim_cupy.counting() as counts:
-        cpu, gpu = _run_both(MODELS[name], lx.CUDADevice(0))
+        cpu, gpu = _run_both(TRAINED[name], lx.CUDADevice(0))
     _assert_same_training(cpu, gpu)
     assert counts["cublas"] == counts["cublas", "cublasLt_matmul"] > 0  # no product left to CuPy's cuBLAS
 
