@@ -1,7 +1,8 @@
 """A simulated nvmath-python 1.0.1: the part of ``nvmath.linalg.advanced`` that luxnn's GEMMs
 use (luxnn/ops/cuda/gemm.py), with nvmath's signatures and checks, computing with NumPy over
 the memory of tests/sim_cupy.py's device, one launch ``("cublas", "cublasLt_matmul")`` per
-``Matmul.execute``, whose reads and writes all happen inside the launch (`sim_cupy.launch`).
+``Matmul.execute``, whose reads and writes all happen inside the launch (`sim_cupy.launch`),
+through NumPy views of the device's memory (a capture's replay then reads its inputs anew).
 
 Install it as ``nvmath`` in ``sys.modules``, beside sim_cupy as ``cupy``. As the real
 ``Matmul`` does (``get_mm_traits``), it describes each operand to cuBLASLt by an order
@@ -347,13 +348,15 @@ class Matmul:
             self.workspace, self.workspace_stream = sim_cupy.cuda.alloc(self.workspace_bytes), on
         assert on == self.workspace_stream, (f"sim_nvmath: the workspace of stream {self.workspace_stream} used on "
                                              f"stream {on}, unordered")
-        t, alpha, beta = self.traits, self.alpha[0], self.beta[0]
-        (layout_a, layout_b, layout_c), scale = t.layouts, self.alpha.dtype
+        t, alpha, beta, scale = self.traits, self.alpha[0], self.beta[0], self.alpha.dtype
+        # NumPy views of the memory that cuBLASLt addresses, read and written when the launch
+        # runs (a capture's replay included), holding no memory object as a graph holds none.
+        (layout_a, layout_b, layout_c) = t.layouts
+        a_, b_, d = (_matrices(a, layout_a, t.count, t.m, t.k, "A"), _matrices(b, layout_b, t.count, t.k, t.n, "B"),
+                     _matrices(c, layout_c, t.count, t.m, t.n, "C"))  # fmt: skip
 
         def work() -> None:
-            product = np.matmul(_matrices(a, layout_a, t.count, t.m, t.k, "A").astype(scale),
-                                _matrices(b, layout_b, t.count, t.k, t.n, "B").astype(scale))
-            d = _matrices(c, layout_c, t.count, t.m, t.n, "C")
+            product = np.matmul(a_.astype(scale), b_.astype(scale))
             if beta != 0:  # cuBLASLt reads C only then
                 product = alpha * product + beta * d
             elif alpha != 1:

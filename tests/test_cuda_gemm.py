@@ -177,6 +177,22 @@ def test_a_capture_keeps_the_plans_it_launches_and_cannot_plan(nvmath):
     assert not plan.valid
 
 
+def test_a_captured_product_reads_and_writes_the_memory_as_it_is_at_each_launch(nvmath):
+    rng = np.random.default_rng(8)
+    a, b, out = _operands(rng, 6, 4, 3)
+    stream = sim_cupy.cuda.Stream(non_blocking=True)  # capture needs a stream other than the default one
+    with stream:
+        _check(a, b, out)  # planned on this stream
+        stream.begin_capture()
+        gemm.matmul(a, b, out=out)
+        graph = stream.end_capture()
+        out.fill(np.nan)
+        for scale in (2.0, 3.0):
+            a *= scale
+            graph.launch(stream)
+            np.testing.assert_allclose(out.get(), a.get() @ b.get())
+
+
 def test_a_plans_workspace_comes_from_the_current_allocator_at_its_first_execution_only(nvmath):
     rng = np.random.default_rng(3)
     sizes, upstream = [], sim_cupy.cuda.get_allocator()
