@@ -31,7 +31,6 @@ def _merge_heads(xh):
 
 
 def attention_weights(q, k, num_heads, scale, mask, is_causal):
-    xp = module_of(q)
     # Scaling q, not the scores: q_len * d numbers instead of q_len * kv_len per head.
     kh = _split_heads(k, num_heads)
     w = softmax.masked_softmax(gemm.matmul(_split_heads(q, num_heads, scale), kh.swapaxes(-1, -2)), 1.0, mask, is_causal)
@@ -40,7 +39,6 @@ def attention_weights(q, k, num_heads, scale, mask, is_causal):
 
 def attention_weights_grad(g, residual, needs):
     q, kh, w, num_heads, scale = residual
-    xp = module_of(g)
     gs = softmax.masked_softmax_grad(g, w, scale)  # d(scale * scores)
     gq = _merge_heads(gemm.matmul(gs, kh)) if needs[0] else None
     gk = _merge_heads(gemm.matmul(gs.swapaxes(-1, -2), _split_heads(q, num_heads))) if needs[1] else None
@@ -55,7 +53,6 @@ def attention_combine(weights, v, num_heads):
 
 def attention_combine_grad(g, residual, needs):
     weights, vh, num_heads = residual
-    xp = module_of(g)
     gh = _split_heads(g, num_heads)
     gw = gemm.matmul(gh, vh.swapaxes(-1, -2)) if needs[0] else None
     gv = _merge_heads(gemm.matmul(weights.swapaxes(-1, -2), gh)) if needs[1] else None

@@ -282,7 +282,7 @@ def _cast(a, dtype):
 def rnn_forward(xw, w_hh, h0, dtype, activation, reverse):
     """`rnn_sequence`'s forward pass: every step's h ``(seq, batch, H)``, and what the
     backward pass reads."""
-    xp, work, seq = module_of(xw), _working(dtype), xw.shape[0]
+    work, seq = _working(dtype), xw.shape[0]
     xw, w_hh, h0 = (_cast(a, work) for a in (xw, w_hh, h0))
     hs, shift = _states(h0, seq, reverse)
     relu = activation == "relu"
