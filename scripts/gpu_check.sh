@@ -17,7 +17,8 @@
 #             (float64 to 1e-10, float32 to 1e-4 relative) and of the primitives
 #   kernels   every CUDA kernel of ops/cuda and the fused optimiser against its NumPy twin and
 #             the CPU's code (activations, softmax, dense, attention, conv, pooling, norms,
-#             cross-entropy, embedding, recurrent cells, optimisers; their first compile included)
+#             cross-entropy, embedding, recurrent cells, optimisers; their first compile included),
+#             and the GEMMs through nvmath-python's cuBLASLt (tests/test_cuda_gemm.py)
 #   graphs    tests/test_gpu_graphs.py: training steps replayed as CUDA graphs against eager ones
 #             (bitwise), each invalidation, the fallback, a cache limit, an interrupted replay
 #   demo-mlp  luxnn demo --device gpu --model mlp
@@ -103,7 +104,7 @@ stage install 40 "$PYTHON" -m pip install --no-build-isolation --no-deps -q -e .
 stage tests 75 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py tests/test_memory_cuda.py -k "not match_the_cpu"
 stage match 35 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -k "match_the_cpu"
 stage kernels 120 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_sim_activations.py tests/test_conv.py \
-    tests/test_gpu_norm.py tests/test_sim_recurrent.py tests/test_optim_fused.py -k "gpu or cuda_kernel"
+    tests/test_gpu_norm.py tests/test_sim_recurrent.py tests/test_optim_fused.py tests/test_cuda_gemm.py -k "gpu or cuda_kernel"
 stage graphs 60 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_graphs.py
 stage demo-mlp 20 "$PYTHON" -m luxnn.cli demo --device gpu --model mlp --epochs 5 --no-progress
 stage demo-cnn 25 "$PYTHON" -m luxnn.cli demo --device gpu --model cnn --epochs 2 --no-progress

@@ -38,6 +38,7 @@ except ImportError:
 
 CONTEXT = 0xC0FFEE  # the "primary context" the fake expects to be pushed
 OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
+ALIGNMENT = 256  # of the fake driver's pointers
 
 
 _BOUND: list = []
@@ -74,9 +75,12 @@ class FakeDriver:
             self.errors.append(f"alloc with context stack {self.stack}")
         if self.capacity is not None and self.used + size > self.capacity:
             return self.error
-        buf = ctypes.create_string_buffer(size)
-        self.buffers[ctypes.addressof(buf)] = buf
-        dptr[0] = ctypes.addressof(buf)
+        # Aligned as cuMemAlloc's pointers are (256 bytes at least): a library that plans for
+        # its operands' alignment (cuBLASLt) sees a device's addresses.
+        raw = ctypes.create_string_buffer(size + ALIGNMENT - 1)
+        address = -(-ctypes.addressof(raw) // ALIGNMENT) * ALIGNMENT
+        self.buffers[address] = (ctypes.c_char * size).from_buffer(raw, address - ctypes.addressof(raw))
+        dptr[0] = address
         self.allocs += 1
         return 0
 

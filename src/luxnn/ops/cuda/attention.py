@@ -9,7 +9,7 @@ and each product that comes back per head is merged into (batch, seq, heads * d)
 from __future__ import annotations
 
 from ...backend import module_of
-from . import softmax
+from . import gemm, softmax
 
 __all__ = ["attention_weights", "attention_weights_grad", "attention_combine", "attention_combine_grad"]
 
@@ -31,32 +31,29 @@ def _merge_heads(xh):
 
 
 def attention_weights(q, k, num_heads, scale, mask, is_causal):
-    xp = module_of(q)
     # Scaling q, not the scores: q_len * d numbers instead of q_len * kv_len per head.
     kh = _split_heads(k, num_heads)
-    w = softmax.masked_softmax(xp.matmul(_split_heads(q, num_heads, scale), kh.swapaxes(-1, -2)), 1.0, mask, is_causal)
+    w = softmax.masked_softmax(gemm.matmul(_split_heads(q, num_heads, scale), kh.swapaxes(-1, -2)), 1.0, mask, is_causal)
     return w, (q, kh, w, num_heads, scale)
 
 
 def attention_weights_grad(g, residual, needs):
     q, kh, w, num_heads, scale = residual
-    xp = module_of(g)
     gs = softmax.masked_softmax_grad(g, w, scale)  # d(scale * scores)
-    gq = _merge_heads(xp.matmul(gs, kh)) if needs[0] else None
-    gk = _merge_heads(xp.matmul(gs.swapaxes(-1, -2), _split_heads(q, num_heads))) if needs[1] else None
+    gq = _merge_heads(gemm.matmul(gs, kh)) if needs[0] else None
+    gk = _merge_heads(gemm.matmul(gs.swapaxes(-1, -2), _split_heads(q, num_heads))) if needs[1] else None
     return gq, gk
 
 
 def attention_combine(weights, v, num_heads):
     xp = module_of(v)
     weights, vh = xp.ascontiguousarray(weights), _split_heads(v, num_heads)
-    return _merge_heads(xp.matmul(weights, vh)), (weights, vh, num_heads)
+    return _merge_heads(gemm.matmul(weights, vh)), (weights, vh, num_heads)
 
 
 def attention_combine_grad(g, residual, needs):
     weights, vh, num_heads = residual
-    xp = module_of(g)
     gh = _split_heads(g, num_heads)
-    gw = xp.matmul(gh, vh.swapaxes(-1, -2)) if needs[0] else None
-    gv = _merge_heads(xp.matmul(weights.swapaxes(-1, -2), gh)) if needs[1] else None
+    gw = gemm.matmul(gh, vh.swapaxes(-1, -2)) if needs[0] else None
+    gv = _merge_heads(gemm.matmul(weights.swapaxes(-1, -2), gh)) if needs[1] else None
     return gw, gv

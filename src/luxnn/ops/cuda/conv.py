@@ -31,6 +31,7 @@ import numpy as np
 from ...backend import module_of
 from ...kernels import Elementwise
 from ..geometry import grouped_kernel, window_slices
+from . import gemm
 
 __all__ = ["conv_forward", "conv_backward", "conv_transpose_forward", "conv_transpose_backward"]
 
@@ -236,8 +237,8 @@ def _gemm(a: Any, b: Any, out: Any = None) -> Any:
     """``a @ b`` per group: `a` ``(groups, m, k)``, `b` ``(groups, k, n)``: one cuBLAS call."""
     xp = module_of(a)
     if a.shape[0] == 1:
-        return xp.matmul(a[0], b[0], out=None if out is None else out[0])[None]
-    return xp.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b), out=out)
+        return gemm.matmul(a[0], b[0], out=None if out is None else out[0])[None]
+    return gemm.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b), out=out)
 
 
 def _bias_gradient_into(db: Any, gg: Any, accumulate: bool) -> None:
@@ -247,7 +248,7 @@ def _bias_gradient_into(db: Any, gg: Any, accumulate: bool) -> None:
     norm, would otherwise lead Adam elsewhere); several: a sum over the rows."""
     xp = module_of(gg)
     if gg.shape[0] == 1:
-        part = xp.matmul(xp.ones(gg.shape[1], gg.dtype), gg[0], out=None if accumulate else db)
+        part = gemm.matmul(xp.ones(gg.shape[1], gg.dtype), gg[0], out=None if accumulate else db)
     else:
         part = gg.sum(axis=1, out=None if accumulate else db.reshape(gg.shape[0], -1))
     if accumulate:
@@ -281,7 +282,7 @@ def _weight_gradient_into(dw: Any, x: Any, gg: Any, geometry: _Geometry, accumul
     xp = module_of(dw)
     groups, c = gg.shape[0], gg.shape[-1]
     if groups == 1:
-        part = xp.matmul(_im2col(x, geometry)[0].T, gg[0], out=None if accumulate else dw.reshape(-1, c))
+        part = gemm.matmul(_im2col(x, geometry)[0].T, gg[0], out=None if accumulate else dw.reshape(-1, c))
     else:
         part = _gemm(_im2col(x, geometry, by_column=True), gg).transpose(1, 0, 2)
     if accumulate:

@@ -12,7 +12,7 @@ import numpy as np
 from ...backend import module_of
 from ...kernels import Elementwise
 from ..cpu import activations as cpu
-from . import activations
+from . import activations, gemm
 from .activations import ACTIVATIONS, PREAMBLE, floating, half_kept
 
 __all__ = ["forward", "backward"]
@@ -79,7 +79,7 @@ def forward(rows, w, b, activation):
     """``(activation(rows @ w + b), residual)`` for rows ``(n, k)``, w ``(k, m)``, b
     ``(m,)`` or None: one GEMM, then `bias_activation`; in the GEMM's dtype, as the CPU
     adds the bias in place."""
-    y = rows @ w
+    y = gemm.matmul(rows, w)
     return bias_activation(y, None if b is None else b.astype(y.dtype, copy=False), activation)
 
 
@@ -88,4 +88,6 @@ def backward(g, rows, w, residual, activation, need_x, need_w, need_b):
     gradient one kernel, one GEMM per cotangent, the bias's one row sum."""
     if activation is not None:
         g = getattr(activations, f"{activation}_grad")(g, residual)
-    return g @ w.T if need_x else None, rows.T @ g if need_w else None, g.sum(axis=0) if need_b else None
+    gx = gemm.matmul(g, w.T) if need_x else None
+    gw = gemm.matmul(rows.T, g) if need_w else None
+    return gx, gw, g.sum(axis=0) if need_b else None

@@ -24,6 +24,7 @@ import numpy as np
 
 from ...backend import module_of
 from ...kernels import Elementwise
+from . import gemm
 
 __all__ = ["rnn_forward", "rnn_backward", "lstm_forward", "lstm_backward", "gru_forward", "gru_backward"]
 
@@ -256,7 +257,7 @@ def _weight_grad(hs, shift, d):
     batch, G)``: one GEMM over all steps."""
     seq, batch, G = d.shape
     before = hs[1 - shift : 1 - shift + seq].reshape(seq * batch, hs.shape[2])
-    return module_of(d).matmul(before.T, d.reshape(seq * batch, G))
+    return gemm.matmul(before.T, d.reshape(seq * batch, G))
 
 
 def _seeds(g, last_only, work):
@@ -281,13 +282,13 @@ def _cast(a, dtype):
 def rnn_forward(xw, w_hh, h0, dtype, activation, reverse):
     """`rnn_sequence`'s forward pass: every step's h ``(seq, batch, H)``, and what the
     backward pass reads."""
-    xp, work, seq = module_of(xw), _working(dtype), xw.shape[0]
+    work, seq = _working(dtype), xw.shape[0]
     xw, w_hh, h0 = (_cast(a, work) for a in (xw, w_hh, h0))
     hs, shift = _states(h0, seq, reverse)
     relu = activation == "relu"
     for t in _order(seq, reverse):
         h = hs[t + shift]
-        xp.matmul(hs[t + 1 - shift], w_hh, out=h)
+        gemm.matmul(hs[t + 1 - shift], w_hh, out=h)
         RNN_CELL(xw[t], relu, h)
     return _cast(hs[shift : shift + seq], dtype), (hs, shift, w_hh, relu, reverse, dtype)
 
@@ -302,7 +303,7 @@ def rnn_backward(saved, g, last_only, needs):
     for k, t in enumerate(reversed(_order(seq, reverse))):
         RNN_CELL_BACKWARD(hs[t + shift], carried, step_g(t), relu, d[t])
         if k + 1 < seq or needs[2]:
-            xp.matmul(d[t], w_hh.T, out=dh)
+            gemm.matmul(d[t], w_hh.T, out=dh)
             carried = dh
     gw = _weight_grad(hs, shift, d) if needs[1] else None
     return _cast(d, dtype), _cast(gw, dtype), _cast(dh, dtype) if needs[2] else None
@@ -317,7 +318,7 @@ def lstm_forward(x, w_ih, b, w_hh, h0, c0, dtype, reverse):
     H = w_hh.shape[0]
     # every step's input projection, time-major: the GEMM's rows are w_ih's gradient's too
     x_rows = xp.ascontiguousarray(x.transpose(1, 0, 2)).reshape(seq * batch, n_in)
-    gates = xp.matmul(x_rows, w_ih).reshape(seq, batch, 4 * H)
+    gates = gemm.matmul(x_rows, w_ih).reshape(seq, batch, 4 * H)
     if b is not None:
         gates += b
     hs, shift = _states(h0, seq, reverse)
@@ -325,7 +326,7 @@ def lstm_forward(x, w_ih, b, w_hh, h0, c0, dtype, reverse):
     hidden = xp.empty((batch, 4 * H), work)
     order = _order(seq, reverse)
     for k, t in enumerate(order):
-        xp.matmul(hs[t + 1 - shift], w_hh, out=hidden)
+        gemm.matmul(hs[t + 1 - shift], w_hh, out=hidden)
         c_prev = out[order[k - 1], :, H:] if k else c0
         LSTM_CELL(hidden, c_prev, gates[t], out[t, :, H:], out[t, :, :H], hs[t + shift])
     saved = (gates, out, hs, shift, x_rows, c0, w_ih, w_hh, b is not None, reverse, dtype)
@@ -349,11 +350,11 @@ def lstm_backward(saved, g, last_only, needs):
         LSTM_CELL_BACKWARD(gates[t], c_prev, out[t, :, H:], carried_h, carried_c, g_h, g_c, d[t], dc)
         carried_c = dc
         if k or needs[4]:
-            xp.matmul(d[t], w_hh.T, out=dh)
+            gemm.matmul(d[t], w_hh.T, out=dh)
             carried_h = dh
     rows = d.reshape(seq * batch, G)
-    gx = xp.matmul(rows, w_ih.T).reshape(seq, batch, x_rows.shape[1]).transpose(1, 0, 2) if needs[0] else None
-    gw_ih = xp.matmul(x_rows.T, rows) if needs[1] else None
+    gx = gemm.matmul(rows, w_ih.T).reshape(seq, batch, x_rows.shape[1]).transpose(1, 0, 2) if needs[0] else None
+    gw_ih = gemm.matmul(x_rows.T, rows) if needs[1] else None
     gb = rows.sum(axis=0) if has_bias and needs[2] else None
     gw_hh = _weight_grad(hs, shift, d) if needs[3] else None
     dh0, dc0 = (dh if needs[4] else None), (dc if needs[5] else None)
@@ -371,7 +372,7 @@ def gru_forward(xw, w_hh, b_hh, h0, dtype, reverse):
     gates = xp.empty(xw.shape, work)  # r, z, n
     for t in _order(seq, reverse):
         h_prev = hs[t + 1 - shift]
-        xp.matmul(h_prev, w_hh, out=hidden[t])
+        gemm.matmul(h_prev, w_hh, out=hidden[t])
         GRU_CELL(xw[t], bias, h_prev, hidden[t], gates[t], hs[t + shift])
     return _cast(hs[shift : shift + seq], dtype), (hs, shift, hidden, gates, w_hh, b_hh is not None, reverse, dtype)
 
@@ -389,7 +390,7 @@ def gru_backward(saved, g, last_only, needs):
                           d_in[t], d_hid[t], direct)
         carried_direct = direct
         if k + 1 < seq or needs[3]:
-            xp.matmul(d_hid[t], w_hh.T, out=through)
+            gemm.matmul(d_hid[t], w_hh.T, out=through)
             carried_through = through
     gw = _weight_grad(hs, shift, d_hid) if needs[1] else None
     gb = d_hid.reshape(seq * batch, G).sum(axis=0) if has_bias and needs[2] else None
