@@ -43,11 +43,14 @@ def _cache(**kwargs: Any) -> memory.AllocCache:
     return cache
 
 
+BATCH = 256  # a step is planned once it makes a request above 16 KiB (memory.plan.MATCH_ABOVE)
+
+
 def _state(make, device, *, graphs: bool, optimizer=None, cache=None) -> tuple[lx.TrainState, Any]:
     model, x = make()
     rng = np.random.default_rng(0)
     ps, st = device(lx.setup(np.random.default_rng(1), model))
-    x = rng.standard_normal(x) if isinstance(x, tuple) else x
+    x = rng.standard_normal((BATCH, *x[1:]))
     batch = device((x, rng.integers(0, 5, x.shape[0])))
     ts = lx.TrainState(model, ps, st, optimizer or lx.optim.adam(1e-2), allocator_cache=cache or _cache(),
                        graphs=graphs)

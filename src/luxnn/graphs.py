@@ -3,7 +3,7 @@
 A fixed-shape loop of `single_train_step_` on a GPU repeats the same kernels on the same
 buffers: the allocator's plan (`luxnn.memory.plan`) gives every request of the step a
 fixed place in one arena, on a cycle of two steps (the results of one step live while the
-next runs). So once the plan serves a step wholly, the runner captures the next two steps
+next runs). So once the plan serves two steps wholly, the runner captures the next two steps
 on the cache's stream and from then on replays them in turn: the GPU runs the recorded
 kernels and the host launches one graph instead of each kernel.
 
@@ -48,6 +48,7 @@ import numpy as np
 from . import capturing, tree
 from .backend import is_array
 from .memory import cached, step
+from .memory.plan import MATCH_ABOVE
 from .optim.arrays import overwritten
 
 __all__ = ["GraphFallbackWarning", "GraphStats", "Runner", "stats", "MAX_SIGNATURES"]
@@ -58,6 +59,9 @@ CAPTURE_TRIES = 3
 """Captures of a signature whose graph could not be kept (its memory not all planned
 yet) before it stays eager."""
 GRAPHS = 2  # a signature's graphs: the plan's cycle of two steps
+UNPLANNED = 8  # eager steps of a signature not served by a plan before that is said, once
+WARM = 2  # eager steps served wholly before a capture: both places of the cycle seen (and
+# what a step sets up once per set of addresses, such as a fused optimiser's pointer table)
 
 # A step's work: ``work(data) -> (grads, loss, stats, ts)`` without the bookkeeping of an
 # in-place verb, and ``advance(new, ts)``, which does it and returns its undoing
@@ -190,7 +194,8 @@ class _Signature:
     def __init__(self) -> None:
         self.graphs: list[_Graph] = []
         self.buffers: Any = None
-        self.warm = False  # the last eager step was served wholly by the cache
+        self.warm = 0  # eager steps in a row served wholly by the cache
+        self.unplanned = 0  # eager steps in a row not served wholly by the plan
         self.tries = 0  # captures whose graph could not be kept
         self.capturable = True
 
@@ -246,8 +251,8 @@ class Runner:
                     if graph.reads(inputs) and graph.results_unused() and self.cache.arena_free(graph.ptrs, graph.sizes):
                         return self._replay(entry, graph, data, ts, advance)
                 entry.graphs.clear()  # their kept results go back: the eager step's plan needs the places
-                entry.warm = False
-            if entry.warm and entry.capturable:
+                entry.warm = 0
+            if entry.warm >= WARM and entry.capturable:
                 return self._capture(entry, data, ts, work, advance)
             return self._eager(entry, data, ts, work, advance)
 
@@ -261,10 +266,17 @@ class Runner:
         )  # fmt: skip
 
     def _eager(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
-        with step(self.cache) as scope:
+        before = self.cache.stats()
+        with step(self.cache):
             grads, loss, stats_, new = work(data)
-        served = scope.stats
-        entry.warm = served.misses == 0 and served.upstream_allocs == 0
+        after = self.cache.stats()
+        # Warm: every request served at its place in the plan (none from the pools).
+        planned = after.misses == before.misses and after.plan_hits - before.plan_hits == after.hits - before.hits > 0
+        entry.warm = entry.warm + 1 if planned else 0
+        entry.unplanned = 0 if planned else entry.unplanned + 1
+        if entry.unplanned == UNPLANNED and entry.capturable:
+            self._warn("the allocator cache does not plan its memory (a step whose requests are all at most "
+                       f"{MATCH_ABOVE // 1024} KiB is not planned, and a capture needs the plan's fixed places)")
         self._counts["eager"] += 1
         advance(new, ts)
         return grads, loss, stats_, new
@@ -342,7 +354,7 @@ class Runner:
             entry.graphs.append(captured)
             del entry.graphs[:-GRAPHS]
         else:  # its memory not all in the plan's arena yet: this launch only, then eager steps again
-            entry.warm, entry.tries = False, entry.tries + 1
+            entry.warm, entry.tries = 0, entry.tries + 1
             if entry.tries >= CAPTURE_TRIES:
                 entry.capturable = False
                 self._warn("its memory is not all served by the allocator cache's plan")
