@@ -100,6 +100,9 @@ class MemoryPointer:
     def __init__(self, mem, offset):
         self.mem, self.ptr, self.device_id = mem, mem.ptr + offset, mem.device_id
 
+    def __add__(self, offset):
+        return MemoryPointer(self.mem, self.ptr - self.mem.ptr + offset)
+
 
 _host_buffers = weakref.WeakValueDictionary()  # address -> the live buffer `_malloc` made there
 

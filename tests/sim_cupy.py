@@ -74,6 +74,8 @@ def _launch(kind: str, name: str, work: Callable[[], Any], replay: Callable[[], 
         try:
             with np.errstate(all="ignore"):
                 work()
+        except IndexError:
+            pass  # an index read from memory the capture has not written yet: not the call's error
         finally:
             for w, before in zip(writes, saved):
                 np.copyto(w, before)
@@ -138,6 +140,15 @@ def empty(shape, dtype=float) -> "ndarray":
     pointer = cuda.alloc(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     values = np.asarray(_Memory(pointer.ptr, shape, dtype)) if pointer.ptr else np.empty(shape, dtype)
     return ndarray(values, pointer)
+
+
+def _over(pointer: Any, shape: Any, dtype: np.dtype, strides: Any) -> np.ndarray:
+    """The values of an array of `shape`, `dtype` and `strides` (C order if None) at device
+    memory `pointer`, as CuPy's ``ndarray(..., memptr=pointer)`` sees them."""
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    strides = np.empty(shape, dtype).strides if strides is None else tuple(strides)
+    span = 0 if 0 in shape else dtype.itemsize + int(np.dot([n - 1 for n in shape], np.abs(strides)))
+    return np.ndarray(shape, dtype, buffer=np.asarray(_Memory(pointer.ptr, (span,), np.dtype(np.uint8))), strides=strides)
 
 
 def _to_device(compute: Callable[[], Any], kind: str, name: str, values: Any = None) -> "ndarray":
@@ -515,7 +526,11 @@ class ndarray(fake_cupy.ndarray):  # noqa: N801 - CuPy's name
 
     __module__ = "cupy"
 
-    def __init__(self, values: np.ndarray, data: Any, base: "ndarray | None" = None) -> None:
+    def __init__(self, values: Any, data: Any = float, base: "ndarray | None" = None, *, memptr: Any = None,
+                 strides: Any = None) -> None:
+        if not isinstance(values, np.ndarray):  # CuPy's ndarray(shape, dtype=float, memptr=None, strides=None)
+            values = _over(memptr, values, np.dtype(data), strides)
+            data = memptr
         super().__init__(values, data)  # the fake's metadata view is here the values themselves
         self.base = base  # the array whose memory a view shares, as in CuPy
 

@@ -76,8 +76,8 @@ def _assert_bitwise(a: lx.TrainState, b: lx.TrainState) -> None:
 
 _MODELS = {
     **MODELS,
-    "batchnorm": lambda: (lx.Chain(lx.Dense(6, 8), lx.BatchNorm(8), lx.relu, lx.Dense(8, 5)), (16, 6)),
-    "gru": lambda: (lx.Chain(lx.GRU(6, 12), _LastStep(), lx.Dense(12, 5)), (8, 7, 6)),
+    "batchnorm": lambda: (lx.Chain(lx.Dense(6, 64), lx.BatchNorm(64), lx.Dense(64, 5)), (16, 6)),
+    "gru": lambda: (lx.Chain(lx.GRU(6, 32), _LastStep(), lx.Dense(32, 5)), (8, 7, 6)),
 }
 
 

@@ -38,7 +38,6 @@ repeats its kernels only.
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, NamedTuple
@@ -124,52 +123,65 @@ def _allocation(a: Any) -> int:
     return a.data.mem.ptr
 
 
-def _root(a: Any) -> Any:
-    return a if a.base is None else a.base
+def _ranges(ranges: list[tuple[int, int]]) -> tuple[bytes, bytes]:
+    """(address, bytes) pairs as `AllocCache.arena_free` takes them."""
+    return np.array([p for p, _ in ranges], np.int64).tobytes(), np.array([n for _, n in ranges], np.int64).tobytes()
+
+
+class _Placed(NamedTuple):
+    """A result of a graph: where it lies in one of the graph's allocations, its layout."""
+
+    allocation: int
+    offset: int
+    shape: tuple
+    dtype: Any
+    strides: tuple
 
 
 class _Graph:
-    """One captured step: its CUDA graph, what it reads (`layout` of its inputs), the
-    buffers of its results that it keeps (`roots`) with the views of them it hands out,
-    its temporaries' ranges, and the functions run around each launch."""
+    """One captured step: its CUDA graph, what it reads (`layout` of its inputs), what it
+    writes (its temporaries and its results' allocations, `ptrs` and `sizes`), where its
+    results lie (`parts`), and the functions run around each launch."""
 
-    def __init__(self, graph: Any, inputs: list, results: tuple, fresh: set, temporaries: list, hooks: Any) -> None:
+    def __init__(self, graph: Any, inputs: list, results: tuple, fresh: dict, temporaries: list, hooks: Any) -> None:
         self.graph, self.hooks = graph, hooks
         self.layout = [_layout(x) for x in inputs]
-        self.ptrs = np.array([p for p, _ in temporaries], np.int64).tobytes()
-        self.sizes = np.array([n for _, n in temporaries], np.int64).tobytes()
-        roots: dict[int, Any] = {}
-        self.parts, self.views = [], []
+        allocations: dict[int, int] = {}
+        self.parts = []
         for part in results:  # grads, loss, stats, states, optimizer state
             leaves, structure = tree.flatten(part)
             out = []
             for leaf in leaves:
-                if _on_device(leaf) and _allocation(leaf) in fresh:
-                    roots.setdefault(id(_root(leaf)), _root(leaf))
-                    self.views.append(leaf.view())
-                    leaf = self.views[-1]
+                base = _allocation(leaf) if _on_device(leaf) else None
+                if base in fresh:
+                    allocations[base] = fresh[base]
+                    leaf = _Placed(base, leaf.data.ptr - base, leaf.shape, leaf.dtype, leaf.strides)
                 out.append(leaf)
             self.parts.append((structure, out))
-        self.roots = list(roots.values())
+        self.allocations = list(allocations.items())
+        self.ptrs, self.sizes = _ranges([*temporaries, *self.allocations])
         self.event = None  # recorded after the last launch when hooks read its results
-        self.alone: list[int] = []
-
-    def settle(self) -> None:
-        """Counts the references to the kept buffers and views while this graph alone holds
-        them (before any is handed out): more at a later launch means a result of the
-        previous one is still in use, and the launch would overwrite it."""
-        self.alone = [sys.getrefcount(x) for x in (*self.roots, *self.views)]
 
     def reads(self, inputs: list) -> bool:
         return len(inputs) == len(self.layout) and all(map(lambda x, want: _layout(x) == want, inputs, self.layout))
 
-    def results_unused(self) -> bool:
-        return all(sys.getrefcount(x) <= n for x, n in zip((*self.roots, *self.views), self.alone))
-
-    def results(self) -> list:
-        """Fresh containers of the views of this graph's results: (grads, loss, stats,
-        states, optimizer state)."""
-        return [tree.unflatten(structure, leaves) for structure, leaves in self.parts]
+    def results(self, xp: Any, cache: Any) -> list | None:
+        """This launch's results: (grads, loss, stats, states, optimizer state), arrays of
+        the cache made where the graph writes them; None if a place was taken meanwhile
+        (by another thread). Call it in a `cached` scope of `cache`."""
+        memory = {}
+        for ptr, size in self.allocations:
+            cache.place_next(ptr)
+            memory[ptr] = xp.cuda.alloc(size)
+            if memory[ptr].ptr != ptr:
+                return None
+        return [
+            tree.unflatten(structure, [
+                xp.ndarray(x.shape, x.dtype, memptr=memory[x.allocation] + x.offset, strides=x.strides)
+                if isinstance(x, _Placed) else x for x in leaves
+            ])
+            for structure, leaves in self.parts
+        ]  # fmt: skip
 
     def launch(self, xp: Any, stream: Any, launched: list) -> None:
         """Launches the graph on `stream`, with the hooks around it; `launched` gets an item
@@ -248,10 +260,13 @@ class Runner:
             if entry.graphs:
                 inputs = tree.leaves((ts.parameters, ts.states, ts.optimizer_state))
                 for graph in entry.graphs:
-                    if graph.reads(inputs) and graph.results_unused() and self.cache.arena_free(graph.ptrs, graph.sizes):
-                        return self._replay(entry, graph, data, ts, advance)
-                entry.graphs.clear()  # their kept results go back: the eager step's plan needs the places
-                entry.warm = 0
+                    if graph.reads(inputs) and self.cache.arena_free(graph.ptrs, graph.sizes):
+                        replayed = self._replay(entry, graph, data, ts, advance)
+                        if replayed is not None:
+                            return replayed
+                if len(entry.graphs) == GRAPHS:  # none can replay: eager steps, then captures anew
+                    entry.graphs.clear()  # their kept results go back: the eager step's plan needs the places
+                    entry.warm = 0
             if entry.warm >= WARM and entry.capturable:
                 return self._capture(entry, data, ts, work, advance)
             return self._eager(entry, data, ts, work, advance)
@@ -281,12 +296,16 @@ class Runner:
         advance(new, ts)
         return grads, loss, stats_, new
 
-    def _replay(self, entry: _Signature, graph: _Graph, data: Any, ts: Any, advance: Advance) -> tuple:
+    def _replay(self, entry: _Signature, graph: _Graph, data: Any, ts: Any, advance: Advance) -> tuple | None:
+        with cached(self.cache):
+            results = graph.results(self.xp, self.cache)
+        if results is None:
+            return None
         self._copy_batch(entry, data)
         entry.graphs.remove(graph)
         entry.graphs.append(graph)  # launched last: tried last
         self._counts["replays"] += 1
-        return self._launch(graph, ts, advance)
+        return self._launch(graph, results, ts, advance)
 
     def _copy_batch(self, entry: _Signature, data: Any) -> None:
         """The batch into the signature's input buffers, which its graphs read (a
@@ -295,11 +314,11 @@ class Runner:
             if _on_device(x):
                 self.xp.copyto(buffer, x)
 
-    def _launch(self, graph: _Graph, ts: Any, advance: Advance) -> tuple:
-        """Launches `graph` for the step of `ts` and returns the step's results. The state
-        is consumed before the launch and given back if the launch did not happen (an
-        error, a KeyboardInterrupt before it): a step is done whole or not at all."""
-        grads, loss, stats_, states, opt_state = graph.results()
+    def _launch(self, graph: _Graph, results: list, ts: Any, advance: Advance) -> tuple:
+        """Launches `graph` for the step of `ts` and returns the step's `results`. The
+        state is consumed before the launch and given back if the launch did not happen
+        (an error, a KeyboardInterrupt before it): a step is done whole or not at all."""
+        grads, loss, stats_, states, opt_state = results
         new = ts.replace(states=states, optimizer_state=opt_state, step=ts.step + 1)
         undo, launched = advance(new, ts), []
         try:
@@ -308,8 +327,9 @@ class Runner:
             if not launched:
                 undo()
             raise
-        overwritten(opt_state)  # the counts it hands out hold new values
-        # The loss and the stats as copies, made after the launch: a loop may keep them.
+        overwritten(opt_state)  # a count it hands out may be at the address of an older one
+        # The loss and the stats as copies, made after the launch: a loop may keep them,
+        # and kept where the graph writes them they would stop its next replay.
         with cached(self.cache):
             return grads, loss.copy(), tree.map(lambda x: x.copy() if _on_device(x) else x, stats_), new
 
@@ -340,25 +360,25 @@ class Runner:
             raise
         except Exception as err:  # noqa: BLE001 - whatever the capture met: the eager step says if it was the step's
             return self._fall_back(entry, data, ts, work, advance, err)
-        parts = (grads, loss, stats_, new.states, new.optimizer_state)
-        del grads, loss, stats_, new
-        fresh = {ptr for ptr, _ in allocations}
-        ours = {_allocation(x) for x in (*tree.leaves(parts), *hooks.kept) if _on_device(x) and _allocation(x) in fresh}
-        temporaries = [(p, n) for p, n in allocations if p not in ours]
+        parts = [grads, loss, stats_, new.states, new.optimizer_state]
+        fresh = dict(allocations)
+        results = {_allocation(x) for x in tree.leaves(parts) if _on_device(x) and _allocation(x) in fresh}
+        kept = {_allocation(x) for x in hooks.kept if _on_device(x) and _allocation(x) in fresh}
+        temporaries = [(p, n) for p, n in allocations if n and p not in results and p not in kept]
         captured = _Graph(graph, tree.leaves((ts.parameters, ts.states, ts.optimizer_state)), parts, fresh,
                           temporaries, hooks)
-        del parts
-        captured.settle()
         self._counts["captures"] += 1
-        if self.cache.arena_free(captured.ptrs, captured.sizes):
+        # All it writes in the plan's arena: a replay can check those places and make its
+        # results there. Else this launch only, then eager steps again.
+        if self.cache.in_arena(captured.ptrs, captured.sizes):
             entry.graphs.append(captured)
             del entry.graphs[:-GRAPHS]
-        else:  # its memory not all in the plan's arena yet: this launch only, then eager steps again
+        else:
             entry.warm, entry.tries = 0, entry.tries + 1
             if entry.tries >= CAPTURE_TRIES:
                 entry.capturable = False
                 self._warn("its memory is not all served by the allocator cache's plan")
-        return self._launch(captured, ts, advance)
+        return self._launch(captured, parts, ts, advance)
 
     def _fall_back(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance, err: Exception) -> tuple:
         results = self._eager(entry, data, ts, work, advance)  # raises the step's own error, if it was one

@@ -347,6 +347,25 @@ class AllocCache:
         """
         return self._core.arena_ranges_free(ptrs, sizes)
 
+    def in_arena(self, ptrs: bytes, sizes: bytes) -> bool:
+        """Whether every range ``[ptr, ptr + size)`` lies in the arena of the cache's step
+        plans, live or free (`arena_free`'s buffers).
+
+        >>> AllocCache().in_arena(b"", b"")
+        False
+        """
+        return self._core.arena_ranges_free(ptrs, sizes, True)
+
+    def place_next(self, ptr: int) -> None:
+        """Serve this thread's next request of the cache at address `ptr` of the arena of
+        its step plans, where all of its bytes are free (else it is served as any request):
+        a replayed CUDA graph's results are made where the graph writes them
+        (`luxnn.graphs`).
+
+        >>> AllocCache().place_next(0)   # no arena: the next request is served as any
+        """
+        self._core.place_next(ptr)
+
     def stats(self) -> CacheStats:
         """The cache's figures now (see `CacheStats`).
 

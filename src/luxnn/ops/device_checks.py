@@ -26,7 +26,9 @@ import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
 
-from .. import capturing
+import numpy as np
+
+from .. import capturing, memory
 
 __all__ = ["DeferredChecks", "check_now", "outside"]
 
@@ -60,6 +62,16 @@ class DeferredChecks:
         self._streams: dict[int, Any] = {}  # device id -> a stream that does not wait for the others
         self._calls: collections.Counter = collections.Counter()  # owner -> calls registered
         self._lock = threading.Lock()  # calls from several threads take each flag once
+
+    @staticmethod
+    def flag(xp: Any, n: int) -> Any:
+        """A zeroed flag of `n` int64 for the kernels of one call, made outside the allocator
+        cache: a captured step's graph keeps its flags, and kept in the cache's plan one
+        would hold a place that the plan gives other blocks in later steps (and a step
+        whose flags the cache serves in one run and not in another would not be planned
+        alike)."""
+        with memory.uncached():
+            return xp.zeros(n, np.int64)
 
     def add(self, xp: Any, flag: Any, report: Report, owner: str) -> None:
         """Registers `flag` (a device array written by the kernels just launched for a call

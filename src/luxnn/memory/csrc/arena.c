@@ -169,11 +169,12 @@ retired_locked(const lx_core *c, const lx_arena *a)
 }
 
 /* Whether every range [ptrs[i], ptrs[i] + sizes[i]) lies in one chunk of the plans'
- * arena and holds no live block's byte: where a replayed CUDA graph may write the
- * temporaries of the step it captured (luxnn/graphs.py). All free counts as a use of
- * the arena, so that replays keep it from eviction as the steps they stand for would. */
+ * arena and (unless live_too) holds no live block's byte: where a replayed CUDA graph
+ * may write the step it captured (luxnn/graphs.py). All free counts as a use of the
+ * arena, so that replays keep it from eviction as the steps they stand for would. */
 int
-arena_ranges_free_locked(lx_core *c, const int64_t *ptrs, const int64_t *sizes, size_t n, uint64_t now)
+arena_ranges_free_locked(lx_core *c, const int64_t *ptrs, const int64_t *sizes, size_t n, int live_too,
+                         uint64_t now)
 {
     lx_arena *a = c->arena;
     if (a == NULL) {
@@ -185,11 +186,13 @@ arena_ranges_free_locked(lx_core *c, const int64_t *ptrs, const int64_t *sizes, 
             return 0;
         }
         size_t end = (at + size + ((size_t)1 << LX_QUANTUM_LOG2) - 1) >> LX_QUANTUM_LOG2;
-        if (!granules_free(a, at >> LX_QUANTUM_LOG2, end)) {
+        if (!live_too && !granules_free(a, at >> LX_QUANTUM_LOG2, end)) {
             return 0;
         }
     }
-    a->last_used = now;
+    if (!live_too) {
+        a->last_used = now;
+    }
     return 1;
 }
 

@@ -101,6 +101,35 @@ lx_core_destroy(lx_core *c)
     free(c);
 }
 
+/* The place in its arena that this thread's next request of core `claimer` takes
+ * (lx_place_next), or 0. */
+static _Thread_local const lx_core *tl_claimer;
+static _Thread_local uintptr_t tl_claimed;
+
+void
+lx_place_next(const lx_core *c, const void *ptr)
+{
+    tl_claimer = c;
+    tl_claimed = (uintptr_t)ptr;
+}
+
+/* The block at the place claimed for this request of `size` bytes (bin `bin`) in the
+ * plans' arena, if all of its bytes are free there; else NULL: served as any. The
+ * claim is used up either way. */
+static lx_block *
+take_claimed_locked(lx_core *c, size_t size, uint32_t bin)
+{
+    uintptr_t ptr = tl_claimed;
+    tl_claimer = NULL;
+    lx_arena *a = c->arena;
+    size_t at = a != NULL && size != 0 ? arena_offset(a, (const void *)ptr) : SIZE_MAX;
+    if (at == SIZE_MAX || !arena_serves(a, at, size) ||
+        !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+        return NULL;
+    }
+    return arena_block_locked(c, a, at, size, bin);
+}
+
 /*
  * A block of at least n bytes for the caller to use, or NULL with the reason
  * in *status. *zero_filled tells whether the block is known to hold zeros
@@ -123,8 +152,8 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
     /* Recorded and planned: every request of a step, the smallest too (a bias and its
      * moments, made anew each step out of place, would pin slabs idle at the peak). */
     int recorded = c->stepping && size != 0;
-    lx_block *b = NULL;
-    if (recorded) {
+    lx_block *b = tl_claimer == c ? take_claimed_locked(c, size, bin) : NULL;
+    if (recorded && b == NULL) {
         choose_plan_locked(c, size, call);
         int64_t rank = call >= 0 ? lane_rank : c->rank[bin]++;
         b = c->arena != NULL ? take_planned_locked(c, bin, size, call, lane, rank) : NULL;

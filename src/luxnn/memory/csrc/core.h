@@ -597,7 +597,9 @@ int free_run(const lx_arena *a, size_t size, size_t *at);
 int free_run_above(const lx_arena *a, size_t size, size_t from, size_t *at);
 int retired_locked(const lx_core *c, const lx_arena *a);
 int in_an_arena_locked(const lx_core *c, const void *ptr);
-int arena_ranges_free_locked(lx_core *c, const int64_t *ptrs, const int64_t *sizes, size_t n, uint64_t now);
+void lx_place_next(const lx_core *c, const void *ptr);
+int arena_ranges_free_locked(lx_core *c, const int64_t *ptrs, const int64_t *sizes, size_t n, int live_too,
+                             uint64_t now);
 void put_planned_locked(lx_core *c, lx_block *b);
 lx_arena *new_arena_locked(lx_core *c, size_t size, size_t first, lx_status *status);
 void grow_arena_locked(lx_core *c);

@@ -30,6 +30,7 @@ extern PyTypeObject RecordType;
 PyObject *Core_take_record(CoreObject *self, PyObject *Py_UNUSED(ignored));
 PyObject *Core_install_plan(CoreObject *self, PyObject *args, PyObject *kwargs);
 PyObject *Core_arena_ranges_free(CoreObject *self, PyObject *args);
+PyObject *Core_place_next(CoreObject *self, PyObject *ptr);
 
 /* py_cuda.c: a CUDA core's binding, and the hook that serves its blocks to CuPy */
 extern PyTypeObject HookType;

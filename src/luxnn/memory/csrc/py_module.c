@@ -423,8 +423,12 @@ static PyMethodDef Core_methods[] = {
     {"drop_plan", (PyCFunction)Core_drop_plan, METH_NOARGS,
      "drop_plan(): no step plan serves any more (their arena goes upstream when idle)"},
     {"arena_ranges_free", (PyCFunction)Core_arena_ranges_free, METH_VARARGS,
-     "arena_ranges_free(ptrs, sizes) -> whether every range lies in the plans' arena, free "
-     "(then the arena counts as used); ptrs, sizes: native int64 buffers of one length"},
+     "arena_ranges_free(ptrs, sizes, live_too=False) -> whether every range lies in the plans' "
+     "arena, free unless live_too (then the arena counts as used); ptrs, sizes: native int64 "
+     "buffers of one length"},
+    {"place_next", (PyCFunction)Core_place_next, METH_O,
+     "place_next(ptr): this thread's next request of this core takes the bytes at ptr in the "
+     "plans' arena, where they are all free (else it is served as any)"},
     {"take_record", (PyCFunction)Core_take_record, METH_NOARGS,
      "take_record() -> None or the last step's Record (rows, misses, plannable, plan, installed, "
      "split_peak, large_peak, previous, arena_bytes, arena_cut, arena_live)"},

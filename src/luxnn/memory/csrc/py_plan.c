@@ -73,13 +73,14 @@ int64_at(const Py_buffer *b, size_t i)
     return v;
 }
 
-/* arena_ranges_free(ptrs, sizes) -> bool: arena.c, arena_ranges_free_locked;
- * ptrs and sizes are buffers of native int64 of one length. */
+/* arena_ranges_free(ptrs, sizes, live_too=False) -> bool: arena.c,
+ * arena_ranges_free_locked; ptrs and sizes are buffers of native int64 of one length. */
 PyObject *
 Core_arena_ranges_free(CoreObject *self, PyObject *args)
 {
     Py_buffer ptrs = {0}, sizes = {0};
-    if (!PyArg_ParseTuple(args, "y*y*:arena_ranges_free", &ptrs, &sizes)) {
+    int live_too = 0;
+    if (!PyArg_ParseTuple(args, "y*y*|p:arena_ranges_free", &ptrs, &sizes, &live_too)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -98,7 +99,7 @@ Core_arena_ranges_free(CoreObject *self, PyObject *args)
         }
         lx_core *c = self->core;
         lock_take(&c->lock);
-        int all_free = arena_ranges_free_locked(c, values, values + n, n, c->fig.scopes);
+        int all_free = arena_ranges_free_locked(c, values, values + n, n, live_too, c->fig.scopes);
         lock_give(&c->lock);
         result = PyBool_FromLong(all_free);
     }
@@ -106,6 +107,18 @@ Core_arena_ranges_free(CoreObject *self, PyObject *args)
     PyBuffer_Release(&ptrs);
     PyBuffer_Release(&sizes);
     return result;
+}
+
+/* place_next(ptr): core.c, lx_place_next. */
+PyObject *
+Core_place_next(CoreObject *self, PyObject *ptr)
+{
+    void *at = PyLong_AsVoidPtr(ptr);
+    if (at == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    lx_place_next(self->core, at);
+    Py_RETURN_NONE;
 }
 
 /* install_plan(place, arena_bytes, sizes, even, odd, *, call=None, lane=None,

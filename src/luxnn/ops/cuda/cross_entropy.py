@@ -205,7 +205,7 @@ def _fused(logits, labels, label_smoothing, reduction, weight, ignore_index, own
     w = z if weight is None else xp.ascontiguousarray(xp.asarray(weight, dtype=dtype)).reshape(-1)  # read flat
     flags |= (HAS_WEIGHT if weight is not None else 0) | (HAS_IGNORE if ignore_index is not None else 0)
     flags |= SMOOTHING if label_smoothing else 0
-    loss, rows, flag = xp.empty(n, dtype), xp.empty(n * ROW, dtype), xp.zeros(4, np.int64)
+    loss, rows, flag = xp.empty(n, dtype), xp.empty(n * ROW, dtype), CHECKS.flag(xp, 4)
     if n:
         CROSS_ENTROPY_FORWARD[dtype]((n,), (THREADS,), (
             z, y, w, loss, rows, flag, np.int64(k), np.float64(label_smoothing),

@@ -101,7 +101,7 @@ def lookup_rows(table, indices, owner, error):
     CHECKS.raise_found(xp, owner)
     rows, dim = table.shape
     flat = xp.ascontiguousarray(indices).reshape(-1).astype(np.int64, copy=False)
-    flag = xp.zeros(3, np.int64)
+    flag = CHECKS.flag(xp, 3)
     out, _ = EMBEDDING_LOOKUP(flat, xp.ascontiguousarray(table), np.int64(rows), np.int64(dim),
                               xp.empty((*indices.shape, dim), table.dtype), flag)
     CHECKS.add(xp, flag, lambda found, when: _report(found, when, rows, owner, error), owner)
