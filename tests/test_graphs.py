@@ -50,15 +50,18 @@ def _state(make, device, *, graphs: bool, optimizer=None, cache=None) -> tuple[l
     model, x = make()
     rng = np.random.default_rng(0)
     ps, st = device(lx.setup(np.random.default_rng(1), model))
-    x = rng.standard_normal((BATCH, *x[1:]))
+    x = rng.standard_normal((BATCH, *x[1:]), dtype=np.float32)
     batch = device((x, rng.integers(0, 5, x.shape[0])))
     ts = lx.TrainState(model, ps, st, optimizer or lx.optim.adam(1e-2), allocator_cache=cache or _cache(),
                        graphs=graphs)
     return ts, batch
 
 
+AD, LOSS = lx.AutoTape(), lx.losses.CrossEntropyLoss()  # one objective: a graph is its objective's
+
+
 def _train(ts, batch, steps: int = STEPS, objective=None) -> tuple[lx.TrainState, list[float]]:
-    ad, loss_fn, losses = lx.AutoTape(), objective or lx.losses.CrossEntropyLoss(), []
+    ad, loss_fn, losses = AD, objective or LOSS, []
     for _ in range(steps):
         _, loss, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
         losses.append(float(loss))
@@ -103,7 +106,7 @@ def test_a_replayed_step_launches_one_graph_and_copies_no_more_than_its_batch_an
     cache = ts.allocator_cache
     before = cache.stats()
     with sim_cupy.counting() as counts:
-        _, loss, _, ts = lx.single_train_step_(lx.AutoTape(), lx.losses.CrossEntropyLoss(), batch, ts)
+        _, loss, _, ts = lx.single_train_step_(AD, LOSS, batch, ts)
     assert counts["graph"] == 1 and counts["cublas"] == 0 and counts["fill"] == 0, counts
     assert counts["kernel"] == len(lx.tree.leaves(batch)) + 1, counts  # the batch in, the loss out
     assert cache.stats().upstream_allocs == before.upstream_allocs
@@ -114,7 +117,7 @@ def test_a_changed_batch_shape_runs_eagerly_and_the_first_shapes_graphs_replay_a
     eager, _ = _state(MODELS["mlp"], sim_gpu, graphs=False)
     short = tuple(x[:7] for x in batch)
     for run in ([batch] * STEPS + [short] + [batch] * 4,):
-        ad, loss_fn = lx.AutoTape(), lx.losses.CrossEntropyLoss()
+        ad, loss_fn = AD, LOSS
         for data in run:
             _, loss, _, ts = lx.single_train_step_(ad, loss_fn, data, ts)
             _, want, _, eager = lx.single_train_step_(ad, loss_fn, data, eager)
@@ -146,7 +149,7 @@ def test_new_parameters_or_a_changed_mode_run_eagerly_then_are_captured_anew(sim
 def test_a_result_kept_from_two_steps_before_is_never_overwritten(sim_gpu):
     ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
     ts, _ = _train(ts, batch)
-    ad, loss_fn = lx.AutoTape(), lx.losses.CrossEntropyLoss()
+    ad, loss_fn = AD, LOSS
     kept, _, _, ts = lx.single_train_step_(ad, loss_fn, batch, ts)
     values = _host(kept)
     for _ in range(4):
@@ -156,7 +159,7 @@ def test_a_result_kept_from_two_steps_before_is_never_overwritten(sim_gpu):
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("sync", "CUDARuntimeError"),
+    ("sync", "D2H transfers are disallowed"),
     ("schedule", "schedule"),
     ("dropout", "random generator"),
 ])  # fmt: skip
@@ -165,10 +168,8 @@ def test_what_a_capture_cannot_hold_runs_eagerly_with_one_warning_that_says_why(
     make = MODELS["mlp"]
     if case == "dropout":
         make = lambda: (lx.Chain(lx.Dense(20, 32), lx.Dropout(0.2), lx.Dense(32, 5)), (16, 20))  # noqa: E731
-    loss_fn = lx.losses.CrossEntropyLoss()
-
     def objective(model, ps, st, data):
-        loss, st, stats = loss_fn(model, ps, st, data)
+        loss, st, stats = LOSS(model, ps, st, data)
         return loss, st, {"largest label": int(data[1].max())} if case == "sync" else stats
 
     ts, batch = _state(make, sim_gpu, graphs=True, optimizer=optimizer)
@@ -176,20 +177,20 @@ def test_what_a_capture_cannot_hold_runs_eagerly_with_one_warning_that_says_why(
     with pytest.warns(GraphFallbackWarning, match=reason) as caught:
         ts, losses = _train(ts, batch, objective=objective)
     eager, want = _train(eager, batch, objective=objective)
-    assert len(caught) == 1 and losses == want
+    assert sum(issubclass(w.category, GraphFallbackWarning) for w in caught) == 1 and losses == want
     _assert_bitwise(ts, eager)
     assert lx.graphs.stats(ts).replays == 0 and reason in lx.graphs.stats(ts).last_fallback
 
 
 def test_an_error_raised_inside_a_capture_is_the_eager_steps_and_leaves_the_stream_usable(sim_gpu):
     ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
-    loss_fn, calls = lx.losses.CrossEntropyLoss(), [0]
+    calls = [0]
 
     def objective(model, ps, st, data):
         calls[0] += 1
-        if calls[0] >= 5:  # from the step that would be captured on
+        if calls[0] >= 6:  # from the step that would be captured on
             raise ValueError("a bad batch")
-        return loss_fn(model, ps, st, data)
+        return LOSS(model, ps, st, data)
 
     with pytest.raises(ValueError, match="a bad batch"):
         _train(ts, batch, objective=objective)
@@ -207,14 +208,14 @@ def test_a_keyboard_interrupt_at_the_launch_leaves_the_step_not_done(sim_gpu, mo
 
     monkeypatch.setattr(sim_cupy.cuda.Graph, "launch", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        lx.single_train_step_(lx.AutoTape(), lx.losses.CrossEntropyLoss(), batch, ts)
+        lx.single_train_step_(AD, LOSS, batch, ts)
     assert not ts.consumed and ts.step == STEPS
     for x, want in zip(_host(ts.parameters), before):
         np.testing.assert_array_equal(x, want)
     monkeypatch.undo()
     monkeypatch.setitem(sys.modules, "cupy", sim_cupy)
     monkeypatch.setitem(sys.modules, "nvmath", sim_nvmath)
-    _, _, _, ts = lx.single_train_step_(lx.AutoTape(), lx.losses.CrossEntropyLoss(), batch, ts)
+    _, _, _, ts = lx.single_train_step_(AD, LOSS, batch, ts)
     assert ts.step == STEPS + 1
 
 
@@ -222,7 +223,7 @@ def test_a_bad_label_in_a_replayed_step_raises_at_a_later_call(sim_gpu):
     ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
     ts, _ = _train(ts, batch)
     bad = (batch[0], sim_gpu(np.full(batch[1].shape, 7)))
-    ad, loss_fn = lx.AutoTape(), lx.losses.CrossEntropyLoss()
+    ad, loss_fn = AD, LOSS
     _, _, _, ts = lx.single_train_step_(ad, loss_fn, bad, ts)
     assert lx.graphs.stats(ts).replays > 0
     with pytest.raises(ValueError, match="label"):
@@ -236,7 +237,7 @@ def test_a_batch_on_the_host_is_refused_as_eagerly_and_a_strided_one_is_copied(s
     eager, _ = _state(MODELS["mlp"], sim_gpu, graphs=False)
     ts, _ = _train(ts, batch)
     eager, _ = _train(eager, batch)
-    ad, loss_fn = lx.AutoTape(), lx.losses.CrossEntropyLoss()
+    ad, loss_fn = AD, LOSS
     with pytest.raises(ValueError, match="device"):
         lx.single_train_step_(ad, loss_fn, (batch[0].get(), batch[1].get()), ts)
     wide = sim_gpu(np.zeros((batch[0].shape[0], 2 * batch[0].shape[1])))

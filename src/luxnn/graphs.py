@@ -161,6 +161,7 @@ class _Graph:
         self.allocations = list(allocations.items())
         self.ptrs, self.sizes = _ranges([*temporaries, *self.allocations])
         self.event = None  # recorded after the last launch when hooks read its results
+        self.held: list = []  # memory of its temporaries that the cache's pools served
 
     def reads(self, inputs: list) -> bool:
         return len(inputs) == len(self.layout) and all(map(lambda x, want: _layout(x) == want, inputs, self.layout))
@@ -208,7 +209,8 @@ class _Signature:
         self.buffers: Any = None
         self.warm = 0  # eager steps in a row served wholly by the cache
         self.unplanned = 0  # eager steps in a row not served wholly by the plan
-        self.tries = 0  # captures whose graph could not be kept
+        self.plans = 0  # the cache's plans installed at its last eager step
+        self.tries = 0  # captures that failed or whose graph could not be kept
         self.capturable = True
 
 
@@ -281,13 +283,17 @@ class Runner:
         )  # fmt: skip
 
     def _eager(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
+        batch = self._copy_batch(entry, data)
         before = self.cache.stats()
         with step(self.cache):
-            grads, loss, stats_, new = work(data)
+            grads, loss, stats_, new = work(batch)
         after = self.cache.stats()
-        # Warm: every request served at its place in the plan (none from the pools).
-        planned = after.misses == before.misses and after.plan_hits - before.plan_hits == after.hits - before.hits > 0
-        entry.warm = entry.warm + 1 if planned else 0
+        # Warm: served by the plan with no miss (the pools serve the small requests made
+        # before a step's first large one picks its plan), and by the same plans as the
+        # steps before (a new one moves blocks).
+        planned = after.misses == before.misses and after.plan_hits > before.plan_hits
+        entry.warm = 0 if not planned else entry.warm + 1 if after.plans == entry.plans else 1
+        entry.plans = after.plans
         entry.unplanned = 0 if planned else entry.unplanned + 1
         if entry.unplanned == UNPLANNED and entry.capturable:
             self._warn("the allocator cache does not plan its memory (a step whose requests are all at most "
@@ -307,12 +313,18 @@ class Runner:
         self._counts["replays"] += 1
         return self._launch(graph, results, ts, advance)
 
-    def _copy_batch(self, entry: _Signature, data: Any) -> None:
-        """The batch into the signature's input buffers, which its graphs read (a
-        non-contiguous one made contiguous on the way)."""
+    def _copy_batch(self, entry: _Signature, data: Any) -> Any:
+        """The batch copied into the signature's input buffers (made at its first step,
+        outside the allocator's steps), which its graphs read and its eager steps too: a
+        step captured then sees what the eager steps before it saw (the addresses of its
+        inputs, and what is planned or set up for them: a GEMM's layout, a pointer table)."""
+        if entry.buffers is None:
+            with cached(self.cache):
+                entry.buffers = tree.map(lambda x: self.xp.empty_like(x) if _on_device(x) else x, data)
         for buffer, x in zip(tree.leaves(entry.buffers), tree.leaves(data)):
             if _on_device(x):
                 self.xp.copyto(buffer, x)
+        return entry.buffers
 
     def _launch(self, graph: _Graph, results: list, ts: Any, advance: Advance) -> tuple:
         """Launches `graph` for the step of `ts` and returns the step's `results`. The
@@ -334,11 +346,7 @@ class Runner:
             return grads, loss.copy(), tree.map(lambda x: x.copy() if _on_device(x) else x, stats_), new
 
     def _capture(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
-        xp = self.xp
-        if entry.buffers is None:
-            with cached(self.cache):
-                entry.buffers = tree.map(lambda x: xp.empty_like(x) if _on_device(x) else x, data)
-        self._copy_batch(entry, data)
+        xp, batch = self.xp, self._copy_batch(entry, data)
         allocations: list[tuple[int, int]] = []
         try:
             self.stream.begin_capture()
@@ -352,7 +360,7 @@ class Runner:
                         return pointer
 
                     with xp.cuda.using_allocator(recording):
-                        grads, loss, stats_, new = work(entry.buffers)
+                        grads, loss, stats_, new = work(batch)
             finally:
                 if self.stream.is_capturing():
                     graph = self.stream.end_capture()
@@ -365,8 +373,10 @@ class Runner:
         results = {_allocation(x) for x in tree.leaves(parts) if _on_device(x) and _allocation(x) in fresh}
         kept = {_allocation(x) for x in hooks.kept if _on_device(x) and _allocation(x) in fresh}
         temporaries = [(p, n) for p, n in allocations if n and p not in results and p not in kept]
+        temporaries, held = self._hold_pooled(temporaries)
         captured = _Graph(graph, tree.leaves((ts.parameters, ts.states, ts.optimizer_state)), parts, fresh,
                           temporaries, hooks)
+        captured.held = held
         self._counts["captures"] += 1
         # All it writes in the plan's arena: a replay can check those places and make its
         # results there. Else this launch only, then eager steps again.
@@ -374,17 +384,38 @@ class Runner:
             entry.graphs.append(captured)
             del entry.graphs[:-GRAPHS]
         else:
-            entry.warm, entry.tries = 0, entry.tries + 1
-            if entry.tries >= CAPTURE_TRIES:
-                entry.capturable = False
-                self._warn("its memory is not all served by the allocator cache's plan")
+            self._failed(entry, "its memory is not all served by the allocator cache's plan")
         return self._launch(captured, parts, ts, advance)
+
+    def _hold_pooled(self, temporaries: list) -> tuple[list, list]:
+        """The temporaries of a capture in the plans' arena, and the memory of those the
+        cache's pools served (small requests made before a step's first large one picks
+        its plan), taken again now for the graph to keep. One that cannot be had is left
+        among the first (and the graph is not kept: it is not in the arena)."""
+        arena, held = [], []
+        with cached(self.cache):
+            for ptr, size in temporaries:
+                if self.cache.in_arena(*_ranges([(ptr, size)])):
+                    arena.append((ptr, size))
+                    continue
+                self.cache.place_next(ptr)
+                memory = self.xp.cuda.alloc(size)
+                held.append(memory) if memory.ptr == ptr else arena.append((ptr, size))
+        return arena, held
 
     def _fall_back(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance, err: Exception) -> tuple:
         results = self._eager(entry, data, ts, work, advance)  # raises the step's own error, if it was one
-        entry.capturable = False
-        self._warn(f"{type(err).__name__}: {err}")
+        self._failed(entry, f"{type(err).__name__}: {err}")
         return results
+
+    def _failed(self, entry: _Signature, reason: str) -> None:
+        """A capture that failed or gave no graph to keep: eager steps again, and after
+        `CAPTURE_TRIES` of them (what was not set up yet before one, say, a new GEMM
+        layout, is the next time) no more captures, said once."""
+        entry.warm, entry.tries = 0, entry.tries + 1
+        if entry.tries >= CAPTURE_TRIES:
+            entry.capturable = False
+            self._warn(reason)
 
     def _warn(self, reason: str) -> None:
         self._last_fallback = reason

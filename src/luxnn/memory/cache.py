@@ -357,10 +357,10 @@ class AllocCache:
         return self._core.arena_ranges_free(ptrs, sizes, True)
 
     def place_next(self, ptr: int) -> None:
-        """Serve this thread's next request of the cache at address `ptr` of the arena of
-        its step plans, where all of its bytes are free (else it is served as any request):
-        a replayed CUDA graph's results are made where the graph writes them
-        (`luxnn.graphs`).
+        """Serve this thread's next request of the cache at address `ptr`: in the arena of
+        its step plans where all of the request's bytes are free there, or with a free
+        block of its pools that starts there; else as any request. A replayed CUDA graph's
+        results are made where the graph writes them (`luxnn.graphs`).
 
         >>> AllocCache().place_next(0)   # no arena: the next request is served as any
         """

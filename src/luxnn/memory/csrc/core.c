@@ -113,18 +113,20 @@ lx_place_next(const lx_core *c, const void *ptr)
     tl_claimed = (uintptr_t)ptr;
 }
 
-/* The block at the place claimed for this request of `size` bytes (bin `bin`) in the
- * plans' arena, if all of its bytes are free there; else NULL: served as any. The
- * claim is used up either way. */
+/* The block at the place claimed for this request of `size` bytes (bin `bin`): in the
+ * plans' arena, if all of its bytes are free there, or a pool's free block that starts
+ * there; else NULL: served as any. The claim is used up either way. */
 static lx_block *
 take_claimed_locked(lx_core *c, size_t size, uint32_t bin)
 {
-    uintptr_t ptr = tl_claimed;
+    const void *ptr = (const void *)tl_claimed;
     tl_claimer = NULL;
     lx_arena *a = c->arena;
-    size_t at = a != NULL && size != 0 ? arena_offset(a, (const void *)ptr) : SIZE_MAX;
-    if (at == SIZE_MAX || !arena_serves(a, at, size) ||
-        !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+    size_t at = a != NULL && size != 0 ? arena_offset(a, ptr) : SIZE_MAX;
+    if (at == SIZE_MAX) {
+        return size != 0 ? take_pooled_at_locked(c, ptr, bin, size) : NULL;
+    }
+    if (!arena_serves(a, at, size) || !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
         return NULL;
     }
     return arena_block_locked(c, a, at, size, bin);

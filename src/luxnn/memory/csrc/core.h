@@ -570,6 +570,7 @@ void release_locked(lx_core *c, lx_block *b);
 void note_piece_locked(lx_core *c, lx_segment *seg, size_t size, int change);
 lx_block *take_piece_locked(lx_core *c, lx_pool *pool, uint32_t bin, size_t size, int *no_record);
 lx_block *take_quick_locked(lx_core *c, uint32_t bin);
+lx_block *take_pooled_at_locked(lx_core *c, const void *ptr, uint32_t bin, size_t size);
 void put_quick_locked(lx_core *c, lx_block *b);
 void return_piece_locked(lx_core *c, lx_block *b);
 void flush_quick_locked(lx_core *c, uint32_t from, uint32_t to);

@@ -218,6 +218,8 @@ note_piece_locked(lx_core *c, lx_segment *seg, size_t size, int change)
  * piece, cut to size and taken out of the free lists, its remainder a new free
  * piece to its right. NULL when no free piece fits, or (*no_record set) when
  * the bookkeeping has no memory for the remainder's record. */
+static lx_block *take_free_locked(lx_core *c, lx_block *best, uint32_t bin, size_t size, int *no_record);
+
 lx_block *
 take_piece_locked(lx_core *c, lx_pool *pool, uint32_t bin, size_t size, int *no_record)
 {
@@ -232,6 +234,15 @@ take_piece_locked(lx_core *c, lx_pool *pool, uint32_t bin, size_t size, int *no_
             best = b;
         }
     }
+    return take_free_locked(c, best, bin, size, no_record);
+}
+
+/* Free piece `best` of a pool (in its free list) for a request of `size` bytes (bin
+ * `bin`), its bytes beyond `size` split off as a free piece; NULL (no_record set)
+ * when the bookkeeping is out of memory. */
+static lx_block *
+take_free_locked(lx_core *c, lx_block *best, uint32_t bin, size_t size, int *no_record)
+{
     lx_block *rest = NULL;
     if (best->size > size) {
         if ((rest = malloc(sizeof(lx_block))) == NULL || map_reserve(&c->map, 1) != 0) {
@@ -278,6 +289,28 @@ take_quick_locked(lx_core *c, uint32_t bin)
     c->quick_bytes -= b->size;
     b->older->newer = b->newer;
     b->newer->older = b->older;
+    b->quick = 0;
+    note_piece_locked(c, b->seg, b->size, +1);
+    b->seg->last_used = c->fig.scopes;
+    return b;
+}
+
+/* The free block of a pool that starts at ptr, for a request of `size` bytes (bin
+ * `bin`): a quick block of that bin, or a free piece of at least `size` bytes (split);
+ * NULL: none there (live, in an arena, inside a larger piece, too small). */
+lx_block *
+take_pooled_at_locked(lx_core *c, const void *ptr, uint32_t bin, size_t size)
+{
+    lx_block *b = map_find(&c->map, ptr);
+    if (b == NULL || b->live || b->seg == NULL || b->seg->orphan || b->size < size ||
+        (b->quick && b->bin != bin)) {
+        return NULL;
+    }
+    if (!b->quick) {
+        int no_record = 0;
+        return take_free_locked(c, b, bin, size, &no_record);
+    }
+    unlink_free_locked(c, b);
     b->quick = 0;
     note_piece_locked(c, b->seg, b->size, +1);
     b->seg->last_used = c->fig.scopes;

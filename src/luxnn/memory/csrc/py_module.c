@@ -428,7 +428,8 @@ static PyMethodDef Core_methods[] = {
      "buffers of one length"},
     {"place_next", (PyCFunction)Core_place_next, METH_O,
      "place_next(ptr): this thread's next request of this core takes the bytes at ptr in the "
-     "plans' arena, where they are all free (else it is served as any)"},
+     "plans' arena where they are all free, or a pool's free block that starts there (else it "
+     "is served as any)"},
     {"take_record", (PyCFunction)Core_take_record, METH_NOARGS,
      "take_record() -> None or the last step's Record (rows, misses, plannable, plan, installed, "
      "split_peak, large_peak, previous, arena_bytes, arena_cut, arena_live)"},
