@@ -139,13 +139,15 @@ class _Placed(NamedTuple):
 
 
 class _Graph:
-    """One captured step: its CUDA graph, what it reads (`layout` of its inputs), what it
-    writes (its temporaries and its results' allocations, `ptrs` and `sizes`), where its
-    results lie (`parts`), and the functions run around each launch."""
+    """One captured step: its CUDA graph, what it reads (`layout` of its inputs), where
+    its temporaries lie in the plans' arena (`ptrs` and `sizes`; those the pools served,
+    it keeps: `held`), where its results lie (`allocations`, `parts`), and the functions
+    run around each launch."""
 
     def __init__(self, graph: Any, inputs: list, results: tuple, fresh: dict, temporaries: list, hooks: Any) -> None:
         self.graph, self.hooks = graph, hooks
         self.layout = [_layout(x) for x in inputs]
+        self.input_ptrs = [x.data.ptr if _on_device(x) else None for x in inputs]
         allocations: dict[int, int] = {}
         self.parts = []
         for part in results:  # grads, loss, stats, states, optimizer state
@@ -159,9 +161,23 @@ class _Graph:
                 out.append(leaf)
             self.parts.append((structure, out))
         self.allocations = list(allocations.items())
-        self.ptrs, self.sizes = _ranges([*temporaries, *self.allocations])
+        self.ptrs, self.sizes = _ranges(temporaries)
         self.event = None  # recorded after the last launch when hooks read its results
         self.held: list = []  # memory of its temporaries that the cache's pools served
+
+    def closing(self, recorded: tuple, ts: Any) -> dict[int, int]:
+        """For the capture `recorded` of the step after this graph's: where its allocations
+        must be for its new states and optimizer state to lie where this graph reads
+        them (by allocation index; empty: they do), so that the two replay in turn."""
+        _, parts, allocations, _ = recorded
+        last = {ptr: i for i, (ptr, _) in enumerate(allocations)}  # the live one: made last there
+        skip = len(tree.leaves(ts.parameters))
+        places = {}
+        for leaf, want in zip(tree.leaves(parts[3:]), self.input_ptrs[skip:]):
+            base = _allocation(leaf) if _on_device(leaf) else None
+            if base in last and want is not None and leaf.data.ptr != want:
+                places[last[base]] = want - (leaf.data.ptr - base)
+        return places
 
     def reads(self, inputs: list) -> bool:
         return len(inputs) == len(self.layout) and all(map(lambda x, want: _layout(x) == want, inputs, self.layout))
@@ -346,29 +362,26 @@ class Runner:
             return grads, loss.copy(), tree.map(lambda x: x.copy() if _on_device(x) else x, stats_), new
 
     def _capture(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
-        xp, batch = self.xp, self._copy_batch(entry, data)
-        allocations: list[tuple[int, int]] = []
+        batch = self._copy_batch(entry, data)
         try:
-            self.stream.begin_capture()
-            try:
-                with step(self.cache), capturing.capture() as hooks:
-                    inner = xp.cuda.get_allocator()
-
-                    def recording(size: int) -> Any:
-                        pointer = inner(size)
-                        allocations.append((pointer.ptr, size))
-                        return pointer
-
-                    with xp.cuda.using_allocator(recording):
-                        grads, loss, stats_, new = work(batch)
-            finally:
-                if self.stream.is_capturing():
-                    graph = self.stream.end_capture()
+            recorded = self._record(ts, batch, work, {})
+            partner = entry.graphs[-1] if len(entry.graphs) == 1 else None
+            places = partner.closing(recorded, ts) if partner is not None else {}
+            if places:  # again, its results made where the partner reads them (the pools' move)
+                del recorded
+                self.cache.forget_step()
+                recorded = self._record(ts, batch, work, places)
         except KeyboardInterrupt:
             raise
         except Exception as err:  # noqa: BLE001 - whatever the capture met: the eager step says if it was the step's
-            return self._fall_back(entry, data, ts, work, advance, err)
-        parts = [grads, loss, stats_, new.states, new.optimizer_state]
+            failure = f"{type(err).__name__}: {err}"
+        else:
+            failure = None
+        if failure is not None:  # out of the handler: the error's frames, and the arrays they hold, are gone
+            self.cache.forget_step()  # its requests stopped part way: nothing to plan from
+            return self._fall_back(entry, data, ts, work, advance, failure)
+        graph, parts, allocations, hooks = recorded
+        del recorded
         fresh = dict(allocations)
         results = {_allocation(x) for x in tree.leaves(parts) if _on_device(x) and _allocation(x) in fresh}
         kept = {_allocation(x) for x in hooks.kept if _on_device(x) and _allocation(x) in fresh}
@@ -378,8 +391,9 @@ class Runner:
                           temporaries, hooks)
         captured.held = held
         self._counts["captures"] += 1
-        # All it writes in the plan's arena: a replay can check those places and make its
-        # results there. Else this launch only, then eager steps again.
+        # Its temporaries in the plan's arena, where a replay can see that they are free
+        # (its results it makes where they were, or stays eager). Else this launch only,
+        # then eager steps again.
         if self.cache.in_arena(captured.ptrs, captured.sizes):
             entry.graphs.append(captured)
             del entry.graphs[:-GRAPHS]
@@ -387,14 +401,41 @@ class Runner:
             self._failed(entry, "its memory is not all served by the allocator cache's plan")
         return self._launch(captured, parts, ts, advance)
 
+    def _record(self, ts: Any, batch: Any, work: Work, places: dict[int, int]) -> tuple:
+        """Captures the step's work on the runner's stream, in a step of the cache:
+        (graph, its results [grads, loss, stats, states, optimizer state], its allocations
+        in order as (address, bytes), what the code registered: `capturing.Capture`).
+        `places`: the address for the allocation of each index given (`AllocCache.place_next`)."""
+        xp, allocations = self.xp, []
+        self.stream.begin_capture()
+        try:
+            with step(self.cache), capturing.capture() as hooks:
+                inner = xp.cuda.get_allocator()
+
+                def recording(size: int) -> Any:
+                    if len(allocations) in places:
+                        self.cache.place_next(places[len(allocations)])
+                    pointer = inner(size)
+                    allocations.append((pointer.ptr, size))
+                    return pointer
+
+                with xp.cuda.using_allocator(recording):
+                    grads, loss, stats_, new = work(batch)
+        finally:
+            if self.stream.is_capturing():
+                graph = self.stream.end_capture()
+        return graph, [grads, loss, stats_, new.states, new.optimizer_state], allocations, hooks
+
     def _hold_pooled(self, temporaries: list) -> tuple[list, list]:
         """The temporaries of a capture in the plans' arena, and the memory of those the
         cache's pools served (small requests made before a step's first large one picks
         its plan), taken again now for the graph to keep. One that cannot be had is left
         among the first (and the graph is not kept: it is not in the arena)."""
-        arena, held = [], []
+        arena, held, largest = [], [], {}
+        for ptr, size in temporaries:  # a block the capture freed and took again, once
+            largest[ptr] = max(size, largest.get(ptr, 0))
         with cached(self.cache):
-            for ptr, size in temporaries:
+            for ptr, size in largest.items():
                 if self.cache.in_arena(*_ranges([(ptr, size)])):
                     arena.append((ptr, size))
                     continue
@@ -403,9 +444,9 @@ class Runner:
                 held.append(memory) if memory.ptr == ptr else arena.append((ptr, size))
         return arena, held
 
-    def _fall_back(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance, err: Exception) -> tuple:
+    def _fall_back(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance, reason: str) -> tuple:
         results = self._eager(entry, data, ts, work, advance)  # raises the step's own error, if it was one
-        self._failed(entry, f"{type(err).__name__}: {err}")
+        self._failed(entry, reason)
         return results
 
     def _failed(self, entry: _Signature, reason: str) -> None:

@@ -336,6 +336,14 @@ class AllocCache:
         """The training step that began last ends (`luxnn.memory.step` does this)."""
         self._core.step_end()
 
+    def forget_step(self) -> None:
+        """The training step that ended last is not planned from: it was not done (a failed
+        CUDA graph capture, whose requests stopped part way: `luxnn.graphs`)."""
+        if self._planner is not None:
+            self._planner.forget_step()
+        else:
+            self._core.take_record()
+
     def arena_free(self, ptrs: bytes, sizes: bytes) -> bool:
         """Whether every range ``[ptr, ptr + size)`` lies in the arena of the cache's step
         plans and holds no live array's byte; if so the arena counts as used, as by the

@@ -422,6 +422,12 @@ class Planner:
             with outside():
                 self.step_ended(record)
 
+    def forget_step(self) -> None:
+        """The record of the step that ended last is dropped, not planned from: a step that
+        was not done (`AllocCache.forget_step`)."""
+        with self._lock:
+            self._core.take_record()
+
     def _served_whole(self, record: Any) -> bool:
         # A step its plan served with no miss: that plan is now the most recently used.
         if record.misses or record.plan < 0 or not (record.installed >> record.plan) & 1 or self._pending or self._repin:

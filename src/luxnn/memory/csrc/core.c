@@ -155,10 +155,10 @@ lx_alloc(lx_core *c, size_t n, int zeroed, int *zero_filled, lx_status *status)
      * moments, made anew each step out of place, would pin slabs idle at the peak). */
     int recorded = c->stepping && size != 0;
     lx_block *b = tl_claimer == c ? take_claimed_locked(c, size, bin) : NULL;
-    if (recorded && b == NULL) {
+    if (recorded) { /* a claimed place counts in the plan's choice and ranks as any request */
         choose_plan_locked(c, size, call);
         int64_t rank = call >= 0 ? lane_rank : c->rank[bin]++;
-        b = c->arena != NULL ? take_planned_locked(c, bin, size, call, lane, rank) : NULL;
+        b = b == NULL && c->arena != NULL ? take_planned_locked(c, bin, size, call, lane, rank) : b;
     }
     /* Warm-up: what no plan serves goes upstream at its size (a miss, by design); the
      * small ones out of lanes too once this step or the one before had larger
