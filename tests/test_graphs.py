@@ -134,7 +134,6 @@ def test_new_parameters_or_a_changed_mode_run_eagerly_then_are_captured_anew(sim
         lambda t: t,
         lambda t: t.replace(parameters=copy(t.parameters), optimizer_state=copy(t.optimizer_state)),
         lx.testmode,  # another signature: BatchNorm's running statistics, kept as they are
-        lx.trainmode,
     ]
     for change in changes:
         ts, eager = change(ts), change(eager)
@@ -163,8 +162,11 @@ def test_a_result_kept_from_two_steps_before_is_never_overwritten(sim_gpu):
     ("sync", "D2H transfers are disallowed"),
     ("schedule", "schedule"),
     ("dropout", "random generator"),
+    ("cublas", "nvmath-python"),
 ])  # fmt: skip
-def test_what_a_capture_cannot_hold_runs_eagerly_with_one_warning_that_says_why(case, reason, sim_gpu):
+def test_what_a_capture_cannot_hold_runs_eagerly_with_one_warning_that_says_why(case, reason, sim_gpu, monkeypatch):
+    if case == "cublas":
+        monkeypatch.setitem(sys.modules, "nvmath", None)  # CuPy's cuBLAS for the GEMMs
     optimizer = lx.optim.adam(lx.optim.linear_schedule(1e-2, 1e-3, 10)) if case == "schedule" else None
     make = MODELS["mlp"]
     if case == "dropout":

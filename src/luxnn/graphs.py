@@ -3,33 +3,37 @@
 A fixed-shape loop of `single_train_step_` on a GPU repeats the same kernels on the same
 buffers: the allocator's plan (`luxnn.memory.plan`) gives every request of the step a
 fixed place in one arena, on a cycle of two steps (the results of one step live while the
-next runs). So once the plan serves two steps wholly, the runner captures the next two steps
-on the cache's stream and from then on replays them in turn: the GPU runs the recorded
-kernels and the host launches one graph instead of each kernel.
+next runs). So once the plan serves two steps with no miss, the runner captures the next
+two steps on the cache's stream and from then on replays them in turn: the GPU runs the
+recorded kernels and the host launches one graph instead of each kernel. The second
+capture makes its new states and optimizer state where the first graph reads them, so
+that the two chain (the pools serve a step's small requests made before its first large
+one, and their blocks move).
 
 Signature. A graph belongs to one signature of the step: the model, the optimizer, the
 objective and the AD backend (by identity), the batch's structure, shapes and dtypes, and
 the states' structure and non-array leaves (a layer's ``training`` flag). A step of another
-signature runs eagerly; its own graphs are kept for the `MAX_SIGNATURES` most recent.
+signature runs eagerly; graphs are kept for the `MAX_SIGNATURES` most recent.
 
-What a replay checks first, else the step runs eagerly (and is captured anew later):
-- the inputs, every leaf of the parameters, states and optimizer state, at the addresses
-  and with the layouts the graph read (a ``ts.replace(parameters=...)``, a loaded state);
-- no result of the graph's previous launch is still referenced outside the runner: the
-  arrays it hands out are views of buffers it keeps, and a view kept from two steps ago
-  (a stored gradient) would be overwritten;
-- every other byte the graph writes (its temporaries) lies in the cache's arena, free
-  (`AllocCache.arena_free`): a new plan, a trimmed cache or an array kept there since
-  makes it eager.
-The batch is copied into the graph's input buffers (one copy per leaf); the loss and the
-stats come back as copies of the graph's, which a loop may keep.
+A replay, else an eager step (and captures anew later), when:
+- the inputs, every leaf of the parameters, states and optimizer state, are at the
+  addresses and have the layouts the graph read (not after ``ts.replace(parameters=...)``
+  or a loaded state);
+- the graph's temporaries lie in the cache's arena, free (`AllocCache.arena_free`: not
+  after a new plan or a trim, nor with an array kept there since), those the pools served
+  kept by the graph;
+- its results can be made where it writes them (`AllocCache.place_next`): arrays of the
+  cache, as an eager step's, so that a result kept from an earlier step (a stored
+  gradient) is never overwritten: its place is taken, and the step runs eagerly.
+The batch is copied into the signature's input buffers (one copy per leaf; its eager
+steps read them too); the loss and the stats come back as copies, which a loop may keep.
 
 What a capture cannot hold runs eagerly, with one `GraphFallbackWarning` naming the
-reason: an operation the device refuses while capturing (a host synchronisation such as
-``float(loss)`` in the objective, a library call CuPy refuses), or a value the host
-computes at every step (`luxnn.capturing.host_value`: a learning-rate schedule, a dropout
-draw). A failed capture ran nothing on the device: the eager step then does the step, and
-raises what it raises.
+reason once `CAPTURE_TRIES` captures failed: an operation the device refuses while
+capturing (a host synchronisation such as ``float(loss)`` in the objective, CuPy's own
+cuBLAS), or a value the host computes at every step (`luxnn.capturing.host_value`: a
+learning-rate schedule, a dropout draw). A failed capture ran nothing on the device: the
+eager step then does the step, and raises what it raises.
 
 Python that the step runs, the objective's included, runs once, at the capture: a replay
 repeats its kernels only.
@@ -55,8 +59,7 @@ __all__ = ["GraphFallbackWarning", "GraphStats", "Runner", "stats", "MAX_SIGNATU
 MAX_SIGNATURES = 4
 """Signatures whose graphs are kept, the most recently used."""
 CAPTURE_TRIES = 3
-"""Captures of a signature whose graph could not be kept (its memory not all planned
-yet) before it stays eager."""
+"""Captures of a signature that failed or gave no graph to keep before it stays eager."""
 GRAPHS = 2  # a signature's graphs: the plan's cycle of two steps
 UNPLANNED = 8  # eager steps of a signature not served by a plan before that is said, once
 WARM = 2  # eager steps served wholly before a capture: both places of the cycle seen (and

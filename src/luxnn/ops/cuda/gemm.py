@@ -80,6 +80,9 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     """
     nvmath = _nvmath()
     if nvmath is None or a.dtype not in _BLAS_DTYPES or b.dtype not in _BLAS_DTYPES:
+        if nvmath is None and a.dtype in _BLAS_DTYPES and capturing.active() is not None:
+            raise capturing.NotCapturable("a GEMM through CuPy's cuBLAS, which CuPy refuses while capturing "
+                                          "(with nvmath-python installed, GEMMs go through cuBLASLt, which it can)")
         return module_of(a).matmul(a, b, out=out)
     return _product(nvmath, a, b, out)
 
