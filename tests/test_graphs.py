@@ -260,3 +260,17 @@ def test_graphs_false_or_the_cpu_has_no_runner(sim_gpu):
     assert lx.TrainState(lx.Dense(3, 2), ps, st, lx.optim.sgd(0.1)).graph_runner is None
     with pytest.raises(TypeError, match="graphs must be True or False"):
         lx.TrainState(lx.Dense(3, 2), ps, st, lx.optim.sgd(0.1), graphs="yes")
+
+
+def test_graphs_replay_under_a_cache_limit_and_take_nothing_upstream(sim_gpu):
+    eager, batch = _state(MODELS["cnn"], sim_gpu, graphs=False)
+    eager, want = _train(eager, batch)
+    limit = int(1.25 * eager.allocator_cache.stats().peak_reserved)
+    ts, _ = _state(MODELS["cnn"], sim_gpu, graphs=True, cache=_cache(limit=limit))
+    ts, losses = _train(ts, batch)
+    before, replays = ts.allocator_cache.stats(), lx.graphs.stats(ts).replays
+    for _ in range(4):  # no caller holding the first state (its results' places would be taken)
+        _, loss, _, ts = lx.single_train_step_(AD, LOSS, batch, ts)
+    after = ts.allocator_cache.stats()
+    assert losses == want and replays > 0 and lx.graphs.stats(ts).replays == replays + 4
+    assert after.upstream_allocs == before.upstream_allocs and after.peak_reserved <= limit
