@@ -274,3 +274,83 @@ def test_graphs_replay_under_a_cache_limit_and_take_nothing_upstream(sim_gpu):
     after = ts.allocator_cache.stats()
     assert losses == want and replays > 0 and lx.graphs.stats(ts).replays == replays + 4
     assert after.upstream_allocs == before.upstream_allocs and after.peak_reserved <= limit
+
+
+def test_a_graph_keeps_the_fused_optimisers_pointer_table_it_reads(sim_gpu):
+    from luxnn import capturing
+    from luxnn.optim import fused
+
+    rows = [[4, 1, 4096, 8192, 12288]]
+    place = (sim_cupy, 0, sim_cupy.cuda.get_current_stream().ptr)
+    table, _ = fused._table(place, rows)  # uploaded outside a capture, as in a warm step
+    with capturing.capture() as recorded:
+        again, _ = fused._table(place, rows)
+    assert again is table and any(kept is table for kept in recorded.kept)  # evicted from the tables, still alive
+
+
+def test_a_cache_first_used_on_another_stream_runs_eagerly_and_says_why(sim_gpu):
+    cache = _cache()
+    with memory.cached(cache):  # the default stream: the one the cache serves from now on
+        sim_cupy.zeros(4)
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True, cache=cache)
+    with pytest.warns(GraphFallbackWarning, match="first used on another stream"):
+        ts, _ = _train(ts, batch)
+    assert lx.graphs.stats(ts).captures == 0 and cache.stats().hits > 0  # the cache still serves the steps
+
+
+def test_two_training_states_of_one_cache_share_its_stream_and_both_replay(sim_gpu):
+    cache = _cache()
+    first, batch = _state(MODELS["mlp"], sim_gpu, graphs=True, cache=cache)
+    second, _ = _state(MODELS["mlp"], sim_gpu, graphs=True, cache=cache)
+    assert first.graph_runner.stream is second.graph_runner.stream
+    first, _ = _train(first, batch)
+    second, _ = _train(second, batch)
+    assert lx.graphs.stats(first).replays > 0 and lx.graphs.stats(second).replays > 0
+
+
+def test_a_capture_the_objective_invalidates_is_ended_and_the_stream_trains_on(sim_gpu):
+    def objective(model, ps, st, data):
+        sim_cupy.cuda.runtime.deviceSynchronize()  # refused while capturing: the capture is invalidated
+        return LOSS(model, ps, st, data)
+
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    eager, _ = _state(MODELS["mlp"], sim_gpu, graphs=False)
+    with pytest.warns(GraphFallbackWarning, match="CUDARuntimeError"):
+        ts, losses = _train(ts, batch, 10 * CAPTURE_TRIES, objective=objective)
+    eager, want = _train(eager, batch, 10 * CAPTURE_TRIES, objective=objective)
+    assert losses == want and not ts.graph_runner.stream.is_capturing()
+
+
+def test_host_values_in_the_batch_are_read_at_every_step(sim_gpu):
+    def objective(model, ps, st, data):
+        loss, st, stats = LOSS(model, ps, st, data[:2])
+        return loss * float(data[2]), st, stats
+
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    eager, _ = _state(MODELS["mlp"], sim_gpu, graphs=False)
+    for weight in [np.float32(1.0)] * STEPS + [np.float32(w) for w in (2.0, 3.0, 1.0, 1.0, 1.0, 1.0, 5.0)]:
+        _, loss, _, ts = lx.single_train_step_(AD, objective, (*batch, weight), ts)
+        _, want, _, eager = lx.single_train_step_(AD, objective, (*batch, weight), eager)
+        assert float(loss) == float(want), weight
+    assert lx.graphs.stats(ts).replays > 0
+    _assert_bitwise(ts, eager)
+
+
+def test_a_keyboard_interrupt_just_after_the_launch_leaves_the_given_state_as_after_the_step(sim_gpu, monkeypatch):
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    eager, _ = _state(MODELS["mlp"], sim_gpu, graphs=False)
+    ts, _ = _train(ts, batch)
+    eager, _ = _train(eager, batch, STEPS + 1)
+    overwritten = lx.graphs.overwritten
+
+    def interrupted(tree):
+        monkeypatch.setattr(lx.graphs, "overwritten", overwritten)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lx.graphs, "overwritten", interrupted)
+    replays = lx.graphs.stats(ts).replays
+    with pytest.raises(KeyboardInterrupt):
+        lx.single_train_step_(AD, LOSS, batch, ts)
+    assert lx.graphs.stats(ts).replays == replays + 1 and not ts.consumed and ts.step == STEPS + 1
+    _assert_bitwise(ts, eager)
+    _, _, _, ts = lx.single_train_step_(AD, LOSS, batch, ts)  # trains on

@@ -822,3 +822,28 @@ def test_arena_free_says_whether_ranges_lie_in_the_plans_arena_with_no_live_byte
     with pytest.raises(ValueError, match="one length"):
         cache.arena_free(*where[:1], b"")
     cache._core.audit()
+
+
+def test_place_next_takes_only_a_whole_granule_of_the_arena_or_a_block_of_the_requests_own_pool():
+    cache = memory.AllocCache()
+    result = np.full(128 * KiB, 4.0)
+    for step in range(6):
+        with memory.step(cache):
+            temporary = result * 0.5
+            where = temporary.ctypes.data
+            result = temporary + step
+            del temporary
+    with memory.cached(cache):
+        cache.place_next(where)
+        placed = np.empty(4096, np.uint8)  # the arena's free bytes at a granule: taken
+        cache.place_next(where + 100)
+        misplaced = np.empty(4096, np.uint8)  # inside a granule: served as any request
+        large = np.empty(300_000, np.uint8)
+        at = large.ctypes.data
+        del large
+        cache.place_next(at)
+        small = np.empty(500, np.uint8)  # a split pool's block: not for a small request
+    assert placed.ctypes.data == where and misplaced.ctypes.data != where + 100 and small.ctypes.data != at
+    cache._core.audit()
+    del placed, misplaced, small
+    cache._core.audit()

@@ -23,7 +23,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
-__all__ = ["NotCapturable", "Capture", "active", "capture", "host_value", "before_launch", "after_launch"]
+__all__ = ["NotCapturable", "Capture", "active", "capture", "host_value", "keep", "before_launch", "after_launch"]
 
 
 class NotCapturable(RuntimeError):
@@ -32,8 +32,8 @@ class NotCapturable(RuntimeError):
 
 class Capture:
     """What was registered while capturing one step: the functions run `before` and
-    `after` each launch of its graph, and the device arrays they use, which the graph
-    keeps (`kept`)."""
+    `after` each launch of its graph, and what the graph keeps alive (`kept`: the device
+    arrays they use, and what `keep` was given)."""
 
     def __init__(self) -> None:
         self.before: list[Callable[[], None]] = []
@@ -67,6 +67,16 @@ def host_value(what: str) -> None:
     host, a value that changes from step to step and that a replay would repeat."""
     if active() is not None:
         raise NotCapturable(f"{what} is computed on the host at every step, and a replay would repeat the captured one")
+
+
+def keep(*objects: Any) -> bool:
+    """Keeps `objects` (device memory that the graph being captured addresses, made outside
+    the step: a pointer table, a library's workspace) alive as long as the graph; False
+    (and nothing kept) when not capturing."""
+    recorded = active()
+    if recorded is not None:
+        recorded.kept.extend(objects)
+    return recorded is not None
 
 
 def before_launch(fn: Callable[[], None]) -> bool:

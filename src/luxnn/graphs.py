@@ -35,14 +35,19 @@ cuBLAS), or a value the host computes at every step (`luxnn.capturing.host_value
 learning-rate schedule, a dropout draw). A failed capture ran nothing on the device: the
 eager step then does the step, and raises what it raises.
 
-Python that the step runs, the objective's included, runs once, at the capture: a replay
-repeats its kernels only.
+Python that the step runs, the objective's included, runs at the captures (twice for the
+second graph, recorded again to chain): a replay repeats its kernels only. Host values in
+the batch are part of the signature. The runners of one cache share one stream: the cache
+serves the stream it was first used on; one first used on another runs eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -66,8 +71,9 @@ WARM = 2  # eager steps served wholly before a capture: both places of the cycle
 # what a step sets up once per set of addresses, such as a fused optimiser's pointer table)
 
 # A step's work: ``work(data) -> (grads, loss, stats, ts)`` without the bookkeeping of an
-# in-place verb, and ``advance(new, ts)``, which does it and returns its undoing
-# (`luxnn.training`).
+# in-place verb, and ``advance(new, ts)``, which does it (`ts` consumed, `new` to use) and
+# returns the transition: its ``undo()`` for a step not done, its ``settle()`` for a step
+# done whose new state the call cannot return (`luxnn.training`).
 Work = Callable[[Any], tuple]
 Advance = Callable[[Any, Any], Any]
 
@@ -122,8 +128,30 @@ def _static(leaf: Any) -> Any:
     return leaf if isinstance(leaf, (bool, int, float, str, type(None))) else type(leaf)
 
 
+def _host_value(leaf: Any) -> Any:
+    """A batch's leaf on the host in a signature: what the step's Python reads of it, by
+    value (a replay repeats what its capture read); an object by itself (its identity)."""
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return leaf.dtype.str, leaf.shape, leaf.tobytes()
+    try:
+        hash(leaf)
+    except TypeError:
+        return type(leaf)
+    return leaf
+
+
 def _allocation(a: Any) -> int:
     return a.data.mem.ptr
+
+
+def _placed(cache: Any, ptr: int, allocate: Callable[[int], Any], size: int) -> Any:
+    """``allocate(size)`` served at `ptr` where the cache can (`AllocCache.place_next`),
+    else anywhere; the claim never outlives the call."""
+    cache.place_next(ptr)
+    try:
+        return allocate(size)
+    finally:
+        cache.place_next(0)  # used up by the request, or never: address 0 is no block's
 
 
 def _ranges(ranges: list[tuple[int, int]]) -> tuple[bytes, bytes]:
@@ -191,8 +219,7 @@ class _Graph:
         (by another thread). Call it in a `cached` scope of `cache`."""
         memory = {}
         for ptr, size in self.allocations:
-            cache.place_next(ptr)
-            memory[ptr] = xp.cuda.alloc(size)
+            memory[ptr] = _placed(cache, ptr, xp.cuda.alloc, size)
             if memory[ptr].ptr != ptr:
                 return None
         return [
@@ -233,13 +260,30 @@ class _Signature:
         self.capturable = True
 
 
+# A cache serves the stream current at its first scope (`luxnn.memory.cupy_backend`): the
+# runners of one cache share the stream the first of them made for it.
+_STREAMS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _stream_for(xp: Any, cache: Any) -> tuple[Any, str | None]:
+    """The stream that a runner of `cache` runs steps on, and why it cannot capture them
+    (None: it can)."""
+    stream = _STREAMS.get(cache)
+    if stream is None and cache.front_end.stream is None:
+        stream = _STREAMS[cache] = xp.cuda.Stream(non_blocking=False)  # waits for the legacy default stream
+    if stream is None:
+        return None, ("its allocator cache was first used on another stream, which it alone serves (a CUDA "
+                      "training state's cache is first used by the state, on a stream of its own)")
+    return stream, None
+
+
 class Runner:
     """Captures and replays the in-place training steps of one training state (and the
     states made from it), on a stream of its own that its allocator cache serves."""
 
     def __init__(self, xp: Any, cache: Any) -> None:
         self.xp, self.cache = xp, cache
-        self.stream = xp.cuda.Stream(non_blocking=False)  # waits for the legacy default stream
+        self.stream, self._unusable = _stream_for(xp, cache)
         self._signatures: OrderedDict[Any, _Signature] = OrderedDict()
         self._counts = {"captures": 0, "replays": 0, "eager": 0}
         self._last_fallback: str | None = None
@@ -256,7 +300,7 @@ class Runner:
         the current stream, and that stream after it (the legacy default stream does both
         by itself)."""
         current = self.xp.cuda.get_current_stream()
-        if current.ptr == self.stream.ptr:
+        if self.stream is None or current.ptr == self.stream.ptr:
             yield
             return
         if current.ptr != 0:
@@ -271,6 +315,9 @@ class Runner:
     def step(self, ad: Any, objective: Any, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
         """One in-place training step: replayed, captured or eager (see the module)."""
         with self.on_stream():
+            if self._unusable is not None:
+                self._warn(self._unusable)
+                return self._eager(None, data, ts, work, advance)
             key = self._signature(ad, objective, data, ts)
             entry = self._signatures.get(key)
             if entry is None:
@@ -297,11 +344,19 @@ class Runner:
         states, states_structure = tree.flatten(ts.states)
         return (
             ts.model, ts.optimizer, objective, type(ad), batch_structure,
-            tuple((type(x), x.shape, x.dtype.str) if is_array(x) else _static(x) for x in batch),
+            tuple((type(x), x.shape, x.dtype.str) if _on_device(x) else _host_value(x) for x in batch),
             states_structure, tuple(map(_static, states)),
         )  # fmt: skip
 
-    def _eager(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
+    def _eager(self, entry: _Signature | None, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
+        """The step run eagerly (reading the signature's input buffers while it may be
+        captured); what the cache did for it tells whether the signature is warm."""
+        if entry is None or not entry.capturable:
+            with step(self.cache):
+                grads, loss, stats_, new = work(data)
+            self._counts["eager"] += 1
+            advance(new, ts)
+            return grads, loss, stats_, new
         batch = self._copy_batch(entry, data)
         before = self.cache.stats()
         with step(self.cache):
@@ -333,36 +388,40 @@ class Runner:
         return self._launch(graph, results, ts, advance)
 
     def _copy_batch(self, entry: _Signature, data: Any) -> Any:
-        """The batch copied into the signature's input buffers (made at its first step,
-        outside the allocator's steps), which its graphs read and its eager steps too: a
-        step captured then sees what the eager steps before it saw (the addresses of its
-        inputs, and what is planned or set up for them: a GEMM's layout, a pointer table)."""
+        """The batch with its device arrays copied into the signature's input buffers (made
+        at its first step, outside the allocator's steps), which its graphs read and its
+        eager steps too: a step captured then sees what the eager steps before it saw (the
+        addresses of its inputs, and what is set up for them: a GEMM's layout, a pointer
+        table). A non-contiguous array is made contiguous on the way."""
+        leaves, structure = tree.flatten(data)
         if entry.buffers is None:
             with cached(self.cache):
-                entry.buffers = tree.map(lambda x: self.xp.empty_like(x) if _on_device(x) else x, data)
-        for buffer, x in zip(tree.leaves(entry.buffers), tree.leaves(data)):
-            if _on_device(x):
+                entry.buffers = [self.xp.empty_like(x) if _on_device(x) else None for x in leaves]
+        for buffer, x in zip(entry.buffers, leaves):
+            if buffer is not None:
                 self.xp.copyto(buffer, x)
-        return entry.buffers
+        return tree.unflatten(structure, [x if buffer is None else buffer for buffer, x in zip(entry.buffers, leaves)])
 
     def _launch(self, graph: _Graph, results: list, ts: Any, advance: Advance) -> tuple:
         """Launches `graph` for the step of `ts` and returns the step's `results`. The
-        state is consumed before the launch and given back if the launch did not happen
-        (an error, a KeyboardInterrupt before it): a step is done whole or not at all."""
+        state is consumed before the launch; an error or a KeyboardInterrupt leaves it as
+        before the step if the launch did not happen, else as after it: a step is done
+        whole or not at all."""
         grads, loss, stats_, states, opt_state = results
         new = ts.replace(states=states, optimizer_state=opt_state, step=ts.step + 1)
-        undo, launched = advance(new, ts), []
+        transition, launched = advance(new, ts), []
         try:
             graph.launch(self.xp, self.stream, launched)
+            overwritten(opt_state)  # a count it hands out may be at the address of an older one
+            # The loss and the stats as copies, made after the launch: a loop may keep them,
+            # and kept where the graph writes them they would stop its next replay.
+            with cached(self.cache):
+                return grads, loss.copy(), tree.map(lambda x: x.copy() if _on_device(x) else x, stats_), new
         except BaseException:
-            if not launched:
-                undo()
+            # Not launched: the state given back as it was. Launched: the step is done, and
+            # the state given becomes the one the call would have returned.
+            transition.settle() if launched else transition.undo()
             raise
-        overwritten(opt_state)  # a count it hands out may be at the address of an older one
-        # The loss and the stats as copies, made after the launch: a loop may keep them,
-        # and kept where the graph writes them they would stop its next replay.
-        with cached(self.cache):
-            return grads, loss.copy(), tree.map(lambda x: x.copy() if _on_device(x) else x, stats_), new
 
     def _capture(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
         batch = self._copy_batch(entry, data)
@@ -375,6 +434,7 @@ class Runner:
                 self.cache.forget_step()
                 recorded = self._record(ts, batch, work, places)
         except KeyboardInterrupt:
+            self.cache.forget_step()  # nothing ran on the device: the step was not done
             raise
         except Exception as err:  # noqa: BLE001 - whatever the capture met: the eager step says if it was the step's
             failure = f"{type(err).__name__}: {err}"
@@ -416,17 +476,20 @@ class Runner:
                 inner = xp.cuda.get_allocator()
 
                 def recording(size: int) -> Any:
-                    if len(allocations) in places:
-                        self.cache.place_next(places[len(allocations)])
-                    pointer = inner(size)
+                    pointer = _placed(self.cache, places[len(allocations)], inner, size) if len(allocations) in places \
+                        else inner(size)
                     allocations.append((pointer.ptr, size))
                     return pointer
 
                 with xp.cuda.using_allocator(recording):
                     grads, loss, stats_, new = work(batch)
-        finally:
-            if self.stream.is_capturing():
-                graph = self.stream.end_capture()
+        except BaseException:
+            try:
+                self.stream.end_capture()  # an invalidated capture too: the stream is usable again
+            except Exception:  # noqa: BLE001, S110 - the error that stopped the capture says more
+                pass
+            raise
+        graph = self.stream.end_capture()
         return graph, [grads, loss, stats_, new.states, new.optimizer_state], allocations, hooks
 
     def _hold_pooled(self, temporaries: list) -> tuple[list, list]:
@@ -442,8 +505,7 @@ class Runner:
                 if self.cache.in_arena(*_ranges([(ptr, size)])):
                     arena.append((ptr, size))
                     continue
-                self.cache.place_next(ptr)
-                memory = self.xp.cuda.alloc(size)
+                memory = _placed(self.cache, ptr, self.xp.cuda.alloc, size)
                 held.append(memory) if memory.ptr == ptr else arena.append((ptr, size))
         return arena, held
 
@@ -466,4 +528,16 @@ class Runner:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"luxnn: this training step is not replayed as a CUDA graph and runs eagerly: {reason}",
-                          GraphFallbackWarning, stacklevel=4)
+                          GraphFallbackWarning, stacklevel=_outside_luxnn())
+
+
+_PACKAGE = os.path.dirname(__file__)
+
+
+def _outside_luxnn() -> int:
+    """The stack level of the first caller outside luxnn, for a warning (from the caller
+    of this function's caller)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -311,7 +311,7 @@ def _apply_gradients(ts: TrainState, grads: Any, who: str | None) -> TrainState:
     verb) is given, which consumes `ts`."""
     if who is not None:
         new = _update_in_place(ts, grads)
-        _consume(new, ts, who)
+        _Transition(new, ts, who)
         return new
     check_gradients("apply_gradients", ts.parameters, grads)
     updates, opt_state = ts.optimizer.update(grads, ts.optimizer_state, ts.parameters)
@@ -320,21 +320,27 @@ def _apply_gradients(ts: TrainState, grads: Any, who: str | None) -> TrainState:
 
 
 def _update_in_place(ts: TrainState, grads: Any) -> TrainState:
-    """The in-place update's new state, not yet consuming `ts` (`_consume`)."""
+    """The in-place update's new state, not yet consuming `ts` (`_Transition`)."""
     opt_state = optim.update_and_apply_(ts.optimizer, grads, ts.optimizer_state, ts.parameters)
     return ts.replace(optimizer_state=opt_state, step=ts.step + 1)
 
 
-def _consume(new: TrainState, ts: TrainState, who: str) -> Callable[[], None]:
-    """Marks `ts` (and its copies) consumed by `who`, `new` the state to use; returns the
-    function that takes it back, for a step that was not done after all."""
-    lineage, before = ts._lineage, (ts._lineage.updates, ts._lineage.last)
-    new.__dict__["_version"] = lineage.advance(who, ts.step)
+class _Transition:
+    """An in-place verb's step from state `old` to `new`: `old` (and its copies) consumed by
+    `who`, `new` the state to use. `undo` takes it back, for a step not done after all;
+    `settle` makes `old` itself the new state, for a step done whose call was interrupted
+    before it could return `new`."""
 
-    def undo() -> None:
-        lineage.updates, lineage.last = before
+    def __init__(self, new: TrainState, old: TrainState, who: str) -> None:
+        self.new, self.old = new, old
+        self.before = (old._lineage.updates, old._lineage.last)
+        new.__dict__["_version"] = old._lineage.advance(who, old.step)
 
-    return undo
+    def undo(self) -> None:
+        self.old._lineage.updates, self.old._lineage.last = self.before
+
+    def settle(self) -> None:
+        self.old.__dict__.update(self.new.__dict__)
 
 
 def compute_gradients(ad: AutoTape, objective: Objective, data: Any, ts: TrainState) -> tuple[Any, Any, Any, TrainState]:
@@ -395,8 +401,8 @@ def single_train_step_(ad: AutoTape, objective: Objective, data: Any, ts: TrainS
     runner = ts.graph_runner
     if runner is not None:
         check_same_device("single_train_step_", ts.parameters, data, "parameters", "data")
-        return runner.step(ad, objective, data, ts, work, lambda new, old: _consume(new, old, "single_train_step_"))
+        return runner.step(ad, objective, data, ts, work, lambda new, old: _Transition(new, old, "single_train_step_"))
     with step(ts.allocator_cache):
         grads, loss, stats, new = work(data)
-    _consume(new, ts, "single_train_step_")
+    _Transition(new, ts, "single_train_step_")
     return grads, loss, stats, new

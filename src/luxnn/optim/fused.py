@@ -34,7 +34,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from luxnn import memory, tree
+from luxnn import capturing, memory, tree
 from luxnn.backend import module_of
 from luxnn.kernels import Raw
 
@@ -271,6 +271,7 @@ def _table(place: tuple, rows: list) -> tuple[Any, int]:
                 pass
         with memory.uncached():  # kept for as long as the addresses last, no part of a step
             found = _TABLES[key] = (xp.asarray(host), len(chunks))
+    capturing.keep(found[0])  # a graph that launches the update reads it at each launch, evicted or not
     return found
 
 

@@ -126,8 +126,9 @@ take_claimed_locked(lx_core *c, size_t size, uint32_t bin)
     if (at == SIZE_MAX) {
         return size != 0 ? take_pooled_at_locked(c, ptr, bin, size) : NULL;
     }
-    if (!arena_serves(a, at, size) || !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
-        return NULL;
+    if ((at & (((size_t)1 << LX_QUANTUM_LOG2) - 1)) != 0 || !arena_serves(a, at, size) ||
+        !granules_free(a, at >> LX_QUANTUM_LOG2, (at + size) >> LX_QUANTUM_LOG2)) {
+        return NULL; /* a block starts on a granule: its bitmap marks whole granules */
     }
     return arena_block_locked(c, a, at, size, bin);
 }

@@ -303,8 +303,8 @@ take_pooled_at_locked(lx_core *c, const void *ptr, uint32_t bin, size_t size)
 {
     lx_block *b = map_find(&c->map, ptr);
     if (b == NULL || b->live || b->seg == NULL || b->seg->orphan || b->size < size ||
-        (b->quick && b->bin != bin)) {
-        return NULL;
+        (b->quick && b->bin != bin) || (b->seg->pool == &c->split) != (bin >= c->split_bin)) {
+        return NULL; /* a request takes a block of its own pool, as any other would */
     }
     if (!b->quick) {
         int no_record = 0;

@@ -217,13 +217,13 @@ class _Plan:
     def launched_by_a_graph(self) -> bool:
         return self.in_graph is not None and self.in_graph() is not None
 
-    def captured(self, recorded: Any) -> None:
-        """The graph being `recorded` launches this plan: it keeps the plan's `_InGraph`."""
+    def captured(self) -> None:
+        """The graph being captured launches this plan: it keeps the plan's `_InGraph`."""
         token = None if self.in_graph is None else self.in_graph()
         if token is None:
             token = _InGraph()
             self.in_graph = weakref.ref(token)
-        recorded.kept.append(token)
+        capturing.keep(token)
 
 
 class _Plans:
@@ -251,7 +251,7 @@ class _Plans:
             finally:
                 matmul.release_operands()
             if recorded is not None:
-                plan.captured(recorded)
+                plan.captured()
 
     def _planned(self, nvmath: Any, key: tuple, a: Any, b: Any, d: Any, stream: Any, recorded: Any) -> _Plan:
         plan = self.by_layout.get(key) if nvmath is self.nvmath else None
