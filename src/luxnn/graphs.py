@@ -57,6 +57,7 @@ from . import capturing, tree
 from .backend import is_array
 from .memory import cached, step
 from .memory.plan import MATCH_ABOVE
+from .step_graph import StepGraph, allocation, on_device, placed, ranges
 from .optim.arrays import overwritten
 
 __all__ = ["GraphFallbackWarning", "GraphStats", "Runner", "stats", "MAX_SIGNATURES"]
@@ -106,20 +107,6 @@ def stats(ts: Any) -> GraphStats:
     return runner.stats() if runner is not None else GraphStats(0, 0, 0, 0, None)
 
 
-def _on_device(x: Any) -> bool:
-    return is_array(x) and not isinstance(x, np.ndarray)
-
-
-def _layout(leaf: Any) -> Any:
-    """What a graph depends on of an input leaf: a device array's address and layout, a
-    host array's values (read by the captured Python), any other leaf itself."""
-    if _on_device(leaf):
-        return leaf.data.ptr, leaf.shape, leaf.strides, leaf.dtype.str
-    if isinstance(leaf, np.ndarray):
-        return leaf.shape, leaf.dtype.str, leaf.tobytes()
-    return leaf
-
-
 def _static(leaf: Any) -> Any:
     """A states leaf in a signature: an array by its kind (its values are the graph's
     input), a plain value by itself, anything else by its type."""
@@ -140,118 +127,12 @@ def _host_value(leaf: Any) -> Any:
     return leaf
 
 
-def _allocation(a: Any) -> int:
-    return a.data.mem.ptr
-
-
-def _placed(cache: Any, ptr: int, allocate: Callable[[int], Any], size: int) -> Any:
-    """``allocate(size)`` served at `ptr` where the cache can (`AllocCache.place_next`),
-    else anywhere; the claim never outlives the call."""
-    cache.place_next(ptr)
-    try:
-        return allocate(size)
-    finally:
-        cache.place_next(0)  # used up by the request, or never: address 0 is no block's
-
-
-def _ranges(ranges: list[tuple[int, int]]) -> tuple[bytes, bytes]:
-    """(address, bytes) pairs as `AllocCache.arena_free` takes them."""
-    return np.array([p for p, _ in ranges], np.int64).tobytes(), np.array([n for _, n in ranges], np.int64).tobytes()
-
-
-class _Placed(NamedTuple):
-    """A result of a graph: where it lies in one of the graph's allocations, its layout."""
-
-    allocation: int
-    offset: int
-    shape: tuple
-    dtype: Any
-    strides: tuple
-
-
-class _Graph:
-    """One captured step: its CUDA graph, what it reads (`layout` of its inputs), where
-    its temporaries lie in the plans' arena (`ptrs` and `sizes`; those the pools served,
-    it keeps: `held`), where its results lie (`allocations`, `parts`), and the functions
-    run around each launch."""
-
-    def __init__(self, graph: Any, inputs: list, results: tuple, fresh: dict, temporaries: list, hooks: Any) -> None:
-        self.graph, self.hooks = graph, hooks
-        self.layout = [_layout(x) for x in inputs]
-        self.input_ptrs = [x.data.ptr if _on_device(x) else None for x in inputs]
-        allocations: dict[int, int] = {}
-        self.parts = []
-        for part in results:  # grads, loss, stats, states, optimizer state
-            leaves, structure = tree.flatten(part)
-            out = []
-            for leaf in leaves:
-                base = _allocation(leaf) if _on_device(leaf) else None
-                if base in fresh:
-                    allocations[base] = fresh[base]
-                    leaf = _Placed(base, leaf.data.ptr - base, leaf.shape, leaf.dtype, leaf.strides)
-                out.append(leaf)
-            self.parts.append((structure, out))
-        self.allocations = list(allocations.items())
-        self.ptrs, self.sizes = _ranges(temporaries)
-        self.event = None  # recorded after the last launch when hooks read its results
-        self.held: list = []  # memory of its temporaries that the cache's pools served
-
-    def closing(self, recorded: tuple, ts: Any) -> dict[int, int]:
-        """For the capture `recorded` of the step after this graph's: where its allocations
-        must be for its new states and optimizer state to lie where this graph reads
-        them (by allocation index; empty: they do), so that the two replay in turn."""
-        _, parts, allocations, _ = recorded
-        last = {ptr: i for i, (ptr, _) in enumerate(allocations)}  # the live one: made last there
-        skip = len(tree.leaves(ts.parameters))
-        places = {}
-        for leaf, want in zip(tree.leaves(parts[3:]), self.input_ptrs[skip:]):
-            base = _allocation(leaf) if _on_device(leaf) else None
-            if base in last and want is not None and leaf.data.ptr != want:
-                places[last[base]] = want - (leaf.data.ptr - base)
-        return places
-
-    def reads(self, inputs: list) -> bool:
-        return len(inputs) == len(self.layout) and all(map(lambda x, want: _layout(x) == want, inputs, self.layout))
-
-    def results(self, xp: Any, cache: Any) -> list | None:
-        """This launch's results: (grads, loss, stats, states, optimizer state), arrays of
-        the cache made where the graph writes them; None if a place was taken meanwhile
-        (by another thread). Call it in a `cached` scope of `cache`."""
-        memory = {}
-        for ptr, size in self.allocations:
-            memory[ptr] = _placed(cache, ptr, xp.cuda.alloc, size)
-            if memory[ptr].ptr != ptr:
-                return None
-        return [
-            tree.unflatten(structure, [
-                xp.ndarray(x.shape, x.dtype, memptr=memory[x.allocation] + x.offset, strides=x.strides)
-                if isinstance(x, _Placed) else x for x in leaves
-            ])
-            for structure, leaves in self.parts
-        ]  # fmt: skip
-
-    def launch(self, xp: Any, stream: Any, launched: list) -> None:
-        """Launches the graph on `stream`, with the hooks around it; `launched` gets an item
-        in the same C call that launches (`list.extend` over `map`), so that an interrupt
-        raised as the call returns still finds the launch recorded."""
-        if self.event is not None and not self.event.done:
-            self.event.synchronize()  # the flags of its last launch read before it writes them again
-        for fn in self.hooks.before:
-            fn()
-        launched.extend(map(self.graph.launch, (stream,)))
-        for fn in self.hooks.after:
-            fn()
-        if self.hooks.after:
-            self.event = xp.cuda.Event(disable_timing=True)
-            self.event.record(stream)
-
-
 class _Signature:
     """A signature's graphs (least recently launched first), its batch buffers, and what
     its last eager step showed."""
 
     def __init__(self) -> None:
-        self.graphs: list[_Graph] = []
+        self.graphs: list[StepGraph] = []
         self.buffers: Any = None
         self.warm = 0  # eager steps in a row served wholly by the cache
         self.unplanned = 0  # eager steps in a row not served wholly by the plan
@@ -344,7 +225,7 @@ class Runner:
         states, states_structure = tree.flatten(ts.states)
         return (
             ts.model, ts.optimizer, objective, type(ad), batch_structure,
-            tuple((type(x), x.shape, x.dtype.str) if _on_device(x) else _host_value(x) for x in batch),
+            tuple((type(x), x.shape, x.dtype.str) if on_device(x) else _host_value(x) for x in batch),
             states_structure, tuple(map(_static, states)),
         )  # fmt: skip
 
@@ -376,7 +257,7 @@ class Runner:
         advance(new, ts)
         return grads, loss, stats_, new
 
-    def _replay(self, entry: _Signature, graph: _Graph, data: Any, ts: Any, advance: Advance) -> tuple | None:
+    def _replay(self, entry: _Signature, graph: StepGraph, data: Any, ts: Any, advance: Advance) -> tuple | None:
         with cached(self.cache):
             results = graph.results(self.xp, self.cache)
         if results is None:
@@ -396,13 +277,13 @@ class Runner:
         leaves, structure = tree.flatten(data)
         if entry.buffers is None:
             with cached(self.cache):
-                entry.buffers = [self.xp.empty_like(x) if _on_device(x) else None for x in leaves]
+                entry.buffers = [self.xp.empty_like(x) if on_device(x) else None for x in leaves]
         for buffer, x in zip(entry.buffers, leaves):
             if buffer is not None:
                 self.xp.copyto(buffer, x)
         return tree.unflatten(structure, [x if buffer is None else buffer for buffer, x in zip(entry.buffers, leaves)])
 
-    def _launch(self, graph: _Graph, results: list, ts: Any, advance: Advance) -> tuple:
+    def _launch(self, graph: StepGraph, results: list, ts: Any, advance: Advance) -> tuple:
         """Launches `graph` for the step of `ts` and returns the step's `results`. The
         state is consumed before the launch; an error or a KeyboardInterrupt leaves it as
         before the step if the launch did not happen, else as after it: a step is done
@@ -416,7 +297,7 @@ class Runner:
             # The loss and the stats as copies, made after the launch: a loop may keep them,
             # and kept where the graph writes them they would stop its next replay.
             with cached(self.cache):
-                return grads, loss.copy(), tree.map(lambda x: x.copy() if _on_device(x) else x, stats_), new
+                return grads, loss.copy(), tree.map(lambda x: x.copy() if on_device(x) else x, stats_), new
         except BaseException:
             # Not launched: the state given back as it was. Launched: the step is done, and
             # the state given becomes the one the call would have returned.
@@ -446,13 +327,12 @@ class Runner:
         graph, parts, allocations, hooks = recorded
         del recorded
         fresh = dict(allocations)
-        results = {_allocation(x) for x in tree.leaves(parts) if _on_device(x) and _allocation(x) in fresh}
-        kept = {_allocation(x) for x in hooks.kept if _on_device(x) and _allocation(x) in fresh}
+        results = {allocation(x) for x in tree.leaves(parts) if on_device(x) and allocation(x) in fresh}
+        kept = {allocation(x) for x in hooks.kept if on_device(x) and allocation(x) in fresh}
         temporaries = [(p, n) for p, n in allocations if n and p not in results and p not in kept]
         temporaries, held = self._hold_pooled(temporaries)
-        captured = _Graph(graph, tree.leaves((ts.parameters, ts.states, ts.optimizer_state)), parts, fresh,
-                          temporaries, hooks)
-        captured.held = held
+        captured = StepGraph(graph, tree.leaves((ts.parameters, ts.states, ts.optimizer_state)), parts, fresh,
+                             temporaries, held, hooks)
         self._counts["captures"] += 1
         # Its temporaries in the plan's arena, where a replay can see that they are free
         # (its results it makes where they were, or stays eager). Else this launch only,
@@ -476,7 +356,7 @@ class Runner:
                 inner = xp.cuda.get_allocator()
 
                 def recording(size: int) -> Any:
-                    pointer = _placed(self.cache, places[len(allocations)], inner, size) if len(allocations) in places \
+                    pointer = placed(self.cache, places[len(allocations)], inner, size) if len(allocations) in places \
                         else inner(size)
                     allocations.append((pointer.ptr, size))
                     return pointer
@@ -502,10 +382,10 @@ class Runner:
             largest[ptr] = max(size, largest.get(ptr, 0))
         with cached(self.cache):
             for ptr, size in largest.items():
-                if self.cache.in_arena(*_ranges([(ptr, size)])):
+                if self.cache.in_arena(*ranges([(ptr, size)])):
                     arena.append((ptr, size))
                     continue
-                memory = _placed(self.cache, ptr, self.xp.cuda.alloc, size)
+                memory = placed(self.cache, ptr, self.xp.cuda.alloc, size)
                 held.append(memory) if memory.ptr == ptr else arena.append((ptr, size))
         return arena, held
 
@@ -520,7 +400,7 @@ class Runner:
         layout, is the next time) no more captures, said once."""
         entry.warm, entry.tries = 0, entry.tries + 1
         if entry.tries >= CAPTURE_TRIES:
-            entry.capturable = False
+            entry.capturable, entry.buffers = False, None  # its eager steps read the batch itself
             self._warn(reason)
 
     def _warn(self, reason: str) -> None:
