@@ -130,7 +130,7 @@ def _train_state(make: Callable, cache: Any, cupy: Any) -> tuple[Any, Any]:
     ps, st = gpu(lx.setup(rng, model))
     batch = gpu((rng.standard_normal(shape).astype(np.float32), rng.integers(0, classes, shape[0])))
     kwargs = {} if cache == "default" else {"allocator_cache": cache}
-    return lx.TrainState(model, ps, st, lx.optim.adam(1e-4), **kwargs), batch
+    return lx.TrainState(model, ps, st, lx.optim.adam(1e-4), graphs=False, **kwargs), batch  # the allocator, eagerly
 
 
 def _steps(ts: Any, batch: Any, n: int, sync: Callable[[], None]) -> Any:
@@ -143,7 +143,7 @@ def _steps(ts: Any, batch: Any, n: int, sync: Callable[[], None]) -> Any:
 
 def measure(name: str, make: Callable, allocator: str, steps: int, warmup: int, cupy: Any) -> Row:
     row = Row(name, allocator)
-    sync = cupy.cuda.get_current_stream().synchronize
+    sync = cupy.cuda.runtime.deviceSynchronize  # a training state's verbs run on a stream of its own
     cache = "default" if allocator == "luxnn cache" else None
 
     # Timing pass: the allocator as users have it.
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         make = MODELS[name]
         try:
             # Compile the step's kernels once, outside every measurement.
-            _steps(*_train_state(make, None, cupy), 2, cupy.cuda.get_current_stream().synchronize)
+            _steps(*_train_state(make, None, cupy), 2, cupy.cuda.runtime.deviceSynchronize)
             for allocator in ("no pool", "CuPy pool", "luxnn cache"):
                 rows.append(measure(name, make, allocator, args.steps, args.warmup, cupy))
                 print(f"gpu_step: {name} / {allocator}: {rows[-1].ms_per_step:.3f} ms", file=sys.stderr, flush=True)

@@ -93,7 +93,7 @@ def run(model_name: str = "mlp", *, epochs: int = 30, batch_size: int = 64, lear
         progress, memory_plot = progress and backend.rank == 0, memory_plot if backend.rank == 0 else None
     ts = lx.TrainState(model, ps, st, optimizer, allocator_cache=cache)
     # A GPU step is timed to its end, not to the end of its launches.
-    sync = dev.xp.cuda.get_current_stream().synchronize if device == "gpu" else lambda: None
+    sync = dev.xp.cuda.runtime.deviceSynchronize if device == "gpu" else lambda: None  # the state's stream too
     loss_fn, ad = lx.losses.CrossEntropyLoss(), lx.AutoTape()
 
     step_times: list[float] = []

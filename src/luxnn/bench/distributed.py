@@ -125,7 +125,7 @@ def _mlp_allreduce(backend: Any) -> Callable[[], None]:
     mlp, data = _mlp_share(backend)
     model = models.luxnn_mlp(mlp.sizes)
     ps, st = lx.setup(np.random.default_rng(0), model)
-    ts = lx.TrainState(model, ps, st, lx.optim.sgd(mlp.lr))
+    ts = lx.TrainState(model, ps, st, lx.optim.sgd(mlp.lr), graphs=False)  # its cache serves the current stream
     grads, _, _, ts = lx.compute_gradients(lx.AutoTape(), lx.losses.CrossEntropyLoss(), data, ts)
     buckets = dist.GradientBuckets(backend)
 
