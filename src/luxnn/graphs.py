@@ -60,7 +60,7 @@ from .memory.plan import MATCH_ABOVE
 from .step_graph import StepGraph, allocation, on_device, placed, ranges
 from .optim.arrays import overwritten
 
-__all__ = ["GraphFallbackWarning", "GraphStats", "Runner", "stats", "MAX_SIGNATURES"]
+__all__ = ["GraphFallbackWarning", "GraphStats", "Runner", "stats", "MAX_SIGNATURES", "CAPTURE_TRIES"]
 
 MAX_SIGNATURES = 4
 """Signatures whose graphs are kept, the most recently used."""
@@ -68,8 +68,8 @@ CAPTURE_TRIES = 3
 """Captures of a signature that failed or gave no graph to keep before it stays eager."""
 GRAPHS = 2  # a signature's graphs: the plan's cycle of two steps
 UNPLANNED = 8  # eager steps of a signature not served by a plan before that is said, once
-WARM = 2  # eager steps served wholly before a capture: both places of the cycle seen (and
-# what a step sets up once per set of addresses, such as a fused optimiser's pointer table)
+WARM = 2  # eager steps the same plans serve with no miss before a capture: both places of
+# the cycle seen (and what a step sets up once per set of addresses: a pointer table)
 
 # A step's work: ``work(data) -> (grads, loss, stats, ts)`` without the bookkeeping of an
 # in-place verb, and ``advance(new, ts)``, which does it (`ts` consumed, `new` to use) and
@@ -134,8 +134,8 @@ class _Signature:
     def __init__(self) -> None:
         self.graphs: list[StepGraph] = []
         self.buffers: Any = None
-        self.warm = 0  # eager steps in a row served wholly by the cache
-        self.unplanned = 0  # eager steps in a row not served wholly by the plan
+        self.warm = 0  # eager steps in a row the same plans served with no miss
+        self.unplanned = 0  # eager steps in a row that no plan served so
         self.plans = 0  # the cache's plans installed at its last eager step
         self.tries = 0  # captures that failed or whose graph could not be kept
         self.capturable = True
