@@ -354,3 +354,17 @@ def test_a_keyboard_interrupt_just_after_the_launch_leaves_the_given_state_as_af
     assert lx.graphs.stats(ts).replays == replays + 1 and not ts.consumed and ts.step == STEPS + 1
     _assert_bitwise(ts, eager)
     _, _, _, ts = lx.single_train_step_(AD, LOSS, batch, ts)  # trains on
+
+
+def test_graphs_whose_places_a_kept_state_holds_are_given_up_after_a_few_tries(sim_gpu):
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    eager, _ = _state(MODELS["mlp"], sim_gpu, graphs=False)
+    kept = []
+    with pytest.warns(GraphFallbackWarning, match="kept from earlier steps"):
+        for _ in range(12 * CAPTURE_TRIES):
+            kept.append(ts)  # every state the loop made, still referenced
+            _, loss, _, ts = lx.single_train_step_(AD, LOSS, batch, ts)
+            _, want, _, eager = lx.single_train_step_(AD, LOSS, batch, eager)
+            assert float(loss) == float(want)
+    assert not lx.graphs.stats(ts).replays
+    _assert_bitwise(ts, eager)

@@ -138,6 +138,7 @@ class _Signature:
         self.unplanned = 0  # eager steps in a row that no plan served so
         self.plans = 0  # the cache's plans installed at its last eager step
         self.tries = 0  # captures that failed or whose graph could not be kept
+        self.replayed = False  # whether a graph it keeps now has been replayed
         self.capturable = True
 
 
@@ -214,8 +215,12 @@ class Runner:
                         if replayed is not None:
                             return replayed
                 if len(entry.graphs) == GRAPHS:  # none can replay: eager steps, then captures anew
-                    entry.graphs.clear()  # their kept results go back: the eager step's plan needs the places
-                    entry.warm = 0
+                    replayed = entry.replayed
+                    entry.graphs.clear()  # what they keep goes back: the eager step's plan needs the places
+                    entry.warm, entry.replayed = 0, False
+                    if not replayed:  # as soon as captured: what they read or write is held elsewhere
+                        self._failed(entry, "its graphs' inputs, or the places of their results, were taken "
+                                            "by arrays kept from earlier steps (a training state still referenced?)")
             if entry.warm >= WARM and entry.capturable:
                 return self._capture(entry, data, ts, work, advance)
             return self._eager(entry, data, ts, work, advance)
@@ -265,6 +270,7 @@ class Runner:
         self._copy_batch(entry, data)
         entry.graphs.remove(graph)
         entry.graphs.append(graph)  # launched last: tried last
+        entry.replayed, entry.tries = True, 0  # what failed before passed
         self._counts["replays"] += 1
         return self._launch(graph, results, ts, advance)
 
