@@ -368,3 +368,53 @@ def test_graphs_whose_places_a_kept_state_holds_are_given_up_after_a_few_tries(s
             assert float(loss) == float(want)
     assert not lx.graphs.stats(ts).replays
     _assert_bitwise(ts, eager)
+
+
+def test_a_signature_given_up_drops_its_graphs_with_the_buffers_they_read(sim_gpu):
+    from luxnn import capturing
+
+    captures = [0]
+
+    def objective(model, ps, st, data):  # the first capture holds, every later one fails
+        if capturing.active() is not None:
+            captures[0] += 1
+            if captures[0] >= 2:
+                capturing.host_value("a value of the later captures")
+        return LOSS(model, ps, st, data)
+
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True)
+    eager, _ = _state(MODELS["mlp"], sim_gpu, graphs=False)
+    rng, kept = np.random.default_rng(5), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphFallbackWarning)
+        for i in range(60):
+            data = sim_gpu((rng.standard_normal(batch[0].shape, dtype=np.float32), batch[1]))
+            if 6 <= i < 40:
+                kept.append(ts)  # the first graph cannot replay meanwhile: the captures after it fail
+            elif i == 40:
+                kept.clear()
+                with lx.memory.cached(ts.allocator_cache), ts.graph_runner.on_stream():
+                    hog = [sim_cupy.full(x.shape, 3, x.dtype) for x in data]  # where freed buffers were
+            _, loss, _, ts = lx.single_train_step_(AD, objective, data, ts)
+            _, want, _, eager = lx.single_train_step_(AD, objective, data, eager)
+            assert float(loss) == float(want), i
+    assert not lx.graphs.stats(ts).kept and hog
+    _assert_bitwise(ts, eager)
+
+
+def test_a_fallback_warning_raised_as_an_error_leaves_the_state_as_after_the_step(sim_gpu):
+    optimizer = lx.optim.adam(lx.optim.linear_schedule(1e-2, 1e-3, 10))
+    ts, batch = _state(MODELS["mlp"], sim_gpu, graphs=True, optimizer=optimizer)
+    eager, _ = _state(MODELS["mlp"], sim_gpu, graphs=False, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphFallbackWarning)
+        raised = 0
+        for _ in range(10 * CAPTURE_TRIES):
+            try:
+                _, _, _, ts = lx.single_train_step_(AD, LOSS, batch, ts)
+            except GraphFallbackWarning:
+                raised += 1  # the step was done: the state given is the new one
+            _, _, _, eager = lx.single_train_step_(AD, LOSS, batch, eager)
+            assert not ts.consumed and ts.step == eager.step
+    assert raised == 1
+    _assert_bitwise(ts, eager)

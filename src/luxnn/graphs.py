@@ -55,7 +55,7 @@ import numpy as np
 
 from . import capturing, tree
 from .backend import is_array
-from .memory import cached, step
+from .memory import bin_size, cached, step
 from .memory.plan import MATCH_ABOVE
 from .step_graph import StepGraph, allocation, on_device, placed, ranges
 from .optim.arrays import overwritten
@@ -65,7 +65,8 @@ __all__ = ["GraphFallbackWarning", "GraphStats", "Runner", "stats", "MAX_SIGNATU
 MAX_SIGNATURES = 4
 """Signatures whose graphs are kept, the most recently used."""
 CAPTURE_TRIES = 3
-"""Captures of a signature that failed or gave no graph to keep before it stays eager."""
+"""Failed tries before a signature stays eager: captures that failed or gave no graph to
+keep, and graphs dropped before any of them replayed."""
 GRAPHS = 2  # a signature's graphs: the plan's cycle of two steps
 UNPLANNED = 8  # eager steps of a signature not served by a plan before that is said, once
 WARM = 2  # eager steps the same plans serve with no miss before a capture: both places of
@@ -137,7 +138,7 @@ class _Signature:
         self.warm = 0  # eager steps in a row the same plans served with no miss
         self.unplanned = 0  # eager steps in a row that no plan served so
         self.plans = 0  # the cache's plans installed at its last eager step
-        self.tries = 0  # captures that failed or whose graph could not be kept
+        self.tries = 0  # failed tries (CAPTURE_TRIES)
         self.replayed = False  # whether a graph it keeps now has been replayed
         self.capturable = True
 
@@ -207,7 +208,7 @@ class Runner:
                 while len(self._signatures) > MAX_SIGNATURES:
                     self._signatures.popitem(last=False)
             self._signatures.move_to_end(key)
-            if entry.graphs:
+            if entry.graphs and entry.capturable:
                 inputs = tree.leaves((ts.parameters, ts.states, ts.optimizer_state))
                 for graph in entry.graphs:
                     if graph.reads(inputs) and self.cache.arena_free(graph.ptrs, graph.sizes):
@@ -234,20 +235,30 @@ class Runner:
             states_structure, tuple(map(_static, states)),
         )  # fmt: skip
 
-    def _eager(self, entry: _Signature | None, data: Any, ts: Any, work: Work, advance: Advance) -> tuple:
+    def _eager(self, entry: _Signature | None, data: Any, ts: Any, work: Work, advance: Advance,
+               then: Callable[[], None] | None = None) -> tuple:
         """The step run eagerly (reading the signature's input buffers while it may be
-        captured); what the cache did for it tells whether the signature is warm."""
-        if entry is None or not entry.capturable:
-            with step(self.cache):
-                grads, loss, stats_, new = work(data)
-            self._counts["eager"] += 1
-            advance(new, ts)
-            return grads, loss, stats_, new
-        batch = self._copy_batch(entry, data)
-        before = self.cache.stats()
+        captured); what the cache did for it tells whether the signature is warm. `then`
+        runs after the step. Once the step is done, an error or an interrupt (a warning
+        raised as an error) leaves the given state as after it."""
+        capturable = entry is not None and entry.capturable
+        batch = self._copy_batch(entry, data) if capturable else data
+        before = self.cache.stats() if capturable else None
         with step(self.cache):
             grads, loss, stats_, new = work(batch)
-        after = self.cache.stats()
+        transition = advance(new, ts)
+        try:
+            self._counts["eager"] += 1
+            if capturable:
+                self._warmed(entry, before, self.cache.stats())
+            if then is not None:
+                then()
+        except BaseException:
+            transition.settle()
+            raise
+        return grads, loss, stats_, new
+
+    def _warmed(self, entry: _Signature, before: Any, after: Any) -> None:
         # Warm: served by the plan with no miss (the pools serve the small requests made
         # before a step's first large one picks its plan), and by the same plans as the
         # steps before (a new one moves blocks).
@@ -255,12 +266,9 @@ class Runner:
         entry.warm = 0 if not planned else entry.warm + 1 if after.plans == entry.plans else 1
         entry.plans = after.plans
         entry.unplanned = 0 if planned else entry.unplanned + 1
-        if entry.unplanned == UNPLANNED and entry.capturable:
+        if entry.unplanned == UNPLANNED:
             self._warn("the allocator cache does not plan its memory (a step whose requests are all at most "
                        f"{MATCH_ABOVE // 1024} KiB is not planned, and a capture needs the plan's fixed places)")
-        self._counts["eager"] += 1
-        advance(new, ts)
-        return grads, loss, stats_, new
 
     def _replay(self, entry: _Signature, graph: StepGraph, data: Any, ts: Any, advance: Advance) -> tuple | None:
         with cached(self.cache):
@@ -270,7 +278,7 @@ class Runner:
         self._copy_batch(entry, data)
         entry.graphs.remove(graph)
         entry.graphs.append(graph)  # launched last: tried last
-        entry.replayed, entry.tries = True, 0  # what failed before passed
+        entry.replayed = True
         self._counts["replays"] += 1
         return self._launch(graph, results, ts, advance)
 
@@ -336,6 +344,10 @@ class Runner:
         results = {allocation(x) for x in tree.leaves(parts) if on_device(x) and allocation(x) in fresh}
         kept = {allocation(x) for x in hooks.kept if on_device(x) and allocation(x) in fresh}
         temporaries = [(p, n) for p, n in allocations if n and p not in results and p not in kept]
+        # A temporary that began where a result now does, and was larger: its bytes past the
+        # result's block are written too (a block is a whole number of granules).
+        temporaries += [(p + bin_size(fresh[p]), n - bin_size(fresh[p])) for p, n in allocations
+                        if p in results and n > bin_size(fresh[p])]
         temporaries, held = self._hold_pooled(temporaries)
         captured = StepGraph(graph, tree.leaves((ts.parameters, ts.states, ts.optimizer_state)), parts, fresh,
                              temporaries, held, hooks)
@@ -396,17 +408,19 @@ class Runner:
         return arena, held
 
     def _fall_back(self, entry: _Signature, data: Any, ts: Any, work: Work, advance: Advance, reason: str) -> tuple:
-        results = self._eager(entry, data, ts, work, advance)  # raises the step's own error, if it was one
-        self._failed(entry, reason)
-        return results
+        # The eager step raises the step's own error, if it was one.
+        return self._eager(entry, data, ts, work, advance, then=lambda: self._failed(entry, reason))
 
     def _failed(self, entry: _Signature, reason: str) -> None:
         """A capture that failed or gave no graph to keep: eager steps again, and after
         `CAPTURE_TRIES` of them (what was not set up yet before one, say, a new GEMM
         layout, is the next time) no more captures, said once."""
         entry.warm, entry.tries = 0, entry.tries + 1
+        self._last_fallback = reason
         if entry.tries >= CAPTURE_TRIES:
-            entry.capturable, entry.buffers = False, None  # its eager steps read the batch itself
+            # Its graphs go with the input buffers they read: its eager steps read the batch itself.
+            entry.capturable, entry.buffers = False, None
+            entry.graphs.clear()
             self._warn(reason)
 
     def _warn(self, reason: str) -> None:

@@ -112,8 +112,8 @@ class StepGraph:
 
     def results(self, xp: Any, cache: Any) -> list | None:
         """This launch's results: (grads, loss, stats, states, optimizer state), arrays of
-        the cache made where the graph writes them; None if a place was taken meanwhile
-        (by another thread). Call it in a `cached` scope of `cache`."""
+        the cache made where the graph writes them; None if a place is taken (a result of
+        an earlier launch that a loop still holds). Call it in a `cached` scope of `cache`."""
         memory = {}
         for ptr, size in self.allocations:
             memory[ptr] = placed(cache, ptr, xp.cuda.alloc, size)
