@@ -356,8 +356,7 @@ class Runner:
         # (its results it makes where they were, or stays eager). Else this launch only,
         # then eager steps again.
         if self.cache.in_arena(captured.ptrs, captured.sizes):
-            entry.graphs.append(captured)
-            del entry.graphs[:-GRAPHS]
+            entry.graphs.append(captured)  # a capture comes with fewer than GRAPHS kept
         else:
             self._failed(entry, "its memory is not all served by the allocator cache's plan")
         return self._launch(captured, parts, ts, advance)
