@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ import luxnn as lx
 from luxnn.ops import device_checks
 from luxnn.ops.cuda import cross_entropy as cuda_cross_entropy
 
+import forked
 import sim_cupy
 from test_distributed import needs_mpi, run_workers
 
@@ -90,14 +90,7 @@ def test_a_forked_child_starts_with_no_flags_and_a_free_lock(sim_gpu):
                 code = 0
             finally:
                 os._exit(code)
-    deadline = time.monotonic() + 30
-    while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError("the forked child did not finish")
-        time.sleep(0.02)
-    assert os.waitstatus_to_exitcode(ended[1]) == 0
+    assert forked.exit_code(pid, 30) == 0
     with pytest.raises(ValueError, match="labels must lie in"):  # the parent still has its flag
         device_checks.check_now()
 

@@ -9,9 +9,7 @@ array, could hold a lock at the fork that no thread of the child will release.
 
 import multiprocessing
 import os
-import signal
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +17,8 @@ import threadpoolctl
 
 import luxnn as lx
 from luxnn import _blas, parallel
+
+import forked
 
 MiB = 1 << 20
 
@@ -37,16 +37,8 @@ def _in_a_forked_child(body, timeout=60.0):
             code = 0
         finally:
             os._exit(code)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError(f"the forked child did not finish within {timeout} s")
+    code = forked.exit_code(pid, timeout)
+    assert code == 0, f"the forked child ended with {code!r} (hung: not within {timeout} s)"
 
 
 def _train_a_few_steps():

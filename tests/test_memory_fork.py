@@ -12,6 +12,8 @@ import pytest
 import luxnn as lx
 from luxnn import memory
 
+import forked
+
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
 # Far above what a child needs (well under a second; under valgrind, scripts/memcheck.sh,
@@ -56,17 +58,6 @@ def _train_in_child():
     return 0
 
 
-def _wait(pid, deadline):
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.005)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return "hung"
-
-
 @pytest.fixture
 def busy_cache():
     cache = memory.AllocCache()
@@ -93,7 +84,7 @@ def test_children_forked_while_a_thread_runs_scopes_train_and_exit(busy_cache):
                 code = _train_in_child()
             finally:
                 os._exit(code)
-        results.append(_wait(pid, time.monotonic() + CHILD_SECONDS))
+        results.append(forked.exit_code(pid, CHILD_SECONDS))
     assert results == [0] * CHILDREN
 
 
@@ -128,7 +119,7 @@ def test_children_forked_while_a_thread_splits_slabs_use_them():
                     code = 0
                 finally:
                     os._exit(code)
-            results.append(_wait(pid, time.monotonic() + CHILD_SECONDS))
+            results.append(forked.exit_code(pid, CHILD_SECONDS))
     finally:
         stop.set()
         thread.join()
@@ -163,7 +154,7 @@ def test_a_child_forked_inside_its_own_scope_keeps_that_scope_open():
                     except BaseException:
                         code = 1
                 os._exit(code)
-        assert _wait(pid, time.monotonic() + CHILD_SECONDS) == 0
+        assert forked.exit_code(pid, CHILD_SECONDS) == 0
     assert scope.stats is not None
 
 
@@ -197,4 +188,4 @@ def test_a_step_another_thread_began_before_fork_ends_in_the_child():
             os._exit(code)
     release.set()
     thread.join()
-    assert _wait(pid, time.monotonic() + CHILD_SECONDS) == 0
+    assert forked.exit_code(pid, CHILD_SECONDS) == 0
