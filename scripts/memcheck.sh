@@ -36,8 +36,11 @@ if [ ${#tests[@]} -eq 0 ]; then
             -k "not torch and (memory or c_passes or gates or split_over_threads or float32_lstm or mixed_dtypes or lstm_without)")
 fi
 
+# Valgrind runs one thread at a time. Its default hand-over lets a thread that gives up the
+# CPU take it straight back, so a test's busy thread kept the forking thread from running
+# for ten minutes at a stretch; --fair-sched=yes hands over in turn.
 set +e
-PYTHONMALLOC=malloc LUXNN_MEMCHECK=1 valgrind --tool=memcheck --xml=yes --xml-file="$XML.%p.xml" \
+PYTHONMALLOC=malloc LUXNN_MEMCHECK=1 valgrind --tool=memcheck --fair-sched=yes --xml=yes --xml-file="$XML.%p.xml" \
     --leak-check=full --show-leak-kinds=definite --errors-for-leak-kinds=definite \
     --track-origins=yes --num-callers=40 \
     "$PYTHON" -m pytest -q -p no:cacheprovider "${tests[@]}"
