@@ -68,7 +68,7 @@ CAPTURE_TRIES = 3
 """Failed tries before a signature stays eager: captures that failed or gave no graph to
 keep, and graphs dropped before any of them replayed."""
 GRAPHS = 2  # a signature's graphs: the plan's cycle of two steps
-UNPLANNED = 8  # eager steps of a signature not served by a plan before that is said, once
+UNPLANNED = 8  # eager steps in a row of a signature not served wholly by a plan before that is said, once
 WARM = 2  # eager steps the same plans serve with no miss before a capture: both places of
 # the cycle seen (and what a step sets up once per set of addresses: a pointer table)
 
@@ -136,7 +136,7 @@ class _Signature:
         self.graphs: list[StepGraph] = []
         self.buffers: Any = None
         self.warm = 0  # eager steps in a row the same plans served with no miss
-        self.unplanned = 0  # eager steps in a row that no plan served so
+        self.unplanned = 0  # eager steps in a row that its plans did not serve wholly
         self.plans = 0  # the cache's plans installed at its last eager step
         self.tries = 0  # failed tries (CAPTURE_TRIES)
         self.replayed = False  # whether a graph it keeps now has been replayed
@@ -266,9 +266,12 @@ class Runner:
         entry.warm = 0 if not planned else entry.warm + 1 if after.plans == entry.plans else 1
         entry.plans = after.plans
         entry.unplanned = 0 if planned else entry.unplanned + 1
-        if entry.unplanned == UNPLANNED:
+        if entry.unplanned == UNPLANNED and after.plan_hits == before.plan_hits:
             self._warn("the allocator cache does not plan its memory (a step whose requests are all at most "
                        f"{MATCH_ABOVE // 1024} KiB is not planned, and a capture needs the plan's fixed places)")
+        elif entry.unplanned == UNPLANNED:
+            self._warn(f"the allocator cache's plans missed some of its requests at each of {UNPLANNED} steps in a "
+                       "row (a capture needs every request at a plan's fixed place)")
 
     def _replay(self, entry: _Signature, graph: StepGraph, data: Any, ts: Any, advance: Advance) -> tuple | None:
         with cached(self.cache):
