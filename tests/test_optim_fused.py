@@ -132,6 +132,15 @@ def test_leaves_longer_than_a_block_are_cut_into_chunks_that_cover_them(sim_gpu)
     _assert_close(gpu, cpu, np.float64)
 
 
+def test_a_pointer_table_in_use_outlives_any_number_of_tables_made_once(sim_gpu):
+    place = (sim_cupy, 0, sim_cupy.cuda.get_current_stream().ptr)
+    table, _ = fused._table(place, [[4, 1, 4096, 8192, 12288]])
+    for k in range(2 * fused._KEPT_TABLES):  # a step's addresses moving for a while: one table each
+        fused._table(place, [[4, 1, 4096 + 512 * (k + 1), 8192, 12288]])
+        again, _ = fused._table(place, [[4, 1, 4096, 8192, 12288]])
+        assert again is table  # not uploaded again
+
+
 def test_single_train_step_with_adamw_trains_as_on_the_cpu(sim_gpu):
     model = lx.Chain(lx.Dense(6, 8, activation="tanh"), lx.Dense(8, 3))
     results = []

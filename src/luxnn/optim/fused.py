@@ -249,7 +249,10 @@ def _scalar(fragment: Fragment, kind: Any, value: Any) -> Any:
     return kind(number)
 
 
-_TABLES: dict = {}  # (place, host table bytes) -> (device table, blocks): a warm step's addresses are the same
+# (place, host table bytes) -> (device table, blocks), least recently used first: a warm
+# step's addresses are those of a step two before (the plan's cycle), and a table in use
+# outlives any number of tables made once (a step's addresses moved for a while).
+_TABLES: dict = {}
 _KEPT_TABLES = 16
 
 
@@ -262,8 +265,10 @@ def _table(place: tuple, rows: list) -> tuple[Any, int]:
     host = np.array([x for row in rows for x in row] + [x for c in chunks for x in c], dtype=np.int64)
     key = (place, host.tobytes())
     xp = place[0]
-    found = _TABLES.get(key)
-    if found is None:
+    found = _TABLES.pop(key, None)  # another thread may be taking it too: then it is made again
+    if found is not None:
+        _TABLES[key] = found
+    else:
         if len(_TABLES) >= _KEPT_TABLES:
             try:  # the oldest; another thread may be evicting too
                 _TABLES.pop(next(iter(_TABLES)), None)
