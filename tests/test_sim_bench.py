@@ -29,6 +29,7 @@ from luxnn.cli import main
 from luxnn.memory import cupy_backend
 
 import sim_cupy
+import sim_nvmath
 from test_memory_cuda import FakeDriver
 
 
@@ -115,7 +116,9 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip("|").split("|")]
 
 
-def test_the_gpu_bench_times_counts_and_compares_each_row_with_pytorchs(sim_gpu, fake_torch, tmp_path, capsys):
+def test_the_gpu_bench_times_counts_and_compares_each_row_with_pytorchs(sim_gpu, fake_torch, tmp_path, capsys,
+                                                                        monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvmath", sim_nvmath)  # as gpu_check.sh runs it: GEMMs capturable
     path = tmp_path / "gpu.json"
     args = ["bench", "--device", "gpu", "--quick", "--rounds", "2", "--filter", "training/mlp |basics/dense", "--json", str(path)]
     assert main(args) == 0
@@ -138,11 +141,12 @@ def test_the_gpu_bench_times_counts_and_compares_each_row_with_pytorchs(sim_gpu,
     assert rows[names[4]]["memory"]["peak_reserved"] is None  # not counted for the basics
     # The capture step: timed for the rows that capture (PyTorch's graph at its call after
     # the warm-up; luxnn's, None where no graph was captured), absent for the others.
-    assert peer_graph["capture_step"] > 0 and "capture_step" in graphs
+    assert peer_graph["capture_step"] > 0 and graphs["capture_step"] > 0
     assert all("capture_step" not in rows[n]["memory"] for n in (names[0], names[2], names[4], names[5]))
     # luxnn's graph statistics after the rounds; its eager row never captures.
     assert set(eager["graphs"]) == set(graphs["graphs"]) == set(lx.graphs.GraphStats._fields)
     assert eager["graphs"]["captures"] == eager["graphs"]["replays"] == 0
+    assert graphs["graphs"]["replays"] > 0 and graphs["graphs"]["last_fallback"] is None
     assert peer["graphs"] is None and rows[names[4]]["memory"]["graphs"] is None
     # Each row counted alone: the PyTorch rows built anew for the counts found none of the
     # timed ones alive.
