@@ -17,6 +17,8 @@ from luxnn import _blas, _contention, parallel
 from luxnn.ops.attention import attention_combine, attention_weights
 from luxnn.ops.recurrent import gru_sequence, rnn_sequence
 
+import forked
+
 MiB = 1 << 20
 
 
@@ -535,7 +537,7 @@ def test_a_forked_child_measures_the_free_cores_anew(monkeypatch):
     pid = parallel.os.fork()
     if pid == 0:  # the child: its CPU time starts from 0, and the parent's window is gone
         parallel.os._exit(0 if contention.free_cores() == 0.0 else 1)
-    assert parallel.os.waitpid(pid, 0)[1] == 0
+    assert forked.exit_code(pid, 60) == 0
 
 
 # ---- the blocked kernels give the same bits on one thread and on several ---------------
