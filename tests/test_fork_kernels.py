@@ -1,5 +1,5 @@
-"""A forked child trains at once: the kernel pool and the BLAS holds of luxnn.parallel are
-reset in it (the allocator's side: test_memory_fork.py).
+"""A forked child trains at once: the kernel pool, the BLAS holds and the contention window
+of luxnn.parallel are reset in it (the allocator's side: test_memory_fork.py).
 
 The fork tests (this file and test_memory_fork.py) run before any test makes a JAX array
 (pytest runs the files in name order; test_nn_contract.py and test_optim_optax.py make
@@ -16,7 +16,7 @@ import pytest
 import threadpoolctl
 
 import luxnn as lx
-from luxnn import _blas, parallel
+from luxnn import _blas, _contention, parallel
 
 import forked
 
@@ -112,3 +112,17 @@ def test_a_child_forked_while_another_thread_held_the_blas_gets_its_threads_back
             release.set()
             holder.join()
         assert blas_threads() == before
+
+
+def test_a_forked_child_measures_the_free_cores_anew(monkeypatch):
+    now = [100.0]
+    times = iter([(10.0, 1.0), (10.0, 1.0)] + [(10.0, 0.0)] * 10)
+    contention = _contention.Contention(clock=lambda: now[0], read=lambda: next(times), cores=2)
+    monkeypatch.setattr(parallel, "_contention", contention)
+    contention.free_cores()
+    now[0] += 0.2
+    assert contention.free_cores() == 2.0  # quiet in the parent
+    pid = os.fork()
+    if pid == 0:  # the child: its CPU time starts from 0, and the parent's window is gone
+        os._exit(0 if contention.free_cores() == 0.0 else 1)
+    assert forked.exit_code(pid, 60) == 0

@@ -17,8 +17,6 @@ from luxnn import _blas, _contention, parallel
 from luxnn.ops.attention import attention_combine, attention_weights
 from luxnn.ops.recurrent import gru_sequence, rnn_sequence
 
-import forked
-
 MiB = 1 << 20
 
 
@@ -523,21 +521,6 @@ def test_the_cpu_seconds_are_read_for_the_processs_cpus_only(tmp_path):
     busy, own = _contention.read_cpu_seconds({0, 2}, str(stat))
     assert busy == pytest.approx((100 + 1 + 20 + 2 + 3 + 4 + 30 + 10 + 6) / _contention._TICKS_PER_S)
     assert 0 <= own <= time.process_time()
-
-
-@pytest.mark.skipif(not hasattr(parallel.os, "fork"), reason="no fork")
-def test_a_forked_child_measures_the_free_cores_anew(monkeypatch):
-    clock = Clock()
-    times = iter([(10.0, 1.0), (10.0, 1.0)] + [(10.0, 0.0)] * 10)
-    contention = _contention.Contention(clock=clock, read=lambda: next(times), cores=2)
-    monkeypatch.setattr(parallel, "_contention", contention)
-    contention.free_cores()
-    clock.now += 0.2
-    assert contention.free_cores() == 2.0  # quiet in the parent
-    pid = parallel.os.fork()
-    if pid == 0:  # the child: its CPU time starts from 0, and the parent's window is gone
-        parallel.os._exit(0 if contention.free_cores() == 0.0 else 1)
-    assert forked.exit_code(pid, 60) == 0
 
 
 # ---- the blocked kernels give the same bits on one thread and on several ---------------
