@@ -19,10 +19,11 @@ def exit_code(pid: int, seconds: float) -> int | str:
     """
     deadline = time.monotonic() + seconds
     while True:
+        late = time.monotonic() > deadline  # read before the look: a pause between them is the child's
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
+        if late:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             return "hung"

@@ -122,7 +122,8 @@ def test_a_forked_child_measures_the_free_cores_anew(monkeypatch):
     contention.free_cores()
     now[0] += 0.2
     assert contention.free_cores() == 2.0  # quiet in the parent
-    pid = os.fork()
-    if pid == 0:  # the child: its CPU time starts from 0, and the parent's window is gone
-        os._exit(0 if contention.free_cores() == 0.0 else 1)
-    assert forked.exit_code(pid, 60) == 0
+
+    def check():  # in the child: its CPU time starts from 0, and the parent's window is gone
+        assert contention.free_cores() == 0.0
+
+    _in_a_forked_child(check)

@@ -267,10 +267,10 @@ class Runner:
         entry.plans = after.plans
         entry.unplanned = 0 if planned else entry.unplanned + 1
         if entry.unplanned == UNPLANNED and after.plan_hits == before.plan_hits:
-            self._warn("the allocator cache does not plan its memory (a step whose requests are all at most "
-                       f"{MATCH_ABOVE // 1024} KiB is not planned, and a capture needs the plan's fixed places)")
+            self._warn("no plan of the allocator cache serves it (a cache plans a step that repeats and makes a "
+                       f"request above {MATCH_ABOVE // 1024} KiB; a capture needs the plan's fixed places)")
         elif entry.unplanned == UNPLANNED:
-            self._warn(f"the allocator cache's plans missed some of its requests at each of {UNPLANNED} steps in a "
+            self._warn(f"the allocator cache's plans did not serve all of its requests at {UNPLANNED} steps in a "
                        "row (a capture needs every request at a plan's fixed place)")
 
     def _replay(self, entry: _Signature, graph: StepGraph, data: Any, ts: Any, advance: Advance) -> tuple | None:
